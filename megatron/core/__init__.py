@@ -1,0 +1,1 @@
+"""Core library: parallel layout, models, optimizers, checkpointing and inference."""

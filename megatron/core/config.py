@@ -1,0 +1,163 @@
+"""Model-parallel and transformer configuration dataclasses, validated once in __post_init__.
+
+Every error is a :class:`ConfigError` (a ``ValueError``) naming the fields at fault and
+what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the fields that disagree."""
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallel sizes and numeric settings shared by every module."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    generalized_tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+    # Mean-loss (False) or per-token-loss (True) gradient scaling of GTP reduce-scatter.
+    calculate_per_token_loss: bool = False
+
+    def __post_init__(self):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "generalized_tensor_parallel_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16 and fp16 are both set; choose one")
+        if self.bf16 and self.params_dtype == torch.float32:
+            self.params_dtype = torch.bfloat16
+        if self.fp16 and self.params_dtype == torch.float32:
+            self.params_dtype = torch.float16
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Shape and behaviour of a GPT or hybrid Mamba/attention model."""
+
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    gated_linear_unit: bool = False  # SwiGLU when activation_func is silu
+    activation_func: Callable = F.gelu
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    init_method_std: float = 0.02
+    # Scale output-projection init by 1/sqrt(2 * num_layers) (GPT-2 style).
+    apply_scaled_init_to_output_layers: bool = True
+    attention_softmax_in_fp32: bool = True
+    # Same seed -> same full weights under every TP/GTP/PP layout (each rank slices).
+    layout_invariant_init: bool = True
+    init_seed: int = 1234
+    perform_initialization: bool = True
+    # Mamba-2 (validated against TP by the Mamba mixer, which only hybrid models build)
+    mamba_state_dim: int = 16
+    mamba_head_dim: int = 16
+    mamba_num_groups: int = 1
+    mamba_num_heads: int | None = None
+    mamba_expand: int = 2
+    mamba_d_conv: int = 4
+    mamba_chunk_size: int = 16
+    # Multi-token prediction
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
+    # Activation recomputation: None, "full" or "selective"
+    recompute_granularity: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        errors = []
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                errors.append(f"{name} must be a positive integer, got {value!r}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        tp = self.tensor_model_parallel_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) when kv_channels is not set"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.mamba_num_heads is None:
+            self.mamba_num_heads = self.mamba_expand * self.hidden_size // self.mamba_head_dim
+        checks = [
+            (self.num_attention_heads % tp == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be divisible by tensor_model_parallel_size ({tp})"),
+            (self.num_query_groups % tp == 0,
+             f"num_query_groups ({self.num_query_groups}) must be divisible by tensor_model_parallel_size ({tp})"),
+            (self.num_attention_heads % self.num_query_groups == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
+             f"({self.num_query_groups})"),
+            (self.ffn_hidden_size % tp == 0,
+             f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})"),
+            (self.normalization in ("LayerNorm", "RMSNorm"),
+             f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
+            (self.recompute_granularity in (None, "full", "selective"),
+             f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
+            (self.mtp_num_layers is None or self.mtp_num_layers >= 0,
+             f"mtp_num_layers must be >= 0, got {self.mtp_num_layers!r}"),
+        ]
+        errors = [message for ok, message in checks if not ok]
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+    def to_dict(self) -> dict:
+        """JSON-safe description (dtype and activation by name) for checkpoints."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif callable(value):
+                value = value.__name__
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TransformerConfig":
+        """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError."""
+        data = dict(data)
+        if isinstance(data.get("params_dtype"), str):
+            data["params_dtype"] = getattr(torch, data["params_dtype"])
+        if isinstance(data.get("activation_func"), str):
+            name = data["activation_func"]
+            if not hasattr(F, name):
+                raise ConfigError(f"activation_func {name!r} is not a torch.nn.functional function")
+            data["activation_func"] = getattr(F, name)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

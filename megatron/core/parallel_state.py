@@ -1,0 +1,173 @@
+"""Global model-parallel state: a thin layer that builds the world's ProcessGroupCollection.
+
+Entry points call :func:`initialize_model_parallel`; library code takes the collection it
+returns (``get_process_group_collection()``) and never reads these globals when a
+collection was given to it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron.core.process_groups import (
+    DEFAULT_ORDER,
+    ParallelConfigError,
+    ProcessGroupCollection,
+    RankLayout,
+)
+
+_LAYOUT: RankLayout | None = None
+_COLLECTION: ProcessGroupCollection | None = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    generalized_tensor_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+    backend: str | None = None,
+    timeout=None,
+) -> ProcessGroupCollection:
+    """Create every group of the world's layout on every rank; DP fills the rest.
+
+    Raises ParallelConfigError (a ValueError) naming the numbers that disagree when the
+    world size is not a multiple of the model-parallel product, a size is < 1, or the
+    order string names an unknown or repeated axis.
+    """
+    global _LAYOUT, _COLLECTION
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    if _COLLECTION is not None:
+        raise RuntimeError("model parallel is already initialized: call destroy_model_parallel() first")
+    layout = RankLayout.for_world(
+        dist.get_world_size(),
+        tp=tensor_model_parallel_size,
+        gtp=generalized_tensor_parallel_size,
+        cp=context_parallel_size,
+        pp=pipeline_model_parallel_size,
+        order=order,
+    )
+    _COLLECTION = ProcessGroupCollection.from_layout(layout, backend=backend, timeout=timeout)
+    _LAYOUT = layout
+    return _COLLECTION
+
+
+def model_parallel_is_initialized() -> bool:
+    return _COLLECTION is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the global layout and collection (the groups die with the process group)."""
+    global _LAYOUT, _COLLECTION
+    _LAYOUT = None
+    _COLLECTION = None
+
+
+def get_process_group_collection() -> ProcessGroupCollection:
+    """The world's collection; raises if :func:`initialize_model_parallel` was not called."""
+    if _COLLECTION is None:
+        raise RuntimeError("model parallel is not initialized: call initialize_model_parallel() first")
+    return _COLLECTION
+
+
+def get_rank_layout() -> RankLayout:
+    get_process_group_collection()
+    return _LAYOUT
+
+
+def resolve_pg_collection(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
+    """The given collection, or the global one when None was given (the only fallback)."""
+    return pg_collection if pg_collection is not None else get_process_group_collection()
+
+
+def _group(name):
+    return getattr(get_process_group_collection(), name)
+
+
+def get_tensor_model_parallel_group():
+    return _group("tp")
+
+
+def get_pipeline_model_parallel_group():
+    return _group("pp")
+
+
+def get_context_parallel_group():
+    return _group("cp")
+
+
+def get_generalized_tensor_parallel_group():
+    return _group("gtp")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False, with_gtp: bool = False):
+    if with_gtp:
+        return _group("dp_cp_gtp")
+    return _group("dp_cp") if with_context_parallel else _group("dp")
+
+
+def get_model_parallel_group():
+    return _group("mp")
+
+
+def get_embedding_group():
+    return _group("embd")
+
+
+def get_position_embedding_group():
+    return _group("pos_embd")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_process_group_collection().size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_process_group_collection().rank("tp")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_process_group_collection().size("pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_process_group_collection().rank("pp")
+
+
+def get_context_parallel_world_size() -> int:
+    return get_process_group_collection().size("cp")
+
+
+def get_context_parallel_rank() -> int:
+    return get_process_group_collection().rank("cp")
+
+
+def get_generalized_tensor_parallel_world_size() -> int:
+    return get_process_group_collection().size("gtp")
+
+
+def get_generalized_tensor_parallel_rank() -> int:
+    return get_process_group_collection().rank("gtp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return get_process_group_collection().size("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return get_process_group_collection().rank("dp_cp" if with_context_parallel else "dp")
+
+
+def is_pipeline_first_stage(pg_collection: ProcessGroupCollection | None = None) -> bool:
+    return resolve_pg_collection(pg_collection).rank("pp") == 0
+
+
+def is_pipeline_last_stage(pg_collection: ProcessGroupCollection | None = None) -> bool:
+    pgc = resolve_pg_collection(pg_collection)
+    return pgc.rank("pp") == pgc.size("pp") - 1
+
+
+__all__ = [name for name in dir() if name.startswith(("get_", "is_", "initialize", "destroy", "model_parallel", "resolve"))] + [
+    "ParallelConfigError"
+]

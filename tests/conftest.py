@@ -1,0 +1,52 @@
+"""Suite-wide settings: single-threaded ranks, the GPU marker, and the skip policy.
+
+The only acceptable reason to skip a test is a missing GPU ("needs ... GPU" / "needs
+CUDA"); any other skip fails the run, so a package the test extra installs can never
+silently turn a test into a skip.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ALLOWED_SKIP_MARKERS = ("needs a GPU", "GPUs", "needs CUDA")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs; skipped with 'needs n GPUs' elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.args[0] if marker.args else 1
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs (found {available})"))
+
+
+_bad_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(marker in reason for marker in ALLOWED_SKIP_MARKERS):
+            _bad_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _bad_skips and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _bad_skips:
+        terminalreporter.section("skips that are not allowed (only a missing GPU may skip a test)")
+        for line in _bad_skips:
+            terminalreporter.write_line(line)
