@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import signal
 import tempfile
@@ -60,7 +61,9 @@ def _rank_main(rank, world_size, store_path, fn, args, kwargs, results, collecti
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
-        value = fn(*args, **kwargs)
+        # Plain pickle copies tensors; the multiprocessing pickler would share them by
+        # file descriptor, which dies with this process.
+        value = pickle.dumps(fn(*args, **kwargs))
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
@@ -126,7 +129,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
                 for r in dead:
                     outcomes[r] = (False, f"process exited with code {procs[r].exitcode} before reporting")
                 continue
-            outcomes[rank] = (ok, value)
+            outcomes[rank] = (ok, pickle.loads(value) if ok else value)
             if not ok:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         stuck = [r for r in range(world_size) if r not in outcomes]
