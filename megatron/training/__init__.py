@@ -1,0 +1,1 @@
+"""Training entry-point support: flags, initialization, the train loop, checkpoints, logging."""
