@@ -1,0 +1,134 @@
+"""Mamba-2 state-space duality (SSD) in plain torch: the chunked scan and the one-token update.
+
+This is the reference path (CPU, and the oracle the GPU kernels are checked against). Both
+functions implement the same recurrence per head ``h`` (state ``[p, n]``)::
+
+    state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * outer(x_t, B_t)
+    y_t     = state_t @ C_t + D_h * x_t
+
+where ``B``/``C`` are shared by the heads of a group (``nheads // ngroups`` consecutive heads
+per group). ``dt`` is the discretization step already passed through bias and softplus.
+Computation runs in fp32; outputs come back in ``x``'s dtype, states in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _heads_from_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
+    """Expand ``[..., ngroups, n]`` to ``[..., nheads, n]`` (each group feeds consecutive heads)."""
+    ngroups = t.shape[-2]
+    if nheads % ngroups:
+        raise ValueError(f"number of heads ({nheads}) must be divisible by number of groups ({ngroups})")
+    return t.repeat_interleave(nheads // ngroups, dim=-2)
+
+
+def ssd_chunked_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the SSD recurrence over a whole sequence, chunk by chunk.
+
+    Inside a chunk the output is a masked ("attention-like") product; across chunks only the
+    per-chunk states are carried, so the Python loop is over ``seq_len / chunk_size`` chunks.
+
+    Args:
+        x: ``[b, l, h, p]`` inputs per head.
+        dt: ``[b, l, h]`` positive step sizes.
+        A: ``[h]`` (negative) decay rates.
+        B, C: ``[b, l, g, n]`` input and output projections per group.
+        chunk_size: chunk length (the sequence is zero-padded to a multiple; padding has
+            ``dt = 0`` and so changes neither outputs nor the final state).
+        D: optional ``[h]`` skip connection.
+        initial_state: optional ``[b, h, p, n]`` state before the first token.
+
+    Returns:
+        ``(y [b, l, h, p], final_state [b, h, p, n])``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, seq_len, nheads, head_dim = x.shape
+    out_dtype = x.dtype
+    pad = (-seq_len) % chunk_size
+    xf, dtf = x.float(), dt.float()
+    Bh = _heads_from_groups(B.float(), nheads)
+    Ch = _heads_from_groups(C.float(), nheads)
+    if pad:
+        xf, dtf, Bh, Ch = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (xf, dtf, Bh, Ch))
+    nchunks = xf.shape[1] // chunk_size
+
+    def chunked(t):
+        return t.reshape(batch, nchunks, chunk_size, *t.shape[2:])
+
+    xc, dtc, Bc, Cc = chunked(xf), chunked(dtf), chunked(Bh), chunked(Ch)
+    log_decay = torch.cumsum(dtc * A.float(), dim=2)  # [b, c, q, h]: log of decay since chunk start
+    x_dt = xc * dtc.unsqueeze(-1)  # [b, c, q, h, p]
+
+    # Within a chunk: y_i += sum_{j<=i} exp(log_decay_i - log_decay_j) (C_i . B_j) dt_j x_j
+    diff = log_decay.unsqueeze(3) - log_decay.unsqueeze(2)  # [b, c, i, j, h]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    # Mask before exp: above the diagonal the difference is positive and could overflow.
+    weights = torch.exp(diff.masked_fill(~causal[:, :, None], float("-inf")))
+    scores = torch.einsum("bcihn,bcjhn->bcijh", Cc, Bc) * weights
+    y = torch.einsum("bcijh,bcjhp->bcihp", scores, x_dt)
+
+    # Each chunk's own contribution to the state at its end.
+    to_end = torch.exp(log_decay[:, :, -1:] - log_decay)  # [b, c, q, h]
+    chunk_states = torch.einsum("bcqhn,bcqh,bcqhp->bchpn", Bc, to_end, x_dt)
+    chunk_decay = torch.exp(log_decay[:, :, -1])  # [b, c, h]
+
+    state = (
+        initial_state.float()
+        if initial_state is not None
+        else torch.zeros(batch, nheads, head_dim, Bh.shape[-1], dtype=torch.float32, device=x.device)
+    )
+    start_states = []
+    for c in range(nchunks):
+        start_states.append(state)
+        state = chunk_decay[:, c, :, None, None] * state + chunk_states[:, c]
+    start = torch.stack(start_states, dim=1)  # [b, c, h, p, n]
+
+    # Carried-in state seen from position i: decayed by exp(log_decay_i), read out by C_i.
+    y = y + torch.einsum("bcqhn,bchpn->bcqhp", Cc, start) * torch.exp(log_decay).unsqueeze(-1)
+    y = y.reshape(batch, nchunks * chunk_size, nheads, head_dim)[:, :seq_len]
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(out_dtype), state
+
+
+def ssd_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advance the SSD recurrence by one token.
+
+    Args:
+        state: ``[b, h, p, n]`` state after the previous token.
+        x: ``[b, h, p]``; dt: ``[b, h]`` (positive); A: ``[h]``; B, C: ``[b, g, n]``; D: ``[h]``.
+
+    Returns:
+        ``(y [b, h, p] in x's dtype, new_state [b, h, p, n] fp32)``; ``state`` is not modified.
+    """
+    nheads = x.shape[1]
+    dtf = dt.float()
+    Bh = _heads_from_groups(B.float(), nheads)
+    Ch = _heads_from_groups(C.float(), nheads)
+    decay = torch.exp(dtf * A.float())[:, :, None, None]
+    new_state = decay * state.float() + torch.einsum("bh,bhp,bhn->bhpn", dtf, x.float(), Bh)
+    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype), new_state
