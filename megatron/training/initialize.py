@@ -1,0 +1,64 @@
+"""Start-up for entry points launched by torchrun: process group, layout, seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups import ProcessGroupCollection
+
+
+def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
+    """Join torchrun's world (or a world of one without torchrun)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seeds(seed: int, pg_collection: ProcessGroupCollection) -> None:
+    """Seed Python, numpy and torch; data-parallel ranks share the seed (the data sampler,
+    not the RNG, gives them different batches) and pipeline stages differ by an offset."""
+    seed = seed + 100 * pg_collection.rank("pp")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def initialize_megatron(args) -> ProcessGroupCollection:
+    """Initialize torch.distributed, the world's process groups and the RNGs from flags."""
+    initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    if os.environ.get("OMP_NUM_THREADS") is None and args.distributed_backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    pgc = parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        generalized_tensor_parallel_size=args.generalized_tensor_parallel_size,
+    )
+    set_random_seeds(args.seed, pgc)
+    return pgc
+
+
+def device_for(args) -> torch.device:
+    if args.distributed_backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
