@@ -1,0 +1,220 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+All three shard their weight over ``tp`` and, when the ``gtp`` group has G > 1 peers, shard the
+TP-local weight again on dim 0 over ``gtp`` (see :mod:`gtp`). Biases stay whole on every GTP
+peer. Parameters are built by :func:`sharding.create_parallel_parameter`, which also tags them
+with the sharding attributes that DDP, optimizers and checkpointing read.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.tensor_parallel import gtp as gtp_ops
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.sharding import create_parallel_parameter
+from megatron.core.tensor_parallel.utils import (
+    TensorParallelError,
+    divide,
+    pad_vocab_size,
+    unpack_tp_gathered,
+    vocab_range,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "pad_vocab_size"]
+
+
+def _weight_for_compute(weight: torch.Tensor, pg_collection, config) -> tuple[torch.Tensor, dict | None]:
+    """Either the weight itself, or (when GTP-sharded) the arguments of the GTP gather."""
+    if not weight.gtp_sharded:
+        return weight, None
+    scale = gtp_ops.grad_scale_for(config.calculate_per_token_loss, pg_collection.size("gtp"))
+    return weight, dict(group=pg_collection.gtp, rows=weight.gtp_rows, grad_scale=scale)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, pg_collection, config) -> torch.Tensor:
+    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded)."""
+    weight, gtp_args = _weight_for_compute(weight, pg_collection, config)
+    if gtp_args is None:
+        return F.linear(x, weight)
+    return gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args)
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise TensorParallelError(f"{name} must be a positive integer, got {value!r}")
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with A split over TP on its output dim (dim 0): A is ``[output_size/tp, input_size]``.
+
+    ``output_partition_sizes``: global sizes of packed parts of the output (Q,K,V; Mamba
+    z,x,B,C,dt); each part is split over TP on its own, so each rank's output is the
+    concatenation of its slice of every part. With ``config.sequence_parallel`` the input is
+    ``[s/tp, b, h]`` and is all-gathered on dim 0. ``forward(x) -> (output, output_bias)``, where
+    ``output_bias`` is the (TP-local) bias when ``skip_bias_add`` and None otherwise.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: Callable[[torch.Tensor], object],
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        output_partition_sizes: Sequence[int] | None = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        _check_sizes(input_size=input_size, output_size=output_size)
+        self.config = config
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        tp = self.pg_collection.size("tp")
+        if output_partition_sizes is not None:
+            parts = list(output_partition_sizes)
+            if sum(parts) != output_size or any(p < 1 for p in parts):
+                raise TensorParallelError(
+                    f"output_partition_sizes {parts} must be positive and sum to output_size ({output_size})"
+                )
+            for part in parts:
+                divide(part, tp, f"output partition size {part} of {parts} over tensor_model_parallel_size")
+        divide(output_size, tp, "ColumnParallelLinear output_size over tensor_model_parallel_size")
+        if gather_output and config.sequence_parallel:
+            raise TensorParallelError("ColumnParallelLinear: gather_output=True is not supported with sequence_parallel")
+        self.input_size, self.output_size = input_size, output_size
+        self.output_partition_sizes = list(output_partition_sizes) if output_partition_sizes else None
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = create_parallel_parameter(
+            config, (output_size, input_size), init_method, self.pg_collection,
+            partition_dim=0, partition_sizes=self.output_partition_sizes, gtp_shard=True,
+        )
+        self.bias = None
+        if bias:
+            self.bias = create_parallel_parameter(
+                config, (output_size,), None, self.pg_collection,
+                partition_dim=0, partition_sizes=self.output_partition_sizes,
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tp_group = self.pg_collection.tp
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, tp_group)
+        out = _linear(x, self.weight, self.pg_collection, self.config)
+        if self.bias is not None and not self.skip_bias_add:
+            out = out + self.bias
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, tp_group)
+            out = unpack_tp_gathered(out, out.dim() - 1, self.output_partition_sizes, self.pg_collection.size("tp"))
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with A split over TP on its input dim (dim 1): A is ``[output_size, input_size/tp]``.
+
+    The partial products are all-reduced over TP, or reduce-scattered on dim 0 (sequence) under
+    ``config.sequence_parallel``. The bias is whole on every rank and added after the reduction.
+    ``forward(x) -> (output, output_bias)``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: Callable[[torch.Tensor], object],
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        pg_collection=None,
+    ):
+        super().__init__()
+        _check_sizes(input_size=input_size, output_size=output_size)
+        self.config = config
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        divide(input_size, self.pg_collection.size("tp"), "RowParallelLinear input_size over tensor_model_parallel_size")
+        if config.sequence_parallel and not input_is_parallel:
+            raise TensorParallelError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = create_parallel_parameter(
+            config, (output_size, input_size), init_method, self.pg_collection, partition_dim=1, gtp_shard=True
+        )
+        self.bias = None
+        if bias:
+            self.bias = create_parallel_parameter(
+                config, (output_size,), None, self.pg_collection,
+                partition_dim=-1, sequence_parallel=config.sequence_parallel,
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tp_group = self.pg_collection.tp
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, tp_group)
+        partial = _linear(x, self.weight, self.pg_collection, self.config)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            out = out + self.bias
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split over TP on the vocabulary: weight ``[V/tp, h]``.
+
+    ``num_embeddings`` must already be padded to a multiple of tp (:func:`pad_vocab_size`).
+    ``forward(ids [b, s]) -> [b, s, h]``: each rank looks up the ids in its range, zeros the
+    others, and the results are all-reduced over TP.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config, init_method, pg_collection=None):
+        super().__init__()
+        _check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        self.config = config
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        tp = self.pg_collection.size("tp")
+        if num_embeddings % tp:
+            raise TensorParallelError(
+                f"num_embeddings ({num_embeddings}) must be divisible by tensor_model_parallel_size ({tp}); "
+                f"pad it with pad_vocab_size (e.g. {pad_vocab_size(num_embeddings, tp)})"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, self.pg_collection.rank("tp"), tp)
+        self.weight = create_parallel_parameter(
+            config, (num_embeddings, embedding_dim), init_method, self.pg_collection, partition_dim=0, gtp_shard=True
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tp = self.pg_collection.size("tp")
+        ids = input_ids
+        if tp > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        weight, gtp_args = _weight_for_compute(self.weight, self.pg_collection, self.config)
+        if gtp_args is not None:
+            weight = gtp_ops.gather_gtp_weight(weight, **gtp_args)
+        out = F.embedding(ids, weight)
+        if tp > 1:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.pg_collection.tp)
