@@ -1,0 +1,251 @@
+"""Mamba-2 mixer, tensor-parallel over heads and groups.
+
+``in_proj`` packs ``[z, x, B, C, dt]`` (each part split over TP on its own), a depthwise causal
+conv runs over the TP-local ``x|B|C`` channels, the SSD scan (torch reference or mamba-ssm
+Triton kernels, see :mod:`backends`) mixes along the sequence, a gated RMSNorm normalizes per
+group, and ``out_proj`` (row parallel) reduces over TP. GTP sharding of the two projections
+comes from the parallel linears; ``A_log``, ``D``, ``dt_bias``, the conv and the norm weight are
+whole on every GTP peer (``gtp_sharded = False``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.ssm.backends import get_ssm_backend
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.sharding import create_parallel_parameter
+
+# Initialization of the time step (Mamba-2's defaults): dt ~ log-uniform in [DT_MIN, DT_MAX],
+# floored at DT_INIT_FLOOR, stored as its softplus inverse in dt_bias. A ~ uniform in A_INIT_RANGE.
+DT_MIN, DT_MAX, DT_INIT_FLOOR = 1e-3, 1e-1, 1e-4
+A_INIT_RANGE = (1.0, 16.0)
+
+
+class MambaInferenceContext(Protocol):
+    """What the mixer needs from an inference context (the dynamic context adapts to this).
+
+    ``mamba_states(layer_number)`` returns this layer's per-request state tensors, updated in
+    place: ``conv_state [b, conv_channels, d_conv - 1]`` (the last inputs of the conv) and
+    ``ssm_state [b, nheads, head_dim, d_state]`` (fp32), TP-local shapes as given by
+    :meth:`MambaDims.conv_state_shape` / :meth:`MambaDims.ssm_state_shape`. Zero states mean a
+    fresh request. ``is_decode_only()`` says the batch is one new token per request; otherwise it
+    is a prefill of ``[s, b]`` tokens that continues from the given states.
+    """
+
+    def is_decode_only(self) -> bool: ...
+
+    def mamba_states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class MambaDims:
+    """Sizes of one Mamba-2 mixer, global and TP-local (the one place they are computed)."""
+
+    hidden_size: int
+    nheads: int
+    head_dim: int
+    ngroups: int
+    d_state: int
+    d_conv: int
+    tp_size: int
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, tp_size: int) -> "MambaDims":
+        """Read the mamba_* fields and check they split over ``tp_size``; ConfigError names them."""
+        nheads, ngroups = config.mamba_num_heads, config.mamba_num_groups
+        checks = [
+            (nheads % tp_size == 0,
+             f"mamba_num_heads ({nheads}) must be divisible by tensor_model_parallel_size ({tp_size})"),
+            (ngroups % tp_size == 0,
+             f"mamba_num_groups ({ngroups}) must be divisible by tensor_model_parallel_size ({tp_size})"),
+            (nheads % ngroups == 0,
+             f"mamba_num_heads ({nheads}) must be divisible by mamba_num_groups ({ngroups})"),
+            (config.mamba_d_conv >= 2, f"mamba_d_conv must be >= 2, got {config.mamba_d_conv}"),
+        ]
+        errors = [message for ok, message in checks if not ok]
+        if errors:
+            raise ConfigError("; ".join(errors))
+        return cls(config.hidden_size, nheads, config.mamba_head_dim, ngroups, config.mamba_state_dim,
+                   config.mamba_d_conv, tp_size)
+
+    @property
+    def d_inner(self) -> int:
+        return self.nheads * self.head_dim
+
+    @property
+    def in_proj_sizes(self) -> list[int]:
+        """Global sizes of the packed in_proj parts ``[z, x, B, C, dt]``."""
+        bc = self.ngroups * self.d_state
+        return [self.d_inner, self.d_inner, bc, bc, self.nheads]
+
+    @property
+    def conv_sizes(self) -> list[int]:
+        """Global sizes of the conv channel parts ``[x, B, C]``."""
+        return self.in_proj_sizes[1:4]
+
+    def local(self, size: int) -> int:
+        return size // self.tp_size
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """Per-request TP-local conv state: ``(conv_channels, d_conv - 1)``."""
+        return (self.local(sum(self.conv_sizes)), self.d_conv - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """Per-request TP-local SSM state: ``(nheads, head_dim, d_state)``."""
+        return (self.local(self.nheads), self.head_dim, self.d_state)
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(x * silu(z))`` per group of ``group_size`` channels, times a weight.
+
+    The statistic of each group is taken over its channels only (NemotronH / Mamba-2
+    ``norm_before_gate=False``), so a TP rank holding whole groups needs no communication.
+    """
+
+    def __init__(self, weight: nn.Parameter, group_size: int, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gated = x.float() * F.silu(gate.float())
+        grouped = gated.unflatten(-1, (-1, self.group_size))
+        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(x.dtype)
+
+
+def _normal_init(std: float):
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+def _uniform_init(bound: float):
+    return lambda t: nn.init.uniform_(t, -bound, bound)
+
+
+def _init_A_log(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.copy_(torch.log(torch.empty_like(t).uniform_(*A_INIT_RANGE)))
+
+
+def _init_dt_bias(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        log_dt = torch.rand_like(t) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)
+        dt = torch.exp(log_dt).clamp(min=DT_INIT_FLOOR)
+        t.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus inverse
+
+
+class MambaMixer(nn.Module):
+    """Mamba-2 token mixer. ``forward(hidden [s, b, h], inference_context=None) -> (out [s, b, h], bias)``.
+
+    ``ssm_backend``: ``"auto"`` (Triton on CUDA when mamba-ssm imports), ``"torch"`` or
+    ``"triton"``; it may be changed on the module between calls.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, pg_collection=None, ssm_backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        self.dims = dims = MambaDims.from_config(config, self.pg_collection.size("tp"))
+        self.ssm_backend = ssm_backend
+        pg = self.pg_collection
+
+        self.in_proj = ColumnParallelLinear(
+            dims.hidden_size, sum(dims.in_proj_sizes), config=config,
+            init_method=_normal_init(config.init_method_std), bias=config.add_bias_linear,
+            output_partition_sizes=dims.in_proj_sizes, pg_collection=pg,
+        )
+        conv_channels = sum(dims.conv_sizes)
+        conv_bound = 1.0 / math.sqrt(dims.d_conv)  # torch's Conv1d default (fan_in = d_conv)
+        self.conv1d_weight = create_parallel_parameter(
+            config, (conv_channels, 1, dims.d_conv), _uniform_init(conv_bound), pg,
+            partition_dim=0, partition_sizes=dims.conv_sizes,
+        )
+        self.conv1d_bias = create_parallel_parameter(
+            config, (conv_channels,), _uniform_init(conv_bound), pg,
+            partition_dim=0, partition_sizes=dims.conv_sizes,
+        )
+        self.A_log = create_parallel_parameter(config, (dims.nheads,), _init_A_log, pg, partition_dim=0)
+        self.dt_bias = create_parallel_parameter(config, (dims.nheads,), _init_dt_bias, pg, partition_dim=0)
+        self.D = create_parallel_parameter(config, (dims.nheads,), nn.init.ones_, pg, partition_dim=0)
+        norm_weight = create_parallel_parameter(config, (dims.d_inner,), nn.init.ones_, pg, partition_dim=0)
+        self.norm = GatedRMSNorm(norm_weight, dims.d_inner // dims.ngroups, config.layernorm_epsilon)
+        out_std = config.init_method_std
+        if config.apply_scaled_init_to_output_layers:
+            out_std /= math.sqrt(2.0 * config.num_layers)
+        self.out_proj = RowParallelLinear(
+            dims.d_inner, dims.hidden_size, config=config, init_method=_normal_init(out_std),
+            bias=config.add_bias_linear, input_is_parallel=True, pg_collection=pg,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, inference_context: MambaInferenceContext | None = None):
+        dims = self.dims
+        zxbcdt, _ = self.in_proj(hidden_states)
+        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, local]: the scan wants batch first
+        z, xBC, dt = zxbcdt.split(
+            [dims.local(dims.d_inner), dims.local(sum(dims.conv_sizes)), dims.local(dims.nheads)], dim=-1
+        )
+        backend = get_ssm_backend(hidden_states.device, self.ssm_backend)
+        if inference_context is None:
+            y = self._scan(backend, xBC, dt, None, None)
+        else:
+            conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
+            if inference_context.is_decode_only():
+                y = self._step(backend, xBC, dt, conv_state, ssm_state)
+            else:
+                y = self._scan(backend, xBC, dt, conv_state, ssm_state)
+        y = self.norm(y, z)
+        return self.out_proj(y.transpose(0, 1))
+
+    def _ssm_inputs(self, xBC: torch.Tensor):
+        """Split conv output ``[..., x|B|C]`` into x ``[..., h, p]`` and B, C ``[..., g, n]``."""
+        dims = self.dims
+        x, B, C = xBC.split([dims.local(s) for s in dims.conv_sizes], dim=-1)
+        return (
+            x.unflatten(-1, (-1, dims.head_dim)),
+            B.unflatten(-1, (-1, dims.d_state)),
+            C.unflatten(-1, (-1, dims.d_state)),
+        )
+
+    def _scan(self, backend, xBC, dt, conv_state, ssm_state):
+        """Whole-sequence path (training, and prefill continuing from the given states)."""
+        batch, seq_len, channels = xBC.shape
+        history = (
+            conv_state.to(xBC.dtype)
+            if conv_state is not None
+            else xBC.new_zeros(batch, channels, self.dims.d_conv - 1)
+        )
+        window = torch.cat([history, xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv - 1 + s]
+        if conv_state is not None:
+            conv_state.copy_(window[..., window.shape[-1] - (self.dims.d_conv - 1):])
+        conv_out = F.conv1d(window, self.conv1d_weight, self.conv1d_bias, groups=channels)
+        x, B, C = self._ssm_inputs(F.silu(conv_out).transpose(1, 2))
+        A = -torch.exp(self.A_log.float())
+        y, final_state = backend.chunk_scan(
+            x, dt, A, B, C, self.config.mamba_chunk_size, self.D, self.dt_bias, initial_state=ssm_state
+        )
+        if ssm_state is not None:
+            ssm_state.copy_(final_state)
+        return y.flatten(-2)
+
+    def _step(self, backend, xBC, dt, conv_state, ssm_state):
+        """One-token decode path: advance the conv window and the SSM state in place."""
+        if xBC.shape[1] != 1:
+            raise ValueError(f"a decode step takes one token per request, got sequence length {xBC.shape[1]}")
+        window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv]
+        conv_state.copy_(window[..., 1:])
+        conv_out = (window * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias
+        x, B, C = self._ssm_inputs(F.silu(conv_out))
+        A = -torch.exp(self.A_log.float())
+        y = backend.state_update(ssm_state, x, dt[:, 0], A, B, C, self.D, self.dt_bias)
+        return y.flatten(-2).unsqueeze(1)
