@@ -1,0 +1,1 @@
+"""Model definitions (GPT, hybrid Mamba/attention, MIMO) and HuggingFace mappings."""

@@ -1,0 +1,209 @@
+"""Shared pieces of decoder-only language models (GPT, hybrid): vocabulary padding, the input
+embedding, RoPE, the output layer (tied or not, across pipeline stages), multi-token
+prediction and the logits/loss post-processing of the last stage.
+
+Tied weights across pipeline stages: the last stage builds its own copy of the word
+embedding with the same ``init_rng_scope`` key, so both copies start identical; they carry
+``shared_embedding = True`` and finalize_model_grads all-reduces their gradients over the
+``embd`` group. Multi-token prediction on the last stage needs the input embedding there too,
+so it is copied (and marked) the same way, position table included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    init_rng_scope,
+    pad_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+from megatron.core.models.common.language_model_embedding import (
+    LanguageModelEmbedding,
+    check_position_embedding_type,
+)
+from megatron.core.transformer.init_methods import init_method
+from megatron.core.transformer.multi_token_prediction import (
+    combine_mtp_losses,
+    roll_left,
+    shifted_target_mask,
+)
+from megatron.core.transformer.rope import RotaryEmbedding
+from megatron.core.transformer.spec import build_module
+
+
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Push the logits of padded vocabulary entries (ids >= ``vocab_size``) of this rank's
+    slice to the dtype's minimum, so softmax and loss never see them (the padding depends on
+    TP, so leaving it in would make the loss layout-dependent)."""
+    local = logits.shape[-1]
+    first_padded = vocab_size - tp_rank * local
+    if first_padded >= local:
+        return logits
+    ids = torch.arange(local, device=logits.device)
+    return logits.masked_fill(ids >= max(first_padded, 0), torch.finfo(logits.dtype).min)
+
+
+class LanguageModule(nn.Module):
+    """Base of GPTModel and HybridModel: builds everything but the decoder.
+
+    Subclasses build ``self.decoder`` and compose :meth:`embed`, :meth:`rotary`,
+    :meth:`position_ids_for` and :meth:`postprocess` in their forward.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, *,
+                 pre_process: bool, post_process: bool, fp16_lm_cross_entropy: bool, parallel_output: bool,
+                 share_embeddings_and_output_weights: bool, position_embedding_type: str,
+                 rotary_percent: float = 1.0, rotary_base: float = 10000, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0, scatter_embedding_sequence_parallel: bool = True,
+                 seq_len_interpolation_factor: float | None = None, mtp_block_spec=None,
+                 pg_collection: ProcessGroupCollection | None = None, logit_dtype: torch.dtype | None = None):
+        super().__init__()
+        check_position_embedding_type(position_embedding_type)
+        self.config = config
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = pad_vocab_size(vocab_size, self.pg_collection.size("tp"))
+        self.max_sequence_length = max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.logit_dtype = logit_dtype
+        self.mtp_enabled = self._check_mtp(config, mtp_block_spec)
+        pp_size = self.pg_collection.size("pp")
+        # Parameters that also live on the other end of the pipeline (grads summed over embd).
+        copied_across_stages = pp_size > 1 and (share_embeddings_and_output_weights or self.mtp_enabled)
+        if copied_across_stages and not config.layout_invariant_init:
+            raise ConfigError(
+                "tied embeddings or multi-token prediction with pipeline_model_parallel_size > 1 copy the "
+                "embedding onto the last stage and need layout_invariant_init=True so both copies start equal"
+            )
+
+        self.embedding = None
+        if pre_process or (post_process and (share_embeddings_and_output_weights or self.mtp_enabled)):
+            needs_positions = pre_process or self.mtp_enabled
+            self.embedding = LanguageModelEmbedding(
+                config, self.padded_vocab_size, max_sequence_length,
+                position_embedding_type if needs_positions else "none",
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, pg_collection=self.pg_collection,
+            )
+            if copied_across_stages:
+                self.embedding.word_embeddings.weight.shared_embedding = True
+                if self.mtp_enabled and self.embedding.position_embeddings is not None:
+                    self.embedding.position_embeddings.weight.shared_embedding = True
+
+        self.rotary_pos_emb = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, rotary_percent, rotary_base, seq_len_interpolation_factor,
+                rope_scaling, rope_scaling_factor,
+            )
+
+        self.output_layer = None
+        self.mtp = None
+        if post_process:
+            self.output_layer = self._build_output_layer(config)
+            if self.mtp_enabled:
+                self.mtp = build_module(mtp_block_spec, config=config, pg_collection=self.pg_collection)
+
+    @staticmethod
+    def _check_mtp(config: TransformerConfig, mtp_block_spec) -> bool:
+        enabled = bool(config.mtp_num_layers)
+        if enabled != (mtp_block_spec is not None):
+            raise ConfigError(
+                f"multi-token prediction needs both config.mtp_num_layers >= 1 and an mtp_block_spec; got "
+                f"mtp_num_layers={config.mtp_num_layers!r} and mtp_block_spec={'set' if mtp_block_spec else None}"
+            )
+        return enabled
+
+    def _build_output_layer(self, config: TransformerConfig) -> ColumnParallelLinear:
+        tied = self.share_embeddings_and_output_weights
+        # A tied output layer's own weight is replaced at once: skip initializing it.
+        layer_config = dataclasses.replace(config, perform_initialization=False) if tied else config
+        with init_rng_scope(config, "output_layer"):
+            output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, config=layer_config, init_method=init_method(config),
+                bias=False, gather_output=False, pg_collection=self.pg_collection,
+            )
+        if tied:
+            output_layer.weight = self.embedding.word_embeddings.weight
+        return output_layer
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"set_input_tensor takes one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    @staticmethod
+    def position_ids_for(input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                         labels: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``position_ids`` when given, else ``0..s-1`` for every sequence of the batch."""
+        if position_ids is not None:
+            return position_ids
+        tokens = input_ids if input_ids is not None else labels
+        if tokens is None:
+            return None
+        b, s = tokens.shape
+        return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Input embedding [s, b, h] (first stage)."""
+        return self.embedding(input_ids, position_ids)
+
+    def rotary(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """RoPE angles [s, b, 1, d] for ``position_ids``, or None without RoPE."""
+        if self.rotary_pos_emb is None:
+            return None
+        if position_ids is None:
+            raise ValueError("RoPE needs position_ids (or input_ids or labels to derive them) on every stage")
+        return self.rotary_pos_emb(position_ids)
+
+    def vocab_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This TP rank's logits [s, b, V_padded/tp] with the vocabulary padding masked."""
+        logits, _ = self.output_layer(hidden_states)
+        return mask_vocab_padding(logits, self.vocab_size, self.pg_collection.rank("tp"))
+
+    def per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel cross-entropy of ``logits`` [s, b, V/tp] against ``labels`` [b, s]: [b, s]."""
+        if not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
+    def postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, labels: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None = None,
+                    rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """Last stage: per-token loss [b, s] (with the MTP terms) when ``labels`` are given,
+        else logits [b, s, V] (or [b, s, V_padded/tp] with ``parallel_output``)."""
+        logits = self.vocab_logits(hidden_states)
+        if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)[..., : self.vocab_size]
+            logits = logits.transpose(0, 1).contiguous()
+            return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
+        loss = self.per_token_loss(logits, labels)
+        if self.mtp is None:
+            return loss
+        if input_ids is None:
+            raise ValueError("multi-token prediction needs input_ids on the last pipeline stage")
+        depth_hidden = self.mtp(input_ids, position_ids, hidden_states, self.embed,
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        depth_losses = [
+            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth)) * shifted_target_mask(labels, depth)
+            for depth, hidden in enumerate(depth_hidden, start=1)
+        ]
+        return combine_mtp_losses(loss, depth_losses, self.config.mtp_loss_scaling_factor)

@@ -1,0 +1,37 @@
+"""Layer specs for GPT models built from local torch modules."""
+
+from __future__ import annotations
+
+from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_token_prediction import get_mtp_block_spec
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.spec import ModuleSpec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+def get_gpt_layer_local_spec() -> ModuleSpec:
+    """Pre-norm attention + MLP layer from plain torch parts (SDPA attention); the norm
+    (LayerNorm/RMSNorm) and activation (GELU/SwiGLU) follow the config."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=build_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": "causal"},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention, linear_proj=RowParallelLinear
+                ),
+            ),
+            pre_mlp_layernorm=build_norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                               linear_fc2=RowParallelLinear)),
+        ),
+    )
+
+
+def get_gpt_mtp_block_spec(transformer_layer_spec: ModuleSpec | None = None) -> ModuleSpec:
+    """MTP block spec whose depths use ``transformer_layer_spec`` (default: the local GPT layer)."""
+    return get_mtp_block_spec(transformer_layer_spec or get_gpt_layer_local_spec())

@@ -1,0 +1,81 @@
+"""GPT: embedding -> transformer decoder -> output layer, split over pipeline stages."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.config import TransformerConfig
+from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.spec import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, check_no_virtual_pipeline
+
+
+class GPTModel(LanguageModule):
+    """Decoder-only transformer language model.
+
+    The signature is frozen (positional indexes are part of the API); new parameters go last.
+    ``pre_process`` / ``post_process`` say whether this is the first / last pipeline stage.
+    The vocabulary is padded with ``pad_vocab_size``; padded entries never reach logits or loss.
+    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        mtp_block_spec: ModuleSpec | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+        logit_dtype: torch.dtype | None = None,
+    ):
+        pg_collection = resolve_pg_collection(pg_collection)
+        check_no_context_parallel(config, pg_collection)
+        check_no_virtual_pipeline(vp_stage)
+        super().__init__(
+            config, vocab_size, max_sequence_length, pre_process=pre_process, post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy, parallel_output=parallel_output,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
+            rotary_base=rotary_base, rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+            scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
+            seq_len_interpolation_factor=seq_len_interpolation_factor, mtp_block_spec=mtp_block_spec,
+            pg_collection=pg_collection, logit_dtype=logit_dtype,
+        )
+        self.transformer_layer_spec = transformer_layer_spec
+        self.vp_stage = vp_stage
+        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process, post_process,
+                                        pg_collection, vp_stage)
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+        """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
+        hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
+        embedding on the first stage; ``inference_context`` reaches every attention layer."""
+        position_ids = self.position_ids_for(input_ids, position_ids, labels)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, position_ids)
+        rotary_pos_emb = self.rotary(position_ids)
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                     inference_context=inference_context)
+        if not self.post_process:
+            return hidden_states
+        return self.postprocess(hidden_states, input_ids, position_ids, labels,
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)

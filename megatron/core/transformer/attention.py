@@ -1,0 +1,148 @@
+"""Self-attention (MHA/GQA, causal) with a fused QKV column-parallel projection, optional RoPE,
+torch SDPA core attention and a row-parallel output projection.
+
+Under TP each rank owns ``heads/tp`` query heads and ``groups/tp`` key/value groups. The QKV
+weight is packed as [Q; K; V] (``output_partition_sizes``), so each rank's slice is the
+concatenation of its Q, K and V rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.dropout import sharded_rng_context
+from megatron.core.transformer.init_methods import init_method, output_layer_init_method
+from megatron.core.transformer.rope import apply_rotary_pos_emb
+from megatron.core.transformer.spec import build_module
+
+ATTN_MASK_TYPES = ("causal", "no_mask")
+
+
+class ContextParallelNotSupportedError(ConfigError):
+    """Context parallelism (CP > 1) was requested; attention does not split sequences yet."""
+
+
+@runtime_checkable
+class AttentionInferenceContext(Protocol):
+    """What attention needs from an inference context (e.g. the dynamic, paged KV cache).
+
+    ``store_kv_and_attend`` receives this step's rotated ``q`` [s, b, heads/tp, d] and
+    ``k``, ``v`` [s, b, groups/tp, d] of global layer ``layer_number``, stores K/V in its cache
+    and returns the attention context [s, b, heads/tp, d] over every cached token.
+    """
+
+    def store_kv_and_attend(
+        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def check_no_context_parallel(config: TransformerConfig, pg_collection: ProcessGroupCollection) -> None:
+    """Raise ContextParallelNotSupportedError when the config or the collection has CP > 1."""
+    cp_groups = pg_collection.size("cp") if pg_collection.has("cp") else 1
+    if config.context_parallel_size > 1 or cp_groups > 1:
+        raise ContextParallelNotSupportedError(
+            f"context parallelism is not supported yet (context_parallel_size={config.context_parallel_size}, "
+            f"cp group size={cp_groups}); use context_parallel_size=1"
+        )
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over [s, b, heads, d] inputs with torch SDPA; GQA by sharing
+    each key/value group among ``heads / groups`` consecutive query heads."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: str = "causal",
+                 softmax_scale: float | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Context [s, b, heads * d]. ``attention_mask`` (bool, True = masked out, broadcastable
+        to [b, heads, s_q, s_k]) replaces the causal mask when given."""
+        s, b, heads, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if k.shape[1] != heads:
+            repeats = heads // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        mask = None if attention_mask is None else ~attention_mask
+        causal = attention_mask is None and self.attn_mask_type == "causal"
+        # Heads are TP-sharded: each rank draws its own dropout mask.
+        with sharded_rng_context(dropout_p > 0.0):
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+            )
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    linear_qkv: Any = ColumnParallelLinear
+    core_attention: Any = DotProductAttention
+    linear_proj: Any = RowParallelLinear
+
+
+class SelfAttention(nn.Module):
+    """Causal (or unmasked) self-attention. ``forward(hidden [s, b, h], attention_mask=None,
+    rotary_pos_emb=None, inference_context=None) -> (out [s, b, h], bias or None)``; the
+    output bias is returned unadded for the layer's bias-dropout-add."""
+
+    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, layer_number: int,
+                 pg_collection: ProcessGroupCollection | None = None, attn_mask_type: str = "causal"):
+        super().__init__()
+        pg_collection = resolve_pg_collection(pg_collection)
+        check_no_context_parallel(config, pg_collection)
+        if attn_mask_type not in ATTN_MASK_TYPES:
+            raise ConfigError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
+        tp = pg_collection.size("tp")
+        self.config = config
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.heads_per_rank = divide(config.num_attention_heads, tp, "num_attention_heads over tp")
+        self.groups_per_rank = divide(config.num_query_groups, tp, "num_query_groups over tp")
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_query_groups * self.head_dim
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, q_size + 2 * kv_size, config=config,
+            init_method=init_method(config), bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False, output_partition_sizes=[q_size, kv_size, kv_size], pg_collection=pg_collection,
+        )
+        self.core_attention = build_module(submodules.core_attention, config, layer_number, attn_mask_type)
+        self.linear_proj = build_module(
+            submodules.linear_proj, q_size, config.hidden_size, config=config,
+            init_method=output_layer_init_method(config), bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, pg_collection=pg_collection,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rotary_pos_emb: torch.Tensor | None = None,
+                inference_context: AttentionInferenceContext | None = None):
+        qkv, _ = self.linear_qkv(hidden_states)
+        s, b, _ = qkv.shape
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads_per_rank * d, self.groups_per_rank * d, self.groups_per_rank * d], dim=-1)
+        q = q.reshape(s, b, self.heads_per_rank, d)
+        k = k.reshape(s, b, self.groups_per_rank, d)
+        v = v.reshape(s, b, self.groups_per_rank, d)
+        if rotary_pos_emb is not None:
+            q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
+        if inference_context is not None:
+            context = inference_context.store_kv_and_attend(self.layer_number, q, k, v).reshape(s, b, -1)
+        elif self.config.recompute_granularity == "selective" and self.training:
+            context = checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)

@@ -1,0 +1,87 @@
+"""Rotary position embeddings (RoPE), with optional Llama-3 frequency scaling and
+position interpolation. Rotation uses the "rotate half" layout (first and second half of
+the rotated channels pair up), as Megatron and HuggingFace Llama do."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megatron.core.config import ConfigError
+
+# Llama-3.1 frequency scaling constants (Megatron's defaults).
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Divide low frequencies by ``factor``, keep high ones, interpolate in between."""
+    low_wavelen = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (LLAMA3_ORIGINAL_MAX_POSITIONS / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+    )
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, interpolated, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotation angles for given positions.
+
+    Args:
+        kv_channels: per-head channels; ``rotary_percent`` of them are rotated.
+        rotary_base: the theta of RoPE.
+        seq_len_interpolation_factor: positions are divided by it (linear interpolation).
+        rope_scaling / rope_scaling_factor: Llama-3.1 frequency scaling.
+    """
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float = 1.0,
+        rotary_base: float = 10000,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+    ):
+        super().__init__()
+        dim = int(kv_channels * rotary_percent)
+        if not 0 < rotary_percent <= 1 or dim < 2 or dim % 2:
+            raise ConfigError(
+                f"rotary_percent ({rotary_percent}) of kv_channels ({kv_channels}) gives {dim} rotary "
+                "channels; it must be in (0, 1] and give an even number >= 2"
+            )
+        self.dim = dim
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if rope_scaling:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Angles for ``position_ids`` [b, s]: a float32 tensor [s, b, 1, dim]."""
+        positions = position_ids.to(torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = positions[..., None] * self.inv_freq.to(positions.device)
+        return torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` [s, b, heads, d]; the rest pass."""
+    rot_dim = freqs.shape[-1]
+    rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated

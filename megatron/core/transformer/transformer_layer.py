@@ -1,0 +1,66 @@
+"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron.core.config import TransformerConfig
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dropout import dropout
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.spec import ModuleSpec, build_module
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    input_layernorm: Any = build_norm
+    self_attention: Any = field(
+        default_factory=lambda: ModuleSpec(module=SelfAttention, submodules=SelfAttentionSubmodules())
+    )
+    pre_mlp_layernorm: Any = build_norm
+    mlp: Any = field(default_factory=lambda: ModuleSpec(module=MLP, submodules=MLPSubmodules()))
+
+
+class TransformerLayer(nn.Module):
+    """One decoder layer, global 1-based ``layer_number``.
+
+    ``forward(hidden [s, b, h], attention_mask=None, rotary_pos_emb=None,
+    inference_context=None) -> hidden [s, b, h]`` (``s`` is the local sequence slice under
+    sequence parallelism).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int,
+                 pg_collection: ProcessGroupCollection | None = None):
+        super().__init__()
+        pg_collection = resolve_pg_collection(pg_collection)
+        self.config = config
+        self.layer_number = layer_number
+        self.input_layernorm = build_module(submodules.input_layernorm, config, config.hidden_size)
+        self.self_attention = build_module(
+            submodules.self_attention, config=config, layer_number=layer_number, pg_collection=pg_collection
+        )
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size)
+        self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
+
+    def _bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor):
+        if bias is not None:
+            out = out + bias
+        out = dropout(out, self.config.hidden_dropout, self.training, sharded_over_tp=self.config.sequence_parallel)
+        return residual + out
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rotary_pos_emb: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+        attn_out, attn_bias = self.self_attention(
+            self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+        )
+        hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
+        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)
