@@ -1,0 +1,124 @@
+"""Data-parallel wrapper: contiguous gradient buffers reduced over the replica group.
+
+Scaling chain (mean loss; every gradient must end as the mean over all ``dp_cp_gtp`` data
+shards, N = |dp_cp| * G of them, each rank having back-propagated the mean loss of its own
+micro-batch):
+
+1. GTP-sharded weights: the layer's reduce-scatter over ``gtp`` sums the G peers' gradients
+   and multiplies by 1/G, leaving each peer the mean over its GTP group for its shard.
+2. Replicated params (norms, biases, Mamba scalars): ``finalize_model_grads`` all-reduces
+   their gradients over ``gtp`` as a mean (x 1/G), the same factor.
+3. This wrapper multiplies every gradient by 1/|dp_cp| and sums it over ``dp_cp`` (the
+   GTP-excluded replica group): 1/G * 1/|dp_cp| = 1/N.
+
+Steps 2 and 3 are linear and act on the same ``main_grad`` so their order does not matter.
+With ``config.calculate_per_token_loss`` every step sums instead (factor 1), and the
+training loop divides by the token count gathered over ``dp_cp_gtp`` (see
+:meth:`DistributedDataParallel.scale_gradients`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.parallel_state import resolve_pg_collection
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so its gradients accumulate in flat buffers (``param.main_grad``) and are
+    averaged over the ``dp_cp`` replica group.
+
+    Per iteration: run forward/backward for each micro-batch (all but the last inside
+    :meth:`no_sync`), then :meth:`finish_grad_sync`, the optimizer step, and
+    :meth:`zero_grad_buffer`. ``param.grad`` stays None: the backward hook moves each gradient
+    into ``main_grad``.
+    """
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        self.dp_cp_group = self.pg_collection.dp_cp
+        scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dist.get_world_size(self.dp_cp_group)
+        # Reverse creation order approximates the order in which backward produces gradients.
+        params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list] = {}
+        for param in params:
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        self.param_and_grad_buffers = [
+            ParamAndGradBuffer(
+                members,
+                grad_dtype,
+                self.dp_cp_group,
+                scaling_factor,
+                ddp_config.bucket_size,
+                ddp_config.use_distributed_optimizer,
+            )
+            for (_, grad_dtype), members in by_dtype.items()
+        ]
+        self._buffer_of = {p: buf for buf in self.param_and_grad_buffers for p in buf.params}
+        self._sync_enabled = True
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+
+    def _accumulate_into_main_grad(self, param) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self._sync_enabled:
+            self._buffer_of[param].register_grad_ready(param)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no reduction is launched) for the enclosed backward passes."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not launched yet (asynchronously)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete every bucket's reduction; afterwards ``main_grad`` holds the averaged
+        gradient (with the distributed optimizer: at least on this replica's shard)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and re-arm the buckets for the next iteration."""
+        for param in self._buffer_of:
+            param.grad = None
+        for buffer in self.param_and_grad_buffers:
+            buffer.reset()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every ``main_grad`` by ``factor`` (e.g. 1 / total tokens for per-token loss)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.grad_data.mul_(factor)
+
+    def broadcast_params(self) -> None:
+        """Copy the parameters of the first ``dp_cp`` replica to every other replica."""
+        src = dist.get_global_rank(self.dp_cp_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.dp_cp_group)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,205 @@
+"""Flat per-dtype gradient (and parameter) buffers, split into buckets reduced as one.
+
+Every parameter gets a fixed range of one flat buffer; ``param.main_grad`` is a view of its
+range, so a bucket's gradients are reduced with a single collective. With the distributed
+optimizer the parameter data becomes a view of a matching flat parameter buffer as well, and
+each bucket is padded to a multiple of the replica-group size so that every replica owns an
+equal, contiguous shard: rank ``r`` owns ``[r * S, (r + 1) * S)`` of each bucket.
+
+Gloo has no reduce-scatter or all-gather into one tensor: on gloo groups a "reduce-scatter"
+is an in-place all-reduce of the bucket (the owned shard is a view of it, so it holds the
+reduced values; the rest does too, which is harmless), and the parameter all-gather uses
+list ``all_gather`` into views of the bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class GradBucket:
+    """A contiguous range of a buffer whose gradients are reduced by one collective.
+
+    ``grad_data``/``param_data`` are views of the owning buffer (``param_data`` is None unless
+    parameters live in a buffer). ``offset`` is where the bucket starts in the buffer.
+    """
+
+    def __init__(self, index, params, offset, grad_data, param_data, group, scaling_factor, sharded):
+        self.index = index
+        self.params = list(params)
+        self.offset = offset
+        self.grad_data = grad_data
+        self.param_data = param_data
+        self.group = group
+        self.scaling_factor = scaling_factor
+        self.sharded = sharded
+        self._pending = set(self.params)
+        self._launched = False
+        self._handle = None
+
+    @property
+    def shard_numel(self) -> int:
+        return self.grad_data.numel() // dist.get_world_size(self.group)
+
+    def shard_range(self) -> tuple[int, int]:
+        """``[start, end)`` in buffer coordinates of the shard this replica owns."""
+        start = self.offset + dist.get_rank(self.group) * self.shard_numel
+        return start, start + self.shard_numel
+
+    def mark_ready(self, param) -> None:
+        self._pending.discard(param)
+
+    @property
+    def all_ready(self) -> bool:
+        return not self._pending
+
+    @property
+    def launched(self) -> bool:
+        return self._launched
+
+    def start_grad_sync(self) -> None:
+        """Scale the gradients and launch their asynchronous reduction over the replicas."""
+        if self._launched:
+            return
+        self._launched = True
+        if self.scaling_factor != 1.0:
+            self.grad_data.mul_(self.scaling_factor)
+        if dist.get_world_size(self.group) == 1:
+            return
+        if self.sharded and not _is_gloo(self.group):
+            start, end = self.shard_range()
+            local = self.grad_data.narrow(0, start - self.offset, end - start)
+            self._handle = dist.reduce_scatter_tensor(local, self.grad_data, group=self.group, async_op=True)
+        else:
+            self._handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the reduction (launching it first if nothing did), then re-arm the bucket."""
+        self.start_grad_sync()
+        if self._handle is not None:
+            self._handle.wait()
+        self.reset()
+
+    def reset(self) -> None:
+        self._pending = set(self.params)
+        self._launched = False
+        self._handle = None
+
+    def gather_params(self) -> None:
+        """Rebuild the whole bucket of parameters from every replica's owned shard."""
+        world = dist.get_world_size(self.group)
+        if world == 1:
+            return
+        size = self.shard_numel
+        pieces = list(self.param_data.split(size))
+        mine = pieces[dist.get_rank(self.group)]
+        if _is_gloo(self.group):
+            dist.all_gather(pieces, mine, group=self.group)
+        else:
+            dist.all_gather_into_tensor(self.param_data, mine.clone(), group=self.group)
+
+
+class ParamAndGradBuffer:
+    """One flat gradient buffer (and, for the distributed optimizer, parameter buffer) for
+    parameters of one dtype, cut into buckets.
+
+    Args:
+        params: parameters in the order their gradients are expected (reverse of creation).
+        grad_dtype: dtype of ``param.main_grad`` and of the reduction.
+        group: the replica group the gradients are reduced over (``dp_cp``).
+        scaling_factor: gradients are multiplied by this just before the (sum) reduction.
+        bucket_size: elements per bucket, or None for one bucket.
+        for_distributed_optimizer: pad buckets for even sharding, reduce-scatter, and move
+            parameter data into a flat buffer.
+    """
+
+    def __init__(self, params, grad_dtype, group, scaling_factor, bucket_size, for_distributed_optimizer):
+        params = list(params)
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        self.group = group
+        world = dist.get_world_size(group)
+        self._ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        bucket_layout: list[tuple[int, int, list]] = []
+        offset = bucket_start = 0
+        members: list = []
+        for param in params:
+            self._ranges[param] = (offset, offset + param.numel())
+            offset += param.numel()
+            members.append(param)
+            if param is params[-1] or (bucket_size is not None and offset - bucket_start >= bucket_size):
+                if for_distributed_optimizer:
+                    offset = -(-offset // world) * world
+                bucket_layout.append((bucket_start, offset, members))
+                bucket_start, members = offset, []
+        self.numel = offset
+        device = params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = (
+            torch.zeros(self.numel, dtype=self.param_dtype, device=device) if for_distributed_optimizer else None
+        )
+        for param, (start, end) in self._ranges.items():
+            if self.param_data is not None:
+                self.param_data[start:end].copy_(param.data.reshape(-1))
+                param.data = self.param_data[start:end].view(param.shape)
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+        self.buckets = [
+            GradBucket(
+                index,
+                members,
+                start,
+                self.grad_data[start:end],
+                None if self.param_data is None else self.param_data[start:end],
+                group,
+                scaling_factor,
+                for_distributed_optimizer,
+            )
+            for index, (start, end, members) in enumerate(bucket_layout)
+        ]
+        self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        self._next_to_launch = 0
+
+    @property
+    def params(self) -> list:
+        return list(self._ranges)
+
+    def param_range(self, param) -> tuple[int, int]:
+        """``[start, end)`` of ``param`` in this buffer."""
+        return self._ranges[param]
+
+    def bucket_of(self, param) -> GradBucket:
+        return self._bucket_of[param]
+
+    def register_grad_ready(self, param) -> None:
+        """Record that ``param``'s gradient is complete; launch every complete bucket whose
+        predecessors were launched (buckets always launch in index order, so all replicas
+        issue their collectives in the same order)."""
+        self._bucket_of[param].mark_ready(param)
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].all_ready:
+            self.buckets[self._next_to_launch].start_grad_sync()
+            self._next_to_launch += 1
+
+    def start_grad_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+        self._next_to_launch = 0
+
+    def reset(self) -> None:
+        """Zero the gradients and re-arm every bucket."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_to_launch = 0
+
+    def gather_params(self) -> None:
+        for bucket in self.buckets:
+            bucket.gather_params()
