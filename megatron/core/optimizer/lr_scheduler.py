@@ -1,0 +1,164 @@
+"""Learning-rate and weight-decay schedule applied to an optimizer's param groups each iteration.
+
+Linear warm-up from ``init_lr`` to ``max_lr`` over ``lr_warmup_iters``, then ``constant``,
+``linear``, ``cosine`` or ``inverse-square-root`` decay towards ``min_lr``, reached at
+``lr_decay_iters``; ``min_lr`` after that. Weight decay is constant. A param group may carry
+``lr_mult`` / ``wd_mult`` (default 1.0), e.g. ``wd_mult=0.0`` for biases and norms.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+ON_MISMATCH = ("error", "use_current", "use_checkpoint")
+# Constructor argument -> command-line flag, for messages.
+FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "init_lr": "--lr-warmup-init",
+    "lr_warmup_iters": "--lr-warmup-iters",
+    "lr_decay_iters": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "weight_decay": "--weight-decay",
+}
+
+
+class LRSchedulerConfigError(ValueError):
+    """Schedule settings that disagree, or a checkpointed schedule that does not fit; the
+    message names the flags at fault."""
+
+
+def _flag(name: str, value: Any) -> str:
+    return f"{FLAGS[name]} ({value})"
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` and ``weight_decay`` of every ``optimizer.param_groups`` entry.
+
+    ``num_iters`` counts completed :meth:`step` calls; the value for iteration ``n`` is
+    :meth:`get_lr` at ``num_iters = n``. Construction applies the values for ``num_iters = 0``.
+    ``optimizer`` is anything with a ``param_groups`` list of dicts.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        lr_decay_iters: int,
+        min_lr: float = 0.0,
+        init_lr: float = 0.0,
+        lr_warmup_iters: int = 0,
+        lr_decay_style: str = "linear",
+        weight_decay: float = 0.0,
+    ):
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.init_lr = float(init_lr)
+        self.lr_warmup_iters = int(lr_warmup_iters)
+        self.lr_decay_iters = int(lr_decay_iters)
+        self.lr_decay_style = lr_decay_style
+        self.weight_decay = float(weight_decay)
+        self._validate()
+        self.num_iters = 0
+        self.step(0)
+
+    def _validate(self) -> None:
+        for name in ("max_lr", "min_lr", "init_lr", "weight_decay"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise LRSchedulerConfigError(f"{_flag(name, value)} must be a finite number >= 0")
+        if self.min_lr > self.max_lr:
+            raise LRSchedulerConfigError(
+                f"{_flag('min_lr', self.min_lr)} must be <= {_flag('max_lr', self.max_lr)}"
+            )
+        if self.lr_warmup_iters < 0:
+            raise LRSchedulerConfigError(f"{_flag('lr_warmup_iters', self.lr_warmup_iters)} must be >= 0")
+        if self.lr_decay_iters < 1:
+            raise LRSchedulerConfigError(f"{_flag('lr_decay_iters', self.lr_decay_iters)} must be >= 1")
+        if self.lr_warmup_iters > self.lr_decay_iters:
+            raise LRSchedulerConfigError(
+                f"{_flag('lr_warmup_iters', self.lr_warmup_iters)} must be <= "
+                f"{_flag('lr_decay_iters', self.lr_decay_iters)}"
+            )
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise LRSchedulerConfigError(
+                f"--lr-decay-style {self.lr_decay_style!r} is unknown; accepted: {', '.join(DECAY_STYLES)}"
+            )
+
+    def get_lr(self, num_iters: int | None = None) -> float:
+        """Learning rate after ``num_iters`` iterations (default: the current count)."""
+        n = self.num_iters if num_iters is None else num_iters
+        warmup = self.lr_warmup_iters
+        if warmup > 0 and n <= warmup:
+            return self.init_lr + (self.max_lr - self.init_lr) * n / warmup
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_iters:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(warmup, 1) / max(n, 1)))
+        progress = (n - warmup) / (self.lr_decay_iters - warmup)
+        if self.lr_decay_style == "linear":
+            coefficient = 1.0 - progress
+        else:  # cosine
+            coefficient = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+    def get_wd(self) -> float:
+        """Weight decay (constant over training)."""
+        return self.weight_decay
+
+    def step(self, increment: int = 1) -> None:
+        """Advance ``increment`` iterations and write the new values into the param groups."""
+        self.num_iters += increment
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def _schedule(self) -> dict:
+        return {name: getattr(self, name) for name in FLAGS}
+
+    def state_dict(self) -> dict:
+        """The schedule settings and ``num_iters``, as plain JSON-able values."""
+        return {**self._schedule(), "num_iters": self.num_iters}
+
+    def load_state_dict(self, state_dict: dict, on_mismatch: str = "error") -> None:
+        """Resume from :meth:`state_dict` output: restores ``num_iters`` and re-applies the values.
+
+        When the checkpoint's settings differ from this scheduler's, ``on_mismatch`` decides:
+        ``"error"`` raises, naming the flags; ``"use_current"`` keeps this scheduler's settings
+        (Megatron's ``--override-opt-param-scheduler``); ``"use_checkpoint"`` takes the
+        checkpoint's (``--use-checkpoint-opt-param-scheduler``).
+        """
+        if on_mismatch not in ON_MISMATCH:
+            raise LRSchedulerConfigError(f"on_mismatch {on_mismatch!r} is unknown; accepted: {', '.join(ON_MISMATCH)}")
+        missing = sorted((set(FLAGS) | {"num_iters"}) - set(state_dict))
+        if missing:
+            raise LRSchedulerConfigError(f"LR scheduler state is missing {', '.join(missing)}")
+        differing = [name for name in FLAGS if state_dict[name] != getattr(self, name)]
+        if differing and on_mismatch == "error":
+            details = ", ".join(
+                f"{FLAGS[name]} {getattr(self, name)} (checkpoint: {state_dict[name]})" for name in differing
+            )
+            raise LRSchedulerConfigError(
+                f"the checkpoint's LR schedule differs from the arguments: {details}; pass "
+                "--override-opt-param-scheduler to keep the arguments or "
+                "--use-checkpoint-opt-param-scheduler to take the checkpoint's"
+            )
+        if on_mismatch == "use_checkpoint":
+            previous = self._schedule()
+            for name in FLAGS:
+                setattr(self, name, state_dict[name])
+            try:
+                self._validate()
+            except LRSchedulerConfigError:
+                for name, value in previous.items():
+                    setattr(self, name, value)
+                raise
+        self.num_iters = int(state_dict["num_iters"])
+        self.step(0)
