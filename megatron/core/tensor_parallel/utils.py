@@ -37,7 +37,12 @@ def vocab_range(global_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int
 
 def split_along_dim(tensor: torch.Tensor, dim: int, num_parts: int, index: int) -> torch.Tensor:
     """Contiguous ``index``-th of ``num_parts`` equal chunks of ``tensor`` along ``dim``."""
-    size = divide(tensor.shape[dim], num_parts, f"dimension {dim} of a tensor of shape {tuple(tensor.shape)}")
+    if tensor.shape[dim] % num_parts:
+        raise TensorParallelError(
+            f"cannot split dimension {dim} (size {tensor.shape[dim]}) of a tensor of shape {tuple(tensor.shape)} "
+            f"into {num_parts} equal parts; the size must be a multiple of {num_parts}"
+        )
+    size = tensor.shape[dim] // num_parts
     return tensor.narrow(dim, index * size, size).contiguous()
 
 

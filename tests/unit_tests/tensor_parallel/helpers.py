@@ -7,6 +7,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily (~1 s); pay once, before forking ranks
 
 from megatron.core.config import TransformerConfig
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
