@@ -1,0 +1,1 @@
+"""Dynamic inference: paged KV cache and Mamba state contexts, engine, sampling, serving."""

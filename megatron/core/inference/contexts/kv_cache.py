@@ -1,0 +1,53 @@
+"""The paged KV buffer of one pipeline stage.
+
+One preallocated tensor ``[2 (K, V), layers, blocks, block_size, kv_heads_per_tp, head_dim]``
+holding every usable block plus the dummy block (the last one). Storage is not zeroed at
+creation (as on a GPU, stale bytes may be anything); the block pool zeroes each page when it
+becomes private, and the dummy block is zeroed here once since padding reads may touch it.
+A token's *slot* is ``block_id * block_size + offset_in_block``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """K/V pages of this stage's attention layers (``num_layers`` may be 0: nothing stored)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks_with_dummy: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        self.block_size = block_size
+        self.data = torch.empty(
+            2, num_layers, num_blocks_with_dummy, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.data[:, :, -1] = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[1]
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero the K and V planes of ``block_ids`` in every layer of this stage."""
+        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+        self.data.index_fill_(2, index, 0)
+
+    def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(key, value)`` of one local layer, each ``[blocks, block_size, heads, dim]``."""
+        return self.data[0, layer_index], self.data[1, layer_index]
+
+    def store(self, layer_index: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``."""
+        for plane, tokens in ((0, key), (1, value)):
+            flat = self.data[plane, layer_index].view(-1, *self.data.shape[-2:])
+            flat.index_copy_(0, slot_mapping, tokens.to(self.data.dtype))
