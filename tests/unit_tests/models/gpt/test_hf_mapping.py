@@ -1,0 +1,109 @@
+"""Our GPTModel equals HuggingFace Llama / GPT-2 (random weights) after mapping, and the
+mapping round-trips bit-identically in both directions."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from megatron.core.models import hf_mapping
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+VOCAB, SEQ, BATCH = 100, 12, 2
+
+
+@pytest.fixture
+def pg():
+    with single_rank_collection() as collection:
+        yield collection
+
+
+def _randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """Perturb every parameter (norm weights too) so no mapping mistake hides behind init values."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def _llama(tied: bool, rope_scaling: dict | None):
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, rope_scaling=rope_scaling,
+        rope_theta=500000.0 if rope_scaling else 10000.0,
+    )
+    return _randomized(LlamaForCausalLM(config)), hf_mapping.llama_config_from_hf, hf_mapping.llama_state_dict_from_hf, \
+        hf_mapping.llama_state_dict_to_hf
+
+
+def _gpt2():
+    torch.manual_seed(2)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    return _randomized(GPT2LMHeadModel(config)), hf_mapping.gpt2_config_from_hf, hf_mapping.gpt2_state_dict_from_hf, \
+        hf_mapping.gpt2_state_dict_to_hf
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+CASES = {
+    "llama": lambda: _llama(tied=False, rope_scaling=None),
+    "llama_tied_llama3_rope": lambda: _llama(tied=True, rope_scaling=LLAMA3_SCALING),
+    "gpt2": _gpt2,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_huggingface_and_mapping_round_trips(pg, case):
+    hf_model, config_from_hf, from_hf, to_hf = CASES[case]()
+    config, kwargs = config_from_hf(hf_model.config)
+    tied = kwargs["share_embeddings_and_output_weights"]
+    model = GPTModel(config, get_gpt_layer_local_spec(), parallel_output=False, pg_collection=pg, **kwargs).eval()
+
+    hf_state = hf_model.state_dict()
+    model.load_state_dict(from_hf(hf_state, config, tied=tied), strict=True)
+
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = hf_model(ids).logits
+    assert ours.shape == theirs.shape == (BATCH, SEQ, VOCAB)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+    back = to_hf(from_hf(hf_state, config, tied=tied), config, VOCAB)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    ours_state = model.state_dict()
+    again = from_hf(to_hf(ours_state, config, VOCAB), config, tied=tied)
+    assert again.keys() == ours_state.keys()
+    assert all(torch.equal(again[k], ours_state[k]) for k in ours_state)
+
+
+def test_gpt2_uses_tanh_gelu_and_ties_embeddings():
+    config, kwargs = hf_mapping.gpt2_config_from_hf(GPT2Config(n_embd=32, n_layer=1, n_head=2))
+    x = torch.linspace(-3, 3, 7)
+    assert torch.equal(config.activation_func(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert kwargs["share_embeddings_and_output_weights"] is True
+    assert kwargs["position_embedding_type"] == "learned_absolute"
+
+
+def test_unsupported_hf_settings_are_rejected_with_the_setting_named():
+    with pytest.raises(hf_mapping.HFMappingError, match="scale_attn_by_inverse_layer_idx"):
+        hf_mapping.gpt2_config_from_hf(GPT2Config(n_embd=32, n_layer=1, n_head=2, scale_attn_by_inverse_layer_idx=True))
+    with pytest.raises(hf_mapping.HFMappingError, match="hidden_act must be 'silu'"):
+        hf_mapping.llama_config_from_hf(LlamaConfig(hidden_size=32, num_attention_heads=2, hidden_act="gelu"))
+    with pytest.raises(hf_mapping.HFMappingError, match="rope_type 'yarn' is not supported"):
+        hf_mapping.llama_config_from_hf(LlamaConfig(
+            hidden_size=32, num_attention_heads=2,
+            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+        ))
+
+
+def test_hf_state_dict_with_unknown_keys_is_rejected():
+    hf_model, config_from_hf, from_hf, _ = _gpt2()
+    config, _ = config_from_hf(hf_model.config)
+    state = dict(hf_model.state_dict(), **{"transformer.extra.weight": torch.zeros(1)})
+    with pytest.raises(hf_mapping.HFMappingError, match="does not know"):
+        from_hf(state, config)
