@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config import TransformerConfig
 from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.transformer.dropout import dropout
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import build_module
 
@@ -41,4 +41,5 @@ class MambaLayer(nn.Module):
         out, bias = self.mixer(self.norm(hidden_states), inference_context=inference_context)
         if bias is not None:
             out = out + bias
-        return hidden_states + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+        out = dropout(out, self.config.hidden_dropout, self.training, sharded_over_tp=self.config.sequence_parallel)
+        return hidden_states + out

@@ -159,29 +159,20 @@ def resolve_hybrid_pattern(
     return parsed
 
 
-def select_stage_layers(
-    parsed: HybridLayerPattern, pp_size: int, pp_rank: int, vp_size: int | None = None, vp_stage: int | None = None
-) -> list[tuple[int, str]]:
-    """``(global layer number, symbol)`` of every main-stack layer that this stage builds.
-
-    The ``|`` segments are dealt to model chunks in order: with ``pp_size * vp_size`` chunks,
-    chunk ``vp_stage * pp_size + pp_rank`` takes the next ``len(segments) / chunks`` segments.
-    Layer numbers are 1-based over the whole main pattern.
+def select_stage_layers(parsed: HybridLayerPattern, pp_size: int, pp_rank: int) -> list[tuple[int, str]]:
+    """``(global layer number, symbol)`` of every main-stack layer that pipeline stage ``pp_rank``
+    builds: the ``|`` segments are dealt to the stages in order, ``len(segments) / pp_size``
+    consecutive segments each. Layer numbers are 1-based over the whole main pattern.
     """
-    chunks = pp_size * (vp_size or 1)
-    if len(parsed.segments) % chunks:
+    if len(parsed.segments) % pp_size:
         raise HybridPatternError(
             f"hybrid layer pattern {parsed.pattern!r} has {len(parsed.segments)} pipeline segment(s) separated "
-            f"by '|', which do not divide evenly among {pp_size} pipeline stage(s)"
-            + (f" x {vp_size} virtual stages" if vp_size else "")
-            + f"; use a multiple of {chunks} segments"
+            f"by '|', which do not divide evenly among {pp_size} pipeline stage(s); use a multiple of {pp_size} "
+            "segments"
         )
-    if not 0 <= pp_rank < pp_size or (vp_size and not 0 <= (vp_stage or 0) < vp_size):
-        raise HybridPatternError(
-            f"stage (pp_rank={pp_rank}, vp_stage={vp_stage}) is outside pp_size={pp_size}, vp_size={vp_size}"
-        )
-    per_chunk = len(parsed.segments) // chunks
-    chunk = (vp_stage or 0) * pp_size + pp_rank
-    first_layer = 1 + sum(len(s) for s in parsed.segments[: chunk * per_chunk])
-    mine = "".join(parsed.segments[chunk * per_chunk : (chunk + 1) * per_chunk])
+    if not 0 <= pp_rank < pp_size:
+        raise HybridPatternError(f"pp_rank {pp_rank} is outside pipeline_model_parallel_size {pp_size}")
+    per_stage = len(parsed.segments) // pp_size
+    first_layer = 1 + sum(len(s) for s in parsed.segments[: pp_rank * per_stage])
+    mine = "".join(parsed.segments[pp_rank * per_stage : (pp_rank + 1) * per_stage])
     return [(first_layer + i, symbol) for i, symbol in enumerate(mine)]

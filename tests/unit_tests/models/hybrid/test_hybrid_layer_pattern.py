@@ -67,9 +67,8 @@ def test_stages_get_their_segments_with_global_layer_numbers():
     assert select_stage_layers(parsed, 2, 0) == [(1, "M"), (2, "*"), (3, "-"), (4, "-")]
     assert select_stage_layers(parsed, 2, 1) == [(5, "*"), (6, "M"), (7, "M"), (8, "-")]
     assert select_stage_layers(parsed, 4, 3) == [(7, "M"), (8, "-")]
-    # Interleaved: chunk index = vp_stage * pp + pp_rank.
-    assert select_stage_layers(parsed, 2, 1, vp_size=2, vp_stage=0) == [(3, "-"), (4, "-")]
-    assert select_stage_layers(parsed, 2, 0, vp_size=2, vp_stage=1) == [(5, "*"), (6, "M")]
+    with pytest.raises(HybridPatternError, match="pp_rank 2 is outside pipeline_model_parallel_size 2"):
+        select_stage_layers(parsed, 2, 2)
 
 
 def test_uneven_stage_split_says_so():

@@ -1,0 +1,99 @@
+"""Hybrid Mamba/attention/MLP language model: embedding -> hybrid stack -> output layer."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.config import TransformerConfig
+from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern
+from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_mtp_block_spec
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.spec import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import check_no_virtual_pipeline
+
+
+class HybridModel(LanguageModule):
+    """Decoder-only language model whose layers follow a hybrid pattern (see
+    :mod:`hybrid_layer_pattern`): ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``|`` pipeline
+    stage boundary, ``/`` multi-token-prediction depths.
+
+    The signature is frozen (positional indexes are part of the API); new parameters go last.
+    The pattern comes from ``hybrid_layer_pattern``, else the legacy
+    ``hybrid_override_pattern``, else the ratios; its main part must have
+    ``config.num_layers`` layers and its ``/`` parts must number ``config.mtp_num_layers``.
+    Each pipeline stage builds only its ``|`` segments, with global layer numbers.
+    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hybrid_stack_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        hybrid_layer_pattern: str | None = None,
+        hybrid_attention_ratio: float | None = None,
+        hybrid_mlp_ratio: float | None = None,
+        hybrid_override_pattern: str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "none",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+        logit_dtype: torch.dtype | None = None,
+    ):
+        pg_collection = resolve_pg_collection(pg_collection)
+        check_no_context_parallel(config, pg_collection)
+        check_no_virtual_pipeline(vp_stage)
+        layer_pattern = resolve_hybrid_pattern(
+            config.num_layers, config.mtp_num_layers, hybrid_layer_pattern, hybrid_attention_ratio,
+            hybrid_mlp_ratio, hybrid_override_pattern,
+        )
+        mtp_block_spec = (
+            get_hybrid_mtp_block_spec(hybrid_stack_spec, layer_pattern.mtp_patterns)
+            if layer_pattern.mtp_patterns else None
+        )
+        super().__init__(
+            config, vocab_size, max_sequence_length, pre_process=pre_process, post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy, parallel_output=parallel_output,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
+            rotary_base=rotary_base, scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
+            seq_len_interpolation_factor=seq_len_interpolation_factor, mtp_block_spec=mtp_block_spec,
+            pg_collection=pg_collection, logit_dtype=logit_dtype,
+        )
+        self.layer_pattern = layer_pattern
+        self.hybrid_stack_spec = hybrid_stack_spec
+        self.vp_stage = vp_stage
+        self.decoder = build_module(
+            hybrid_stack_spec, config=config, layer_pattern=layer_pattern, pre_process=pre_process,
+            post_process=post_process, pg_collection=pg_collection,
+        )
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+        """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
+        hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
+        embedding on the first stage; ``inference_context`` reaches every Mamba and attention
+        layer (it must serve both protocols when the pattern mixes them)."""
+        position_ids = self.position_ids_for(input_ids, position_ids, labels)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, position_ids)
+        rotary_pos_emb = self.rotary(position_ids)
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                     inference_context=inference_context)
+        if not self.post_process:
+            return hidden_states
+        return self.postprocess(hidden_states, input_ids, position_ids, labels,
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)

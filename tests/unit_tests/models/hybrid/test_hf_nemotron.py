@@ -1,0 +1,84 @@
+"""HybridModel against HuggingFace NemotronHForCausalLM (random weights) after mapping."""
+
+import pytest
+import torch
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+from megatron.core.models.hybrid.hf_nemotron import (
+    NemotronHConversionError,
+    hybrid_to_nemotron_h_state_dict,
+    nemotron_h_model_args,
+    nemotron_h_to_hybrid_state_dict,
+    squared_relu,
+)
+from megatron.core.models.hybrid.hybrid_layer_pattern import HybridPatternError
+from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.models.hybrid.common import collection
+
+PATTERN = "M*-M-*"
+
+
+def hf_config(**overrides):
+    base = dict(
+        vocab_size=100, hidden_size=32, layers_block_type=None, hybrid_override_pattern=PATTERN,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_hidden_act="relu2",
+        mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+        layer_norm_epsilon=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
+        time_step_min=1e-3, time_step_max=0.1,
+    )
+    return NemotronHConfig(**(base | overrides))
+
+
+def hf_model():
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(hf_config()).eval()
+    with torch.no_grad():  # norms start at ones: make every weight non-trivial
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _logits_vs_hf():
+    hf = hf_model()
+    args = nemotron_h_model_args(hf.config)
+    model = HybridModel(args.config, get_hybrid_stack_local_spec(), args.vocab_size, args.max_sequence_length,
+                        hybrid_layer_pattern=args.hybrid_layer_pattern, parallel_output=False,
+                        pg_collection=collection()).eval()
+    state = nemotron_h_to_hybrid_state_dict(hf.state_dict(), args.hybrid_layer_pattern, model.padded_vocab_size)
+    missing, unexpected = model.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = model(ids)
+    back = hybrid_to_nemotron_h_state_dict(model.state_dict(), args.config, args.hybrid_layer_pattern, args.vocab_size)
+    same_keys = set(back) == set(hf.state_dict())
+    roundtrip = all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    return tuple(got.shape), (got - want).abs().max().item(), want.abs().max().item(), same_keys, roundtrip
+
+
+def test_hybrid_model_matches_hf_nemotron_h_logits():
+    (shape, diff, scale, same_keys, roundtrip), = run_distributed(_logits_vs_hf, 1)
+    assert shape == (2, 12, 100)
+    assert scale > 0.1 and diff <= 1e-4
+    assert same_keys and roundtrip
+
+
+def test_config_translation():
+    args = nemotron_h_model_args(hf_config(), tensor_model_parallel_size=2)
+    c = args.config
+    assert args.hybrid_layer_pattern == PATTERN and args.vocab_size == 100 and args.max_sequence_length == 64
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (6, 32, 4, 2, 8)
+    assert (c.mamba_num_heads, c.mamba_head_dim, c.mamba_num_groups, c.mamba_state_dim) == (8, 8, 2, 8)
+    assert c.activation_func is squared_relu and c.normalization == "RMSNorm" and not c.add_bias_linear
+    assert c.tensor_model_parallel_size == 2
+    assert torch.equal(squared_relu(torch.tensor([-2.0, 3.0])), torch.tensor([0.0, 9.0]))
+
+
+def test_config_translation_rejects_what_we_cannot_represent():
+    with pytest.raises(NemotronHConversionError, match=r"biases in linear layers \(attention_bias"):
+        nemotron_h_model_args(hf_config(attention_bias=True))
+    with pytest.raises(HybridPatternError, match=r"MoE layers \('E'\) are not supported yet, found at index 2"):
+        nemotron_h_model_args(hf_config(hybrid_override_pattern="M*E-"))
