@@ -92,8 +92,8 @@ class ColumnParallelLinear(torch.nn.Module):
                     f"output_partition_sizes {parts} must be positive and sum to output_size ({output_size})"
                 )
             for part in parts:
-                divide(part, tp, f"output partition size {part} of {parts} over tensor_model_parallel_size")
-        divide(output_size, tp, "ColumnParallelLinear output_size over tensor_model_parallel_size")
+                divide(part, tp, f"part of output_partition_sizes {parts}")
+        divide(output_size, tp, "ColumnParallelLinear output_size")
         if gather_output and config.sequence_parallel:
             raise TensorParallelError("ColumnParallelLinear: gather_output=True is not supported with sequence_parallel")
         self.input_size, self.output_size = input_size, output_size
@@ -150,7 +150,7 @@ class RowParallelLinear(torch.nn.Module):
         _check_sizes(input_size=input_size, output_size=output_size)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
-        divide(input_size, self.pg_collection.size("tp"), "RowParallelLinear input_size over tensor_model_parallel_size")
+        divide(input_size, self.pg_collection.size("tp"), "RowParallelLinear input_size")
         if config.sequence_parallel and not input_is_parallel:
             raise TensorParallelError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size

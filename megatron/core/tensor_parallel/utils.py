@@ -11,10 +11,11 @@ class TensorParallelError(ValueError):
     """A size or argument that cannot be split over tensor/generalized-tensor parallel ranks."""
 
 
-def divide(numerator: int, denominator: int, what: str = "size") -> int:
-    """``numerator // denominator``; raises TensorParallelError naming ``what`` when it does not divide."""
+def divide(numerator: int, denominator: int, what: str, by: str = "tensor_model_parallel_size") -> int:
+    """``numerator // denominator``; raises TensorParallelError naming ``what`` and ``by`` when it
+    does not divide."""
     if numerator % denominator:
-        raise TensorParallelError(f"{what} ({numerator}) must be divisible by {denominator}")
+        raise TensorParallelError(f"{what} ({numerator}) must be divisible by {by} ({denominator})")
     return numerator // denominator
 
 
