@@ -1,0 +1,6 @@
+"""The error type for dataset settings that cannot be honoured."""
+
+
+class DatasetConfigError(ValueError):
+    """Bad dataset settings (split string, sequence length, sample counts); the message names
+    the flag at fault and what would be accepted."""
