@@ -255,3 +255,110 @@ def gpt2_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied
 def gpt2_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
     """A GPT2LMHeadModel state dict from our full state dict."""
     return _apply_to_hf(_gpt2_rules(config), state_dict, vocab_size)
+
+
+# ---------------------------------------------------------------- NemotronH (NemotronHForCausalLM), hybrid
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` (NemotronH's ``relu2`` MLP activation)."""
+    return F.relu(x).square()
+
+
+NEMOTRON_H_ACTIVATIONS = {"relu2": squared_relu, "silu": F.silu, "gelu": F.gelu}
+
+
+def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
+    """TransformerConfig and HybridModel keyword arguments (``hybrid_layer_pattern`` included)
+    equivalent to a NemotronHConfig; its M/*/- layer types become our pattern.
+
+    HF's mixer clamps the Mamba step ``dt`` from below at ``time_step_min``; ours (like
+    Megatron's) does not, so the two agree whenever ``softplus(dt + dt_bias) >= time_step_min``.
+    """
+    from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
+
+    unsupported = [
+        (hf_config.attention_bias or hf_config.mlp_bias or hf_config.use_bias,
+         "biases in linear layers (attention_bias, mlp_bias and use_bias must be False)"),
+        (not hf_config.use_conv_bias, "a Mamba conv without bias (use_conv_bias must be True)"),
+        (hf_config.mamba_hidden_act != "silu", f"mamba_hidden_act {hf_config.mamba_hidden_act!r} (only 'silu')"),
+        (hf_config.mlp_hidden_act not in NEMOTRON_H_ACTIVATIONS,
+         f"mlp_hidden_act {hf_config.mlp_hidden_act!r} (supported: {sorted(NEMOTRON_H_ACTIVATIONS)})"),
+        (hf_config.num_nextn_predict_layers, "multi-token prediction layers (num_nextn_predict_layers must be 0)"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise HFMappingError("NemotronH settings not supported: " + "; ".join(problems))
+    pattern = hf_config.hybrid_override_pattern
+    parse_hybrid_pattern(pattern)  # MoE ('E') is rejected here, pointing at the character
+    config = TransformerConfig(**{
+        "num_layers": len(pattern),
+        "hidden_size": hf_config.hidden_size,
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_query_groups": hf_config.num_key_value_heads,
+        "kv_channels": hf_config.head_dim,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf_config.layer_norm_epsilon,
+        "activation_func": NEMOTRON_H_ACTIVATIONS[hf_config.mlp_hidden_act],
+        "gated_linear_unit": False,
+        "add_bias_linear": False,
+        "hidden_dropout": float(hf_config.hidden_dropout),
+        "attention_dropout": float(hf_config.attention_dropout),
+        "init_method_std": hf_config.initializer_range,
+        "mamba_state_dim": hf_config.ssm_state_size,
+        "mamba_head_dim": hf_config.mamba_head_dim,
+        "mamba_num_groups": hf_config.n_groups,
+        "mamba_num_heads": hf_config.mamba_num_heads,
+        "mamba_d_conv": hf_config.conv_kernel,
+        "mamba_chunk_size": hf_config.chunk_size,
+        **overrides,
+    })
+    kwargs = {
+        "vocab_size": hf_config.vocab_size,
+        "max_sequence_length": hf_config.max_position_embeddings,
+        "hybrid_layer_pattern": pattern,
+        "position_embedding_type": "none",
+        "share_embeddings_and_output_weights": bool(hf_config.tie_word_embeddings),
+    }
+    return config, kwargs
+
+
+def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> list[Rule]:
+    from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, parse_hybrid_pattern
+
+    q, kv = config.num_attention_heads * config.kv_channels, config.num_query_groups * config.kv_channels
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embeddings.weight",), vocab=True)]
+    for i, symbol in enumerate(parse_hybrid_pattern(hybrid_layer_pattern).layers):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules.append(Rule(ours + "norm.weight", (hf + "norm.weight",)))
+        if symbol == MAMBA:
+            rules += [Rule(ours + f"mixer.{name}", (hf + f"mixer.{name}",))
+                      for name in ("in_proj.weight", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")]
+            rules += [Rule(ours + "mixer.conv1d_weight", (hf + "mixer.conv1d.weight",)),
+                      Rule(ours + "mixer.conv1d_bias", (hf + "mixer.conv1d.bias",))]
+        elif symbol == ATTENTION:
+            rules += [
+                Rule(ours + "self_attention.linear_qkv.weight", tuple(hf + f"mixer.{p}_proj.weight" for p in "qkv"),
+                     sizes=(q, kv, kv)),
+                Rule(ours + "self_attention.linear_proj.weight", (hf + "mixer.o_proj.weight",)),
+            ]
+        else:
+            rules += [Rule(ours + "mlp.linear_fc1.weight", (hf + "mixer.up_proj.weight",)),
+                      Rule(ours + "mlp.linear_fc2.weight", (hf + "mixer.down_proj.weight",))]
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm_f.weight",)))
+    rules.append(Rule("output_layer.weight", ("lm_head.weight",), vocab=True))
+    return rules
+
+
+def nemotron_h_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, hybrid_layer_pattern: str,
+                                  tied: bool = False) -> dict:
+    """Our full HybridModel state dict from a NemotronHForCausalLM state dict."""
+    return _apply_from_hf(_nemotron_h_rules(config, hybrid_layer_pattern),
+                          _fill_tied_lm_head(hf_state_dict, "model.embeddings.weight", tied))
+
+
+def nemotron_h_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int,
+                                hybrid_layer_pattern: str) -> dict:
+    """A NemotronHForCausalLM state dict from our full HybridModel state dict."""
+    return _apply_to_hf(_nemotron_h_rules(config, hybrid_layer_pattern), state_dict, vocab_size)

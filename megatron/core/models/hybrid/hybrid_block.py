@@ -64,10 +64,10 @@ class HybridStack(nn.Module):
             with init_rng_scope(config, f"layer{number}"):
                 layers.append(build_hybrid_layer(submodules, symbol, config, number, pg_collection))
         self.layers = nn.ModuleList(layers)
-        self.final_norm = None
+        self.final_layernorm = None
         if post_process:
             with init_rng_scope(config, "final_norm"):
-                self.final_norm = build_norm(config)
+                self.final_layernorm = build_norm(config)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
@@ -88,8 +88,8 @@ class HybridStack(nn.Module):
             else:
                 hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                       inference_context=inference_context)
-        if self.final_norm is not None:
-            hidden_states = self.final_norm(hidden_states)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
 
 

@@ -1,14 +1,15 @@
-"""HybridModel against HuggingFace NemotronHForCausalLM (random weights) after mapping."""
+"""HybridModel against HuggingFace NemotronHForCausalLM (random weights) after the NemotronH
+mapping of megatron/core/models/hf_mapping.py."""
 
 import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from megatron.core.models.hybrid.hf_nemotron import (
-    NemotronHConversionError,
-    hybrid_to_nemotron_h_state_dict,
-    nemotron_h_model_args,
-    nemotron_h_to_hybrid_state_dict,
+from megatron.core.models.hf_mapping import (
+    HFMappingError,
+    nemotron_h_config_from_hf,
+    nemotron_h_state_dict_from_hf,
+    nemotron_h_state_dict_to_hf,
     squared_relu,
 )
 from megatron.core.models.hybrid.hybrid_layer_pattern import HybridPatternError
@@ -43,17 +44,16 @@ def hf_model():
 
 def _logits_vs_hf():
     hf = hf_model()
-    args = nemotron_h_model_args(hf.config)
-    model = HybridModel(args.config, get_hybrid_stack_local_spec(), args.vocab_size, args.max_sequence_length,
-                        hybrid_layer_pattern=args.hybrid_layer_pattern, parallel_output=False,
+    config, kwargs = nemotron_h_config_from_hf(hf.config)
+    model = HybridModel(config, get_hybrid_stack_local_spec(), **kwargs, parallel_output=False,
                         pg_collection=collection()).eval()
-    state = nemotron_h_to_hybrid_state_dict(hf.state_dict(), args.hybrid_layer_pattern, model.padded_vocab_size)
-    missing, unexpected = model.load_state_dict(state, strict=True)
+    pattern = kwargs["hybrid_layer_pattern"]
+    model.load_state_dict(nemotron_h_state_dict_from_hf(hf.state_dict(), config, pattern), strict=True)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids).logits
         got = model(ids)
-    back = hybrid_to_nemotron_h_state_dict(model.state_dict(), args.config, args.hybrid_layer_pattern, args.vocab_size)
+    back = nemotron_h_state_dict_to_hf(model.state_dict(), config, kwargs["vocab_size"], pattern)
     same_keys = set(back) == set(hf.state_dict())
     roundtrip = all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
     return tuple(got.shape), (got - want).abs().max().item(), want.abs().max().item(), same_keys, roundtrip
@@ -67,9 +67,9 @@ def test_hybrid_model_matches_hf_nemotron_h_logits():
 
 
 def test_config_translation():
-    args = nemotron_h_model_args(hf_config(), tensor_model_parallel_size=2)
-    c = args.config
-    assert args.hybrid_layer_pattern == PATTERN and args.vocab_size == 100 and args.max_sequence_length == 64
+    c, kwargs = nemotron_h_config_from_hf(hf_config(), tensor_model_parallel_size=2)
+    assert kwargs == dict(vocab_size=100, max_sequence_length=64, hybrid_layer_pattern=PATTERN,
+                          position_embedding_type="none", share_embeddings_and_output_weights=False)
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (6, 32, 4, 2, 8)
     assert (c.mamba_num_heads, c.mamba_head_dim, c.mamba_num_groups, c.mamba_state_dim) == (8, 8, 2, 8)
     assert c.activation_func is squared_relu and c.normalization == "RMSNorm" and not c.add_bias_linear
@@ -78,7 +78,7 @@ def test_config_translation():
 
 
 def test_config_translation_rejects_what_we_cannot_represent():
-    with pytest.raises(NemotronHConversionError, match=r"biases in linear layers \(attention_bias"):
-        nemotron_h_model_args(hf_config(attention_bias=True))
+    with pytest.raises(HFMappingError, match=r"NemotronH settings not supported: biases in linear layers"):
+        nemotron_h_config_from_hf(hf_config(attention_bias=True))
     with pytest.raises(HybridPatternError, match=r"MoE layers \('E'\) are not supported yet, found at index 2"):
-        nemotron_h_model_args(hf_config(hybrid_override_pattern="M*E-"))
+        nemotron_h_config_from_hf(hf_config(hybrid_override_pattern="M*E-"))
