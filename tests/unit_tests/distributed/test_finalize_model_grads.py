@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.tensor_parallel import set_parallel_attributes
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.tensor_parallel.helpers import collection, tp_config
 
 
@@ -31,6 +31,7 @@ class Chunk(torch.nn.Module):
             self.word_embeddings = torch.nn.Parameter(torch.zeros(2))
             self.word_embeddings.gtp_sharded = True  # isolate the embd reduction
             self.word_embeddings.shared_embedding = True
+        self.to(device())
         for p in self.parameters():
             p.grad = torch.full_like(p, dist.get_rank() + 1.0)
 
@@ -81,9 +82,10 @@ def test_finalize_reduces_each_parameter_kind_over_its_group(tp, g, pp, per_toke
 def test_missing_grads_become_zeros_and_main_grad_is_preferred():
     def run():
         pg = collection(gtp=2)
-        a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-        b.main_grad = torch.full((2,), 2.0 * (dist.get_rank() + 1))
-        b.grad = torch.full((2,), 100.0)  # ignored: DDP's main_grad is the gradient
+        dev = device()
+        a, b = torch.nn.Parameter(torch.zeros(2, device=dev)), torch.nn.Parameter(torch.zeros(2, device=dev))
+        b.main_grad = torch.full((2,), 2.0 * (dist.get_rank() + 1), device=dev)
+        b.grad = torch.full((2,), 100.0, device=dev)  # ignored: DDP's main_grad is the gradient
         module = torch.nn.Module()
         module.a, module.b = a, b
         finalize_model_grads(module, pg, tp_config())

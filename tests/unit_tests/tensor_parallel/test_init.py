@@ -11,7 +11,7 @@ from megatron.core.tensor_parallel import (
     gather_full_parameter,
     init_rng_scope,
 )
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.tensor_parallel.helpers import collection, tp_config
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -41,7 +41,7 @@ def _gathered_weights_per_layout():
     out = {}
     for tp, g in LAYOUTS:
         pg, modules = build_tiny_model(tp, g)
-        out[(tp, g)] = {name: gather_full_parameter(m.weight, pg) for name, m in modules.items()}
+        out[(tp, g)] = {name: gather_full_parameter(m.to(device()).weight, pg).cpu() for name, m in modules.items()}
     return out if dist.get_rank() == 0 else None
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.collectives import all_gather_along_dim, reduce_scatter_along_dim0
 from megatron.core.tensor_parallel.utils import TensorParallelError
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 
 SHAPE = (4, 2, 8)  # [s, b, h]; s and h divisible by 1, 2 and 4 ranks
 
@@ -71,12 +71,12 @@ def _check_all_mappings():
     world, me = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     for name, fn in FUNCTIONS.items():
-        x = rank_data(me)[0].requires_grad_(True)
+        x = rank_data(me)[0].to(device()).requires_grad_(True)
         y = fn(x, group)
         expected_y, expected_dx = reference(name, world, me)
-        torch.testing.assert_close(y, expected_y, rtol=1e-6, atol=1e-6, msg=f"{name} forward")
-        y.backward(rank_data(me, out_shape(name, world))[1])
-        torch.testing.assert_close(x.grad, expected_dx, rtol=1e-6, atol=1e-6, msg=f"{name} backward")
+        torch.testing.assert_close(y.detach().cpu(), expected_y, rtol=1e-6, atol=1e-6, msg=f"{name} forward")
+        y.backward(rank_data(me, out_shape(name, world))[1].to(device()))
+        torch.testing.assert_close(x.grad.cpu(), expected_dx, rtol=1e-6, atol=1e-6, msg=f"{name} backward")
     return True
 
 
@@ -86,11 +86,12 @@ def test_mappings_forward_and_backward_match_single_process(world):
 
 
 def _check_collective_helpers():
+    """all-gather on a non-leading dim and reduce-scatter (gloo: the all-reduce + slice fallback)."""
     me = dist.get_rank()
-    x = torch.arange(6.0).reshape(2, 3) + 10 * me
-    gathered = all_gather_along_dim(x, 1, dist.group.WORLD)
+    x = (torch.arange(6.0).reshape(2, 3) + 10 * me).to(device())
+    gathered = all_gather_along_dim(x, 1, dist.group.WORLD).cpu()
     torch.testing.assert_close(gathered, torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(2)], dim=1))
-    total = reduce_scatter_along_dim0(x, dist.group.WORLD)
+    total = reduce_scatter_along_dim0(x, dist.group.WORLD).cpu()
     torch.testing.assert_close(total, (2 * torch.arange(6.0).reshape(2, 3) + 10)[me : me + 1])
     with pytest.raises(TensorParallelError, match=r"reduce-scatter needs dim 0 \(3\) divisible by the group size \(2\)"):
         reduce_scatter_along_dim0(torch.zeros(3, 1), dist.group.WORLD)
@@ -99,5 +100,5 @@ def _check_collective_helpers():
     return True
 
 
-def test_gloo_fallback_collectives_and_indivisible_sizes():
+def test_dim_collectives_and_indivisible_sizes():
     assert run_distributed(_check_collective_helpers, 2) == [True, True]
