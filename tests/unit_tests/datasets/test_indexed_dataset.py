@@ -109,17 +109,42 @@ def corrupt(path, offset, data):
     path.write_bytes(bytes(raw))
 
 
+def truncate(path, num_bytes):
+    path.write_bytes(path.read_bytes()[:-num_bytes])
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda p: corrupt(p / "d.idx", 0, b"XXIDIDX"), r"is not a Megatron index file: expected it to start with magic"),
+        (
+            lambda p: corrupt(p / "d.idx", 0, b"XXIDIDX"),
+            r"is not a Megatron index file: expected it to start with magic",
+        ),
         (lambda p: corrupt(p / "d.idx", 9, struct.pack("<Q", 2)), r"has index version 2; accepted version: 1"),
-        (lambda p: corrupt(p / "d.idx", 17, bytes([42])), r"has dtype code 42; accepted codes: \[1, 2, 3, 4, 5, 6, 7, 8\]"),
-        (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:-8]), r"is 178 bytes but its header \(8 sequences, 7 document indices\) implies 186; the file is truncated"),
-        (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes()[:-2]), r"describes 76 bytes of uint16; the \.bin and \.idx do not belong"),
-        (lambda p: corrupt(p / "d.idx", 34, struct.pack("<i", 6)), r"sequence pointers that do not match its sequence lengths"),
-        (lambda p: corrupt(p / "d.idx", 34 + 96, struct.pack("<q", 1)), r"invalid document indices: they must start at 0"),
-        (lambda p: (p / "d.bin").unlink(), r"d\.bin not found: a dataset prefix PREFIX needs PREFIX\.bin and PREFIX\.idx"),
+        (
+            lambda p: corrupt(p / "d.idx", 17, bytes([42])),
+            r"has dtype code 42; accepted codes: \[1, 2, 3, 4, 5, 6, 7, 8\]",
+        ),
+        (
+            lambda p: truncate(p / "d.idx", 8),
+            r"is 178 bytes but its header \(8 sequences, 7 document indices\) implies 186; the file is truncated",
+        ),
+        (
+            lambda p: truncate(p / "d.bin", 2),
+            r"describes 76 bytes of uint16; the \.bin and \.idx do not belong together",
+        ),
+        (
+            lambda p: corrupt(p / "d.idx", 34, struct.pack("<i", 6)),
+            r"sequence pointers that do not match its sequence lengths",
+        ),
+        (
+            lambda p: corrupt(p / "d.idx", 34 + 96, struct.pack("<q", 1)),
+            r"invalid document indices: they must start at 0",
+        ),
+        (
+            lambda p: (p / "d.bin").unlink(),
+            r"d\.bin not found: a dataset prefix PREFIX needs PREFIX\.bin and PREFIX\.idx",
+        ),
         (lambda p: (p / "d.idx").write_bytes(b""), r"is not a Megatron index file"),
     ],
 )

@@ -35,10 +35,18 @@ def test_end_to_end_with_hf_tokenizer_and_two_workers(tmp_path):
     texts = generated_sentences(count=60, seed=3) + ["unicode: é 漢字 🙂"]
     input_path = write_jsonl(tmp_path / "in.jsonl", [{"text": t, "id": i} for i, t in enumerate(texts)])
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--input", str(input_path), "--output-prefix", str(tmp_path / "out" / "corpus"),
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer_dir),
-         "--append-eod", "--workers", "2", "--log-interval", "20"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable, str(SCRIPT),
+            "--input", str(input_path),
+            "--output-prefix", str(tmp_path / "out" / "corpus"),
+            "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(tokenizer_dir),
+            "--append-eod", "--workers", "2", "--log-interval", "20",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "processed 20 documents" in result.stderr
@@ -56,7 +64,8 @@ def test_byte_level_default_writes_one_dataset_per_json_key(tmp_path):
     records = [{"text": "héllo", "title": "a"}, {"text": "", "title": "bb"}]
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     (tmp_path / "in.jsonl").write_text(input_path.read_text() + "\n\n")  # blank lines are skipped
-    load_tool().main(["--input", str(input_path), "--output-prefix", str(tmp_path / "p"), "--json-keys", "text", "title"])
+    args = ["--input", str(input_path), "--output-prefix", str(tmp_path / "p"), "--json-keys", "text", "title"]
+    load_tool().main(args)
     text, title = IndexedDataset(tmp_path / "p_text_document"), IndexedDataset(tmp_path / "p_title_document")
     assert [text[i].tolist() for i in range(2)] == [list("héllo".encode()), []]
     assert [title[i].tolist() for i in range(2)] == [[97], [98, 98]]
@@ -66,7 +75,10 @@ def test_byte_level_default_writes_one_dataset_per_json_key(tmp_path):
 @pytest.mark.parametrize(
     "lines, message",
     [
-        (['{"text": "ok"}', '{"body": "x"}'], r"line 2 has no string field 'text' \(--json-keys\); its fields are \['body'\]"),
+        (
+            ['{"text": "ok"}', '{"body": "x"}'],
+            r"line 2 has no string field 'text' \(--json-keys\); its fields are \['body'\]",
+        ),
         (['{"text": "ok"}', "", "{not json"], r"line 3 is not valid JSON"),
         (["[1, 2]"], r"line 1 is a JSON list; expected an object"),
     ],

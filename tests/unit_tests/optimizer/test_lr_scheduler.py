@@ -112,7 +112,8 @@ def test_load_mismatch_policies():
 def test_load_rejects_incomplete_or_invalid_state():
     scheduler = make_scheduler("linear")
     with pytest.raises(LRSchedulerConfigError, match=r"state is missing lr_decay_iters, num_iters"):
-        scheduler.load_state_dict({k: v for k, v in scheduler.state_dict().items() if k not in ("num_iters", "lr_decay_iters")})
+        incomplete = {k: v for k, v in scheduler.state_dict().items() if k not in ("num_iters", "lr_decay_iters")}
+        scheduler.load_state_dict(incomplete)
     bad = {**scheduler.state_dict(), "min_lr": 5.0}
     with pytest.raises(LRSchedulerConfigError, match=r"--min-lr \(5.0\) must be <= --lr \(1.0\)"):
         scheduler.load_state_dict(bad, on_mismatch="use_checkpoint")
