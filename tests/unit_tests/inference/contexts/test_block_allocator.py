@@ -1,7 +1,6 @@
 """Block pool and prefix cache invariants, checked against hand-computed expectations."""
 
 import pytest
-import torch
 
 from megatron.core.inference.contexts import (
     BlockHashChain,
