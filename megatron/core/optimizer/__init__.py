@@ -1,0 +1,98 @@
+"""Mixed-precision, distributed and chained optimizers, built by :func:`get_megatron_optimizer`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import MasterParam, MegatronOptimizer, step_optimizers
+from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
+from megatron.core.parallel_state import resolve_pg_collection
+
+
+def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Biases and 1-D parameters (norm weights, Mamba scalars) get no weight decay."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def build_grad_scaler(config: OptimizerConfig):
+    """A constant scaler when ``loss_scale`` is set, a dynamic one for fp16, else None."""
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def get_param_groups(model_chunks: list[torch.nn.Module], no_weight_decay_cond: Callable = default_no_weight_decay) -> list[dict]:
+    """Trainable parameters (each once) split into a decayed (``wd_mult`` 1) and a
+    non-decayed (``wd_mult`` 0) group; empty groups are left out."""
+    decay, no_decay, seen = [], [], set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if no_weight_decay_cond(name, param) else decay).append(param)
+    groups = [
+        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
+        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks,
+    pg_collection=None,
+    *,
+    no_weight_decay_cond: Callable = default_no_weight_decay,
+):
+    """Build the optimizer for ``model_chunks`` (one module or a list, e.g. virtual-pipeline
+    chunks). With ``config.use_distributed_optimizer`` every chunk must be a
+    :class:`DistributedDataParallel` built with ``use_distributed_optimizer=True`` (and
+    without it, none may be): the two must agree on how gradients are reduced."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    pg = resolve_pg_collection(pg_collection)
+    for index, chunk in enumerate(chunks):
+        ddp_sharded = isinstance(chunk, DistributedDataParallel) and chunk.ddp_config.use_distributed_optimizer
+        if ddp_sharded != config.use_distributed_optimizer:
+            raise OptimizerConfigError(
+                f"model chunk {index}: OptimizerConfig.use_distributed_optimizer is "
+                f"{config.use_distributed_optimizer} but the chunk is "
+                + ("a DistributedDataParallel with" if ddp_sharded else "not a DistributedDataParallel with")
+                + " ddp_config.use_distributed_optimizer=True; the two settings must match"
+            )
+    groups = get_param_groups(chunks, no_weight_decay_cond)
+    scaler = build_grad_scaler(config)
+    if config.use_distributed_optimizer:
+        buffers = [buffer for chunk in chunks for buffer in chunk.param_and_grad_buffers]
+        return DistributedOptimizer(config, groups, pg, scaler, buffers)
+    return MegatronOptimizer(config, groups, pg, scaler)
+
+
+__all__ = [
+    "ChainedOptimizer",
+    "ConstantGradScaler",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
+    "MasterParam",
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "OptimizerConfigError",
+    "build_grad_scaler",
+    "default_no_weight_decay",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "step_optimizers",
+]

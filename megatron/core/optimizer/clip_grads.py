@@ -1,0 +1,74 @@
+"""Global gradient statistics (norm, zero count, inf/nan) with every parameter counted once.
+
+A gradient element exists on several ranks: TP/GTP peers hold copies of replicated params,
+the last pipeline stage holds a copy of the tied embedding, DP replicas hold identical
+gradients. The true global norm counts each element once:
+
+* TP-sharded params (``tensor_model_parallel``) count on every TP rank (disjoint shards);
+  others only on TP rank 0.
+* GTP-sharded params (``gtp_sharded``) count on every GTP rank; replicated ones (norms,
+  biases, Mamba scalars) only on GTP rank 0.
+* Tied embedding copies (``shared_embedding``) count only on the first pipeline stage.
+* The per-rank sums are added over ``mp`` (tp x gtp x pp), never over data-parallel replicas;
+  a sharded optimizer, whose replicas hold disjoint pieces, adds over ``dp_cp`` as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def grad_counted_on_this_rank(param: torch.Tensor, pg_collection) -> bool:
+    """Whether this rank's copy of ``param``'s gradient enters global statistics."""
+    if not getattr(param, "tensor_model_parallel", False) and pg_collection.rank("tp") != 0:
+        return False
+    if not getattr(param, "gtp_sharded", False) and pg_collection.rank("gtp") != 0:
+        return False
+    return not getattr(param, "shared_embedding", False) or pg_collection.rank("pp") == 0
+
+
+def stats_device(group) -> torch.device:
+    """Device for scalars reduced over ``group`` (CUDA under NCCL, else CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce(value: torch.Tensor, groups, op) -> torch.Tensor:
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+    return value
+
+
+def get_grad_norm_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> float:
+    """L2 norm of all gradients in the job: ``grads`` are this rank's counted gradients; the
+    squared sums are added over each group of ``sum_groups`` in turn."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad in grads:
+        total += grad.detach().float().pow(2).sum()
+    return _reduce(total, sum_groups, dist.ReduceOp.SUM).sqrt().item()
+
+
+def count_zeros_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> int:
+    """Number of zero elements among all counted gradients of the job."""
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    for grad in grads:
+        total += (grad == 0).sum()
+    return int(_reduce(total, sum_groups, dist.ReduceOp.SUM).item())
+
+
+def found_nonfinite(grads: list[torch.Tensor], max_groups: list, device: torch.device) -> bool:
+    """Whether any rank of the job (the union of ``max_groups``) has an inf or nan gradient."""
+    local = any(not torch.isfinite(grad).all() for grad in grads)
+    flag = torch.tensor([float(local)], dtype=torch.float32, device=device)
+    return bool(_reduce(flag, max_groups, dist.ReduceOp.MAX).item())
+
+
+def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place so that a global norm of ``total_norm`` becomes at most ``max_norm``."""
+    coefficient = max_norm / (total_norm + 1e-6)
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)

@@ -1,0 +1,50 @@
+"""Distributed optimizer: fp32 masters and optimizer state sharded over the ``dp_cp`` replicas.
+
+It works on the flat buffers of :class:`~megatron.core.distributed.DistributedDataParallel`
+built with ``use_distributed_optimizer=True``: DDP reduce-scatters each bucket's gradients so
+that replica ``r`` holds the reduced values of its contiguous ``1/|dp_cp|`` shard of the
+bucket. This optimizer makes masters (and so Adam state) only for the pieces of parameters
+that fall in this replica's shards, steps them, writes them into the flat parameter buffer
+and all-gathers every bucket so all replicas see all updated parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.optimizer.optimizer import MasterParam, MegatronOptimizer
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """:class:`MegatronOptimizer` whose masters are this replica's shards of the DDP buffers.
+
+    Args (besides those of :class:`MegatronOptimizer`):
+        buffers: the ``ParamAndGradBuffer`` objects of the DDP-wrapped model chunks; every
+            parameter in ``param_groups`` must live in one of them.
+    """
+
+    def __init__(self, config, param_groups, pg_collection, grad_scaler, buffers):
+        self.buffers = list(buffers)
+        self._buffer_of = {param: buffer for buffer in self.buffers for param in buffer.params}
+        super().__init__(config, param_groups, pg_collection, grad_scaler)
+
+    def _master_entries(self, param) -> list[MasterParam]:
+        """The piece of ``param`` inside this replica's shard of its bucket (possibly none)."""
+        buffer = self._buffer_of[param]
+        param_start, param_end = buffer.param_range(param)
+        shard_start, shard_end = buffer.bucket_of(param).shard_range()
+        start, end = max(param_start, shard_start), min(param_end, shard_end)
+        if start >= end:
+            return []
+        return [self._make_master(param, start - param_start, end - param_start)]
+
+    def _sum_groups(self) -> list:
+        return [self.pg_collection.mp, self.pg_collection.dp_cp]
+
+    def _gather_params(self) -> None:
+        for buffer in self.buffers:
+            buffer.gather_params()
+
+    def shard_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """``(model_param, start, end)`` flat element ranges owned here, in state-index order."""
+        return [(entry.model_param, entry.start, entry.end) for entry in self.master_params]

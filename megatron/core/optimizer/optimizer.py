@@ -1,0 +1,244 @@
+"""Mixed-precision optimizer: fp32 master weights, loss scaling, skipped steps, global clipping.
+
+:class:`MegatronOptimizer` wraps a torch optimizer (AdamW or SGD) that steps fp32 *master*
+tensors. For an fp32 model parameter the master is the parameter itself (a view, no copy);
+for bf16/fp16 parameters it is an fp32 copy, written back to the parameter after each step.
+Gradients come from ``param.main_grad`` (DDP buffers) or ``param.grad``.
+
+One step (:func:`step_optimizers`, shared with the chained optimizer): copy and unscale the
+gradients, agree on inf/nan over the whole job (MAX over ``mp`` then ``dp_cp``), update the
+loss scaler, skip the step if anything overflowed; otherwise compute the true global gradient
+norm (see :mod:`clip_grads`), clip, step and copy back.
+
+The torch optimizer's state is indexed by position in :attr:`MegatronOptimizer.master_params`,
+whose entries name the model parameter (and flat element range) each master stands for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.optimizer.clip_grads import (
+    clip_grads_by_total_norm,
+    count_zeros_fp32,
+    found_nonfinite,
+    get_grad_norm_fp32,
+    grad_counted_on_this_rank,
+    stats_device,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+@dataclass
+class MasterParam:
+    """An fp32 tensor the torch optimizer steps and the model parameter it stands for:
+    the whole parameter (``start`` None) or the flat elements ``[start, end)`` of it."""
+
+    model_param: torch.nn.Parameter
+    master: torch.Tensor
+    start: int | None
+    end: int | None
+    counted: bool  # enters global grad statistics on this rank
+
+    def model_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a parameter-shaped ``tensor`` this master covers."""
+        return tensor if self.start is None else tensor.reshape(-1)[self.start : self.end]
+
+    @property
+    def is_copy(self) -> bool:
+        return self.master.dtype != self.model_param.dtype
+
+
+def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
+
+
+class MegatronOptimizer:
+    """Mixed-precision optimizer over model parameters.
+
+    Args:
+        config: the :class:`OptimizerConfig`.
+        param_groups: dicts with ``params`` (model parameters), ``wd_mult`` and ``lr_mult``;
+            each becomes a torch param group with ``lr = config.lr * lr_mult`` and
+            ``weight_decay = config.weight_decay * wd_mult`` (what the LR scheduler keeps up).
+        pg_collection: groups of this rank (``tp``, ``gtp``, ``pp`` ranks; ``mp``, ``dp_cp``).
+        grad_scaler: a loss scaler or None (scale 1); chained members may share one.
+    """
+
+    def __init__(self, config: OptimizerConfig, param_groups: list[dict], pg_collection, grad_scaler=None):
+        self.config = config
+        self.pg_collection = pg_collection
+        self.grad_scaler = grad_scaler
+        self.device = stats_device(pg_collection.mp)
+        self.master_params: list[MasterParam] = []
+        torch_groups = []
+        for group in param_groups:
+            entries = [entry for param in group["params"] for entry in self._master_entries(param)]
+            self.master_params.extend(entries)
+            torch_groups.append(
+                {
+                    "params": [entry.master for entry in entries],
+                    "lr_mult": group["lr_mult"],
+                    "wd_mult": group["wd_mult"],
+                    "lr": config.lr * group["lr_mult"],
+                    "weight_decay": config.weight_decay * group["wd_mult"],
+                }
+            )
+        self.optimizer = _build_torch_optimizer(config, torch_groups)
+
+    def _master_entries(self, param: torch.nn.Parameter) -> list[MasterParam]:
+        """Masters standing for ``param`` on this rank (the whole parameter here)."""
+        return [self._make_master(param, None, None)]
+
+    def _make_master(self, param, start, end) -> MasterParam:
+        """fp32 params are stepped in place (the master is a view); others get an fp32 copy."""
+        view = param.detach() if start is None else param.detach().reshape(-1)[start:end]
+        master = view if param.dtype == torch.float32 else view.float().clone()
+        return MasterParam(param, master, start, end, grad_counted_on_this_rank(param, self.pg_collection))
+
+    # Groups whose members hold disjoint gradient pieces (summed for norms and zero counts).
+    def _sum_groups(self) -> list:
+        return [self.pg_collection.mp]
+
+    def _job_groups(self) -> list:
+        """Groups whose union is the whole job (for the inf/nan decision)."""
+        return [self.pg_collection.mp, self.pg_collection.dp_cp]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to back-propagate (multiplied by the current loss scale)."""
+        return loss * self.get_loss_scale()
+
+    def _master_grads(self, counted_only: bool = False) -> list[torch.Tensor]:
+        return [
+            entry.master.grad
+            for entry in self.master_params
+            if entry.master.grad is not None and (entry.counted or not counted_only)
+        ]
+
+    def prepare_grads(self) -> bool:
+        """Give each master its (unscaled, fp32) gradient; return whether any rank of the job
+        found inf/nan. Gradients that are fp32 views of ``main_grad`` are unscaled in place."""
+        for entry in self.master_params:
+            grad = _model_grad(entry.model_param)
+            if grad is None:
+                entry.master.grad = None
+                continue
+            grad = entry.model_view(grad)
+            entry.master.grad = grad if grad.dtype == torch.float32 else grad.float()
+        grads = self._master_grads()
+        if self.grad_scaler is not None:
+            for grad in grads:
+                grad.mul_(self.grad_scaler.inv_scale)
+        return found_nonfinite(grads, self._job_groups(), self.device)
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the prepared gradients, each parameter counted once."""
+        return get_grad_norm_fp32(self._master_grads(counted_only=True), self._sum_groups(), self.device)
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self._master_grads(counted_only=True), self._sum_groups(), self.device)
+
+    def clip_grad_norm(self, total_norm: float) -> None:
+        clip_grads_by_total_norm(self._master_grads(), self.config.clip_grad, total_norm)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Step the masters and write them back into the model parameters."""
+        self.optimizer.step()
+        for entry in self.master_params:
+            if entry.is_copy:
+                entry.model_view(entry.model_param.data).copy_(entry.master)
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        """Hook for optimizers that only updated part of each parameter."""
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """One optimizer step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``.
+        On inf/nan the step is skipped everywhere and ``(False, None, None)`` is returned."""
+        return step_optimizers([self])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop ``.grad`` of the model params and masters (DDP's ``main_grad`` is zeroed by
+        ``DistributedDataParallel.zero_grad_buffer``)."""
+        for entry in self.master_params:
+            entry.master.grad = None
+            entry.model_param.grad = None
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model parameters (after loading model weights)."""
+        for entry in self.master_params:
+            if entry.is_copy:
+                entry.master.copy_(entry.model_view(entry.model_param.detach()))
+
+    def state_numel(self) -> dict[str, int]:
+        """Elements this rank holds per kind of state: separate fp32 masters and each
+        optimizer state tensor (e.g. ``exp_avg``, ``exp_avg_sq``)."""
+        sizes = {"master_params": sum(e.master.numel() for e in self.master_params if e.is_copy)}
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    sizes[key] = sizes.get(key, 0) + value.numel()
+        return sizes
+
+    def state_dict(self) -> dict:
+        """Torch optimizer state (indexed like :attr:`master_params`), loss-scaler state and
+        the fp32 master copies (None for masters that are the fp32 parameter itself)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "master_params": [e.master if e.is_copy else None for e in self.master_params],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        for entry, saved in zip(self.master_params, state_dict["master_params"]):
+            if saved is not None:
+                entry.master.copy_(saved)
+
+
+def step_optimizers(optimizers: list) -> tuple[bool, float | None, int | None]:
+    """One agreed step over several optimizers: a single inf/nan decision, one loss-scaler
+    update per distinct scaler, one global grad norm (root of the members' squared norms)
+    used by every member to clip; returns ``(update_successful, grad_norm, num_zeros)``."""
+    found_inf = [opt.prepare_grads() for opt in optimizers]  # every member joins its collectives
+    skipped = any(found_inf)
+    scalers = {id(opt.grad_scaler): opt.grad_scaler for opt in optimizers if opt.grad_scaler is not None}
+    for scaler in scalers.values():
+        scaler.update(skipped)
+    if skipped:
+        return False, None, None
+    grad_norm = math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in optimizers))
+    for opt in optimizers:
+        if opt.config.clip_grad > 0:
+            opt.clip_grad_norm(grad_norm)
+    num_zeros = None
+    if any(opt.config.log_num_zeros_in_grad for opt in optimizers):
+        num_zeros = sum(opt.count_zeros() for opt in optimizers)
+    for opt in optimizers:
+        opt.step_with_ready_grads()
+    return True, grad_norm, num_zeros
