@@ -26,10 +26,10 @@ def load_buckets(path: str = BUCKETS_FILE) -> dict:
 
 
 def bucket_files(bucket: dict, root: str = ROOT) -> list[str]:
-    files = set()
-    for pattern in bucket["globs"]:
-        files.update(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern), recursive=True))
-    return sorted(files)
+    def expand(patterns):
+        return {os.path.relpath(p, root) for pattern in patterns for p in glob.glob(os.path.join(root, pattern), recursive=True)}
+
+    return sorted(expand(bucket["globs"]) - expand(bucket.get("exclude", [])))
 
 
 def main(argv=None) -> int:
