@@ -97,13 +97,13 @@ def check_column(pg, tp, g, sp, out_features, parts, per_token=False):
     with init_rng_scope(config, "col"):
         layer = ColumnParallelLinear(HIDDEN, out_features, config=config, init_method=init_normal,
                                      output_partition_sizes=parts, pg_collection=pg)
+    layer.to(device())
     full = full_weight(config, "col", (out_features, HIDDEN))
     check_weight_layout(layer.weight, full, 0, parts, pg, tp, g)
     bias_full = torch.linspace(-1, 1, out_features)
     with torch.no_grad():
         layer.bias.copy_(expected_piece(bias_full, 0, parts, pg.rank("tp"), tp, 0, 1))
     assert layer.bias.partition_dim == 0 and not layer.bias.gtp_sharded
-    layer.to(device())
 
     x, dout = make_data(data_seed(tp), (SEQ, BATCH, HIDDEN), out_features)
     ref_out, _, ref_db, ref_dx = reference_linear(full, bias_full, x, dout)
@@ -130,6 +130,7 @@ def check_row(pg, tp, g, sp, out_features, per_token=False):
     config = tp_config(tensor_model_parallel_size=tp, sequence_parallel=sp, calculate_per_token_loss=per_token)
     with init_rng_scope(config, "row"):
         layer = RowParallelLinear(in_features, out_features, config=config, init_method=init_normal, pg_collection=pg)
+    layer.to(device())
     full = full_weight(config, "row", (out_features, in_features))
     check_weight_layout(layer.weight, full, 1, None, pg, tp, g)
     assert layer.bias.partition_dim == -1 and not layer.bias.tensor_model_parallel
@@ -137,7 +138,6 @@ def check_row(pg, tp, g, sp, out_features, per_token=False):
     bias_full = torch.linspace(-1, 1, out_features)
     with torch.no_grad():
         layer.bias.copy_(bias_full)
-    layer.to(device())
 
     x, dout = make_data(data_seed(tp), (SEQ, BATCH, in_features), out_features)
     ref_out, _, ref_db, ref_dx = reference_linear(full, bias_full, x, dout)
@@ -166,9 +166,9 @@ def check_embedding(pg, tp, g, vocab):
     config = tp_config(tensor_model_parallel_size=tp)
     with init_rng_scope(config, "embedding"):
         layer = VocabParallelEmbedding(vocab, HIDDEN, config=config, init_method=init_normal, pg_collection=pg)
+    layer.to(device())
     full = full_weight(config, "embedding", (vocab, HIDDEN))
     check_weight_layout(layer.weight, full, 0, None, pg, tp, g)
-    layer.to(device())
 
     def run_reference(seed):
         ids, dout = make_data(seed, (BATCH, SEQ), HIDDEN, ids_range=vocab)
