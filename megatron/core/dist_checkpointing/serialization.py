@@ -1,0 +1,312 @@
+"""Save and load sharded state dicts.
+
+``save`` validates the combined sharding of every rank (nothing is written when it is wrong),
+writes each main replica once through torch.distributed.checkpoint into a staging directory,
+records what landed where (with checksums) in ``metadata.json`` and publishes the directory
+with an atomic rename. ``load`` reads any requested box of any global tensor, so a checkpoint
+saved under one TP/PP/DP/GTP layout loads under another.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import dist_utils, object_codec
+from megatron.core.dist_checkpointing.core import (
+    iteration_dir,
+    prepare_staging,
+    staging_dir,
+    publish,
+    read_latest_iteration,
+    write_latest_iteration,
+)
+from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves, set_path
+from megatron.core.dist_checkpointing.errors import CheckpointingError
+from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
+from megatron.core.dist_checkpointing.mapping import (
+    SHARDED_TYPES,
+    ShardedObject,
+    ShardedTensor,
+    apply_factories,
+    merge_factories,
+    object_storage_key,
+)
+from megatron.core.dist_checkpointing.metadata import (
+    COMMON_STATE_KEY,
+    METADATA_FILENAME,
+    CheckpointMetadata,
+    StoredChunk,
+    StoredObjectGrid,
+    StoredSlice,
+    StoredTensor,
+    read_metadata,
+)
+from megatron.core.dist_checkpointing.strategies import fully_parallel
+from megatron.core.dist_checkpointing.strategies.torch_dcp import PieceWrite, plan_box_reads, read_pieces, write_pieces
+from megatron.core.dist_checkpointing.validation import ShardRecord, gather_records, validate_records
+
+
+@dataclass
+class _WrittenPiece:
+    """What the coordinator needs to describe one written item in the metadata."""
+
+    kind: str  # "tensor", "object" or "common"
+    key: str
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: str
+    slice: StoredSlice | None = None  # filled in once DCP has written the piece
+
+
+def _on_coordinator(fn, group) -> None:
+    """Run ``fn`` on group rank 0 and raise its failure, as CheckpointingError, on every rank."""
+    error = None
+    if dist_utils.group_rank(group) == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    error = dist_utils.broadcast_object(error, group)
+    if error:
+        raise CheckpointingError(f"checkpoint coordinator failed: {error}")
+
+
+def _strip_sharded(tree: Any) -> Any:
+    """The common (non-sharded) part of a state dict; sharded list items become None."""
+    if isinstance(tree, dict):
+        return {k: _strip_sharded(v) for k, v in tree.items() if not isinstance(v, SHARDED_TYPES)}
+    if isinstance(tree, list):
+        return [None if isinstance(v, SHARDED_TYPES) else _strip_sharded(v) for v in tree]
+    return tree
+
+
+def _sharded_leaves(tree: Any):
+    if not isinstance(tree, dict):
+        raise CheckpointingError(f"a sharded state dict must be a dict, got {type(tree).__name__}")
+    return [(path, leaf) for path, leaf in iter_leaves(tree) if isinstance(leaf, SHARDED_TYPES)]
+
+
+def _check_keys(leaves) -> None:
+    for _, leaf in leaves:
+        if leaf.key == COMMON_STATE_KEY:
+            raise CheckpointingError(f"key {COMMON_STATE_KEY!r} is reserved for the common state; rename the piece")
+
+
+def save(
+    sharded_state_dict: dict,
+    checkpoint_dir: str,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    parallelization_group: dist.ProcessGroup | None = None,
+    assignment_cache: AssignmentCache | None = None,
+    validate: bool = True,
+    thread_count: int = 1,
+) -> None:
+    """Collectively save every rank's ``sharded_state_dict`` into ``checkpoint_dir``.
+
+    Every rank of ``process_group`` (default: the world) calls this with the same path (on a
+    filesystem they share). Plain values are the common state, saved from group rank 0.
+    With ``validate`` the combined sharding is checked first (see ``validation``); with a
+    ``parallelization_group`` the writing of replicated pieces is spread over its members
+    (optionally cached in ``assignment_cache``). Raises CheckpointingError on every rank when
+    any rank fails; then ``checkpoint_dir`` does not exist.
+    """
+    checkpoint_dir = os.path.abspath(checkpoint_dir)
+    tree, _ = apply_factories(sharded_state_dict)
+    leaves = _sharded_leaves(tree)
+    _check_keys(leaves)
+    records = [ShardRecord.of(leaf) for _, leaf in leaves]
+    if validate:
+        validate_records(gather_records(records, process_group))
+    if parallelization_group is not None:
+        parallel_writes = fully_parallel.pieces_to_write(records, parallelization_group, assignment_cache)
+    planned: list[tuple[PieceWrite, _WrittenPiece]] = []
+    chunks_planned = set()
+    for (_, leaf), record in zip(leaves, records):
+        if isinstance(leaf, ShardedTensor):
+            writes_it = record.chunk in parallel_writes if parallelization_group is not None else leaf.is_main
+            if not writes_it or not leaf.numel or record.chunk in chunks_planned:
+                continue
+            if leaf.data is None:
+                raise CheckpointingError(f"ShardedTensor {leaf.key!r} at offset {leaf.global_offset} has no data to save")
+            chunks_planned.add(record.chunk)
+            piece = PieceWrite(leaf.key, leaf.data.reshape(leaf.local_shape), leaf.global_offset, leaf.global_shape)
+            planned.append((piece, _WrittenPiece("tensor", leaf.key, leaf.global_offset, leaf.local_shape, leaf.global_shape, record.dtype)))
+        elif leaf.is_main:
+            piece = _bytes_piece(leaf.unique_key, object_codec.encode(leaf.data, f"ShardedObject {leaf.key!r}"))
+            planned.append((piece, _WrittenPiece("object", leaf.key, leaf.global_offset, piece.global_shape, leaf.global_shape, "uint8")))
+    if dist_utils.group_rank(process_group) == 0:
+        piece = _bytes_piece(COMMON_STATE_KEY, object_codec.encode(_strip_sharded(tree), "common state"))
+        planned.append((piece, _WrittenPiece("common", COMMON_STATE_KEY, (0,), piece.global_shape, piece.global_shape, "uint8")))
+    staging = staging_dir(checkpoint_dir)
+    _on_coordinator(lambda: prepare_staging(checkpoint_dir), process_group)
+    landed = write_pieces(staging, [piece for piece, _ in planned], process_group, thread_count)
+    written = [replace(w, slice=landed[(piece.fqn, piece.global_offset)]) for piece, w in planned]
+    gathered = dist_utils.gather_object(written, process_group)
+    _on_coordinator(
+        lambda: publish(staging, checkpoint_dir, METADATA_FILENAME, _build_metadata(gathered).to_json()), process_group
+    )
+
+
+def _bytes_piece(fqn: str, blob: bytes) -> PieceWrite:
+    tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return PieceWrite(fqn, tensor, (0,), (len(blob),))
+
+
+def _build_metadata(written_by_rank: list[list[_WrittenPiece]]) -> CheckpointMetadata:
+    metadata = CheckpointMetadata()
+    for written in written_by_rank:
+        for w in written:
+            if w.kind == "tensor":
+                entry = metadata.tensors.setdefault(w.key, StoredTensor(w.dtype, w.global_shape))
+                entry.chunks.append(StoredChunk(w.global_offset, w.local_shape, w.slice))
+            elif w.kind == "object":
+                grid = metadata.objects.setdefault(w.key, StoredObjectGrid(w.global_shape))
+                grid.cells[w.global_offset] = StoredChunk((0,), w.local_shape, w.slice)
+            else:
+                metadata.common = StoredChunk((0,), w.local_shape, w.slice)
+    return metadata
+
+
+def _stored_tensor_for(leaf: ShardedTensor, metadata: CheckpointMetadata) -> StoredTensor:
+    stored = metadata.tensors.get(leaf.key)
+    if stored is None:
+        known = sorted(metadata.tensors)
+        raise CheckpointingError(
+            f"tensor {leaf.key!r} is not in the checkpoint; it holds {len(known)} tensors, e.g. {known[:8]}"
+        )
+    if tuple(stored.global_shape) != leaf.global_shape and not leaf.allow_shape_mismatch:
+        raise CheckpointingError(
+            f"tensor {leaf.key!r}: the checkpoint holds global shape {tuple(stored.global_shape)} but global shape "
+            f"{leaf.global_shape} was requested (set allow_shape_mismatch=True to load the overlap)"
+        )
+    return stored
+
+
+def _object_cell_for(leaf: ShardedObject, metadata: CheckpointMetadata) -> StoredChunk:
+    grid = metadata.objects.get(leaf.key)
+    if grid is None:
+        raise CheckpointingError(f"object {leaf.key!r} is not in the checkpoint; it holds objects {sorted(metadata.objects)[:8]}")
+    if tuple(grid.global_shape) != leaf.global_shape or leaf.global_offset not in grid.cells:
+        raise CheckpointingError(
+            f"object {leaf.key!r}: cell {leaf.global_offset} of a grid of shape {leaf.global_shape} was requested, "
+            f"the checkpoint holds a grid of shape {tuple(grid.global_shape)}"
+        )
+    return grid.cells[leaf.global_offset]
+
+
+def _slices(metadata: CheckpointMetadata) -> dict:
+    slices = {(key, c.global_offset): c.slice for key, t in metadata.tensors.items() for c in t.chunks}
+    for key, grid in metadata.objects.items():
+        for cell, chunk in grid.cells.items():
+            slices[(object_storage_key(key, cell, grid.global_shape), (0,))] = chunk.slice
+    if metadata.common is not None:
+        slices[(COMMON_STATE_KEY, (0,))] = metadata.common.slice
+    return slices
+
+
+def load(
+    sharded_state_dict: dict,
+    checkpoint_dir: str,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    parallelization_group: dist.ProcessGroup | None = None,
+    assignment_cache: AssignmentCache | None = None,
+) -> dict:
+    """Load the pieces described by ``sharded_state_dict`` from ``checkpoint_dir``.
+
+    Returns a dict of the same structure with each ShardedTensor replaced by a new tensor of
+    its data shape and dtype (cast from the stored dtype if they differ), each ShardedObject by
+    its data, each factory by its merged tensor, and the saved common state filled in. Any rank
+    may ask for any box of a global tensor. Without a ``parallelization_group`` each rank reads
+    alone (no collectives, ``process_group`` is unused); with one, requests shared by its
+    members are read once and broadcast. Raises CheckpointingError (CorruptCheckpointError for
+    truncated or corrupted files) naming the key and file at fault.
+    """
+    del process_group  # reads are planned per rank from the shared metadata
+    metadata = read_metadata(checkpoint_dir)
+    tree, factories = apply_factories(sharded_state_dict)
+    leaves = _sharded_leaves(tree)
+    tensors = [(path, leaf) for path, leaf in leaves if isinstance(leaf, ShardedTensor)]
+    records = {record.chunk: record for record in (ShardRecord.of(leaf) for _, leaf in tensors)}
+    stored = {leaf.key: _stored_tensor_for(leaf, metadata) for _, leaf in tensors}
+    if parallelization_group is not None:
+        to_read, assignment = fully_parallel.pieces_to_read(list(records.values()), parallelization_group, assignment_cache)
+    else:
+        to_read = set(records)
+    targets, items, loaded = {}, [], {}
+    for chunk in to_read:
+        record = records[chunk]
+        dest = f"{len(targets)}"
+        clipped = tuple(stored[record.key].global_shape) != record.global_shape
+        targets[dest] = (torch.zeros if clipped else torch.empty)(record.local_shape, dtype=getattr(torch, record.dtype))
+        items += plan_box_reads(dest, record.key, record.global_offset, record.local_shape, stored[record.key])
+        loaded[chunk] = targets[dest]
+    objects = {}
+    for path, leaf in leaves:
+        if isinstance(leaf, ShardedObject):
+            cell = _object_cell_for(leaf, metadata)
+            objects[path] = _read_bytes_target(object_storage_key(leaf.key, leaf.global_offset, leaf.global_shape), cell, targets, items)
+    if metadata.common is not None:
+        common_bytes = _read_bytes_target(COMMON_STATE_KEY, metadata.common, targets, items)
+    read_pieces(checkpoint_dir, items, targets, _slices(metadata))
+    if parallelization_group is not None:
+        fully_parallel.exchange_loaded(assignment, loaded, set(records), parallelization_group)
+
+    def result_leaf(path, leaf):
+        if isinstance(leaf, ShardedTensor):
+            return loaded[ShardRecord.of(leaf).chunk].reshape(leaf.data_shape)
+        if isinstance(leaf, ShardedObject):
+            return object_codec.decode(objects[path].numpy().tobytes(), f"object {leaf.key!r}")
+        return leaf
+
+    result = map_leaves(result_leaf, tree)
+    if metadata.common is not None:
+        _overlay_common(result, object_codec.decode(common_bytes.numpy().tobytes(), "common state"), {p for p, _ in leaves})
+    merge_factories(result, factories)
+    return result
+
+
+def _read_bytes_target(fqn: str, chunk: StoredChunk, targets: dict, items: list) -> torch.Tensor:
+    dest = f"{len(targets)}"
+    targets[dest] = torch.empty(chunk.local_shape, dtype=torch.uint8)
+    items += plan_box_reads(dest, fqn, (0,), chunk.local_shape, StoredTensor("uint8", chunk.local_shape, [chunk]))
+    return targets[dest]
+
+
+def _overlay_common(result: dict, common: Any, sharded_paths: set) -> None:
+    for path, value in iter_leaves(common):
+        if path in sharded_paths or not path:
+            continue
+        try:
+            set_path(result, path, value)
+        except (IndexError, KeyError, TypeError) as err:
+            raise CheckpointingError(
+                f"the saved common state at {path} does not fit the requested state dict structure ({err})"
+            ) from err
+
+
+def save_iteration(
+    sharded_state_dict: dict, root: str, iteration: int, process_group: dist.ProcessGroup | None = None, **save_kwargs
+) -> str:
+    """Save into ``<root>/iter_XXXXXXX`` and then point the ``latest`` tracker at it."""
+    path = iteration_dir(root, iteration)
+    save(sharded_state_dict, path, process_group, **save_kwargs)
+    _on_coordinator(lambda: write_latest_iteration(root, iteration), process_group)
+    return path
+
+
+def load_latest(
+    sharded_state_dict: dict, root: str, process_group: dist.ProcessGroup | None = None, **load_kwargs
+) -> tuple[dict, int]:
+    """Load the iteration the tracker in ``root`` names; returns (state dict, iteration)."""
+    iteration = read_latest_iteration(root)
+    if iteration is None:
+        raise CheckpointingError(f"{root} has no latest_checkpointed_iteration.txt tracker: nothing has been saved there")
+    return load(sharded_state_dict, iteration_dir(root, iteration), process_group, **load_kwargs), iteration
