@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, Union
 
 
-class Channel(str, enum.Enum):
+class Channel(enum.StrEnum):
     """The text channels of a chat completion."""
 
     REASONING = "reasoning"
@@ -47,7 +47,7 @@ class ToolCallEvent:
     arguments: str
 
 
-Event = Union[TextEvent, ToolCallEvent]
+Event = TextEvent | ToolCallEvent
 
 
 class ParserFinishedError(ValueError):

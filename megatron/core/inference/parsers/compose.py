@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from megatron.core.inference.parsers.base import Channel, Event, StreamParser, TextEvent
 from megatron.core.inference.parsers.reasoning import deepseek_r1_reasoning_parser, nemotron_reasoning_parser

@@ -17,7 +17,7 @@ held-back text, and it is not counted in ``pending_marker_chars``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron.core.inference.parsers.base import Channel, Event, MarkerStreamParser, TextEvent
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import abc
 import json
 import secrets
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from megatron.core.inference.parsers.base import Channel, Event, MarkerStreamParser, TextEvent, ToolCallEvent
 

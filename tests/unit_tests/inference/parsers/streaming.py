@@ -4,16 +4,44 @@ that streams a text through a parser checking stable emission at every step."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 from hypothesis import strategies as st
 
 from megatron.core.inference.parsers import ParsedOutput, ToolCallEvent, collect
 
 FRAGMENTS = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>",
-    "<parameter=", "</parameter>", "<", "</", "<t", "</thi", "<tool_", "</tool_ca", "<func",
-    "think>", "call>", "f>", "n>", "s>", "hello", "world", " ", "\n", "5", "abc",
-    '{"name": "f", "arguments": {"a": [1, "x"]}}', '{"name": "g"}', '{"name": 3}', "{", "}",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+    "<",
+    "</",
+    "<t",
+    "</thi",
+    "<tool_",
+    "</tool_ca",
+    "<func",
+    "think>",
+    "call>",
+    "f>",
+    "n>",
+    "s>",
+    "hello",
+    "world",
+    " ",
+    "\n",
+    "5",
+    "abc",
+    '{"name": "f", "arguments": {"a": [1, "x"]}}',
+    '{"name": "g"}',
+    '{"name": 3}',
+    "{",
+    "}",
     '{"name": "h", "arguments": "{\\"k\\": true}"}',
 ]
 
@@ -24,7 +52,7 @@ texts = st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join)
 def split_at(text: str, cuts: list[int]) -> list[str]:
     """Split ``text`` at the given positions (sorted, deduplicated; empty pieces kept)."""
     bounds = [0, *sorted(cuts), len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in pairwise(bounds)]
 
 
 @st.composite

@@ -161,7 +161,7 @@ def test_malformed_qwen3_coder_call_is_literal_content(text):
 
 
 def hermes_call(name, args):
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 def qwen_call(name, args, wrapped):
@@ -170,7 +170,9 @@ def qwen_call(name, args, wrapped):
     return f"<tool_call>\n{call}\n</tool_call>" if wrapped else call
 
 
-arguments = st.dictionaries(st.sampled_from(["n", "s", "o", "q"]), st.sampled_from(["1", "x y", "{}", "<a>"]), max_size=3)
+arguments = st.dictionaries(
+    st.sampled_from(["n", "s", "o", "q"]), st.sampled_from(["1", "x y", "{}", "<a>"]), max_size=3
+)
 segments = st.one_of(
     st.sampled_from(FRAGMENTS),
     st.builds(hermes_call, st.sampled_from(["f", "g"]), arguments),
