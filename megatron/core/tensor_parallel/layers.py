@@ -35,17 +35,17 @@ from megatron.core.tensor_parallel.utils import (
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "pad_vocab_size"]
 
 
-def _weight_for_compute(weight: torch.Tensor, pg_collection, config) -> tuple[torch.Tensor, dict | None]:
-    """Either the weight itself, or (when GTP-sharded) the arguments of the GTP gather."""
+def _gtp_gather_args(weight: torch.Tensor, pg_collection, config) -> dict | None:
+    """Arguments of the GTP gather of ``weight``; None when it is not GTP-sharded (plain TP)."""
     if not weight.gtp_sharded:
-        return weight, None
+        return None
     scale = gtp_ops.grad_scale_for(config.calculate_per_token_loss, pg_collection.size("gtp"))
-    return weight, dict(group=pg_collection.gtp, rows=weight.gtp_rows, grad_scale=scale)
+    return dict(group=pg_collection.gtp, rows=weight.gtp_rows, grad_scale=scale)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, pg_collection, config) -> torch.Tensor:
     """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded)."""
-    weight, gtp_args = _weight_for_compute(weight, pg_collection, config)
+    gtp_args = _gtp_gather_args(weight, pg_collection, config)
     if gtp_args is None:
         return F.linear(x, weight)
     return gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args)
@@ -211,7 +211,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         if tp > 1:
             outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
             ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        weight, gtp_args = _weight_for_compute(self.weight, self.pg_collection, self.config)
+        weight = self.weight
+        gtp_args = _gtp_gather_args(weight, self.pg_collection, self.config)
         if gtp_args is not None:
             weight = gtp_ops.gather_gtp_weight(weight, **gtp_args)
         out = F.embedding(ids, weight)

@@ -6,14 +6,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
     RNGStatesTracker,
+    RowParallelLinear,
     checkpoint,
     get_rng_tracker,
+    init_rng_scope,
     model_parallel_manual_seed,
 )
 from megatron.core.tensor_parallel.random import RNGTrackerError
-from tests.unit_tests.dist_harness import run_distributed
-from tests.unit_tests.tensor_parallel.helpers import collection
+from tests.unit_tests.dist_harness import device, run_distributed
+from tests.unit_tests.tensor_parallel.helpers import collection, tp_config
 
 
 def test_fork_advances_only_its_stream_and_restores_the_default_rng():
@@ -73,3 +76,33 @@ def test_checkpoint_recomputes_with_the_forward_rng_and_matches_plain_backward()
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
     assert (grads[0][0] == 0).any()  # dropout really dropped something
+
+
+def _checkpointed_parallel_block():
+    pg = collection(gtp=2)
+    config = tp_config()
+    with init_rng_scope(config, "layer1"):
+        fc1 = ColumnParallelLinear(6, 10, config=config, init_method=torch.nn.init.normal_, pg_collection=pg).to(device())
+        fc2 = RowParallelLinear(10, 6, config=config, init_method=torch.nn.init.normal_, pg_collection=pg).to(device())
+
+    def mlp(x):
+        with get_rng_tracker().fork():
+            h = F.dropout(F.gelu(fc1(x)[0]), p=0.3, training=True)
+        return fc2(h)[0]
+
+    results = []
+    for use_checkpoint in (False, True):
+        model_parallel_manual_seed(9, pg)
+        x = torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(dist.get_rank())).to(device()).requires_grad_(True)
+        out = checkpoint(mlp, x) if use_checkpoint else mlp(x)
+        out.sum().backward()
+        results.append([t.detach().clone() for t in (out, x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad)])
+        for module in (fc1, fc2):
+            module.zero_grad(set_to_none=True)
+    for plain, recomputed in zip(*results):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-6, atol=1e-6)
+    return True
+
+
+def test_checkpoint_of_a_gtp_sharded_block_matches_plain_backward():
+    assert run_distributed(_checkpointed_parallel_block, 2) == [True, True]
