@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.core import (
     read_latest_iteration,
     write_latest_iteration,
 )
-from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves, set_path
+from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
 from megatron.core.dist_checkpointing.mapping import (
@@ -268,7 +268,8 @@ def load(
 
     result = map_leaves(result_leaf, tree)
     if metadata.common is not None:
-        _overlay_common(result, object_codec.decode(common_bytes.numpy().tobytes(), "common state"), {p for p, _ in leaves})
+        common = object_codec.decode(common_bytes.numpy().tobytes(), "common state")
+        result = _merge_common(result, common, {path for path, _ in leaves})
     merge_factories(result, factories)
     return result
 
@@ -280,16 +281,18 @@ def _read_bytes_target(fqn: str, chunk: StoredChunk, targets: dict, items: list)
     return targets[dest]
 
 
-def _overlay_common(result: dict, common: Any, sharded_paths: set) -> None:
-    for path, value in iter_leaves(common):
-        if path in sharded_paths or not path:
-            continue
-        try:
-            set_path(result, path, value)
-        except (IndexError, KeyError, TypeError) as err:
-            raise CheckpointingError(
-                f"the saved common state at {path} does not fit the requested state dict structure ({err})"
-            ) from err
+def _merge_common(result: Any, common: Any, sharded_paths: set, path: tuple = ()) -> Any:
+    """``result`` with the saved common state merged in: saved plain values win, loaded
+    sharded values stay, containers are merged recursively."""
+    if path in sharded_paths:
+        return result
+    if isinstance(result, dict) and isinstance(common, dict):
+        for key, value in common.items():
+            result[key] = _merge_common(result[key], value, sharded_paths, path + (key,)) if key in result else value
+        return result
+    if isinstance(result, list) and isinstance(common, list) and len(result) == len(common):
+        return [_merge_common(r, c, sharded_paths, path + (i,)) for i, (r, c) in enumerate(zip(result, common))]
+    return common
 
 
 def save_iteration(
