@@ -142,7 +142,7 @@ def parameter_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict
 
 
 def random_call_id(index: int) -> str:
-    """An OpenAI-style call id, ``call_`` and 24 random hex digits."""
+    """An OpenAI-style call id, ``call_`` and 24 random hex digits (the index is not needed)."""
     return "call_" + secrets.token_hex(12)
 
 
@@ -206,11 +206,15 @@ class ToolCallParser(MarkerStreamParser):
         return [TextEvent(Channel.CONTENT, text)]
 
 
-def hermes_tool_call_parser(tools, id_factory: Callable[[int], str] = random_call_id) -> ToolCallParser:
+def hermes_tool_call_parser(
+    tools: Sequence[Mapping[str, Any]] | None, id_factory: Callable[[int], str] = random_call_id
+) -> ToolCallParser:
     """Tool-call parser for Hermes JSON calls."""
     return ToolCallParser(HermesFormat(), tools, id_factory)
 
 
-def qwen3_coder_tool_call_parser(tools, id_factory: Callable[[int], str] = random_call_id) -> ToolCallParser:
+def qwen3_coder_tool_call_parser(
+    tools: Sequence[Mapping[str, Any]] | None, id_factory: Callable[[int], str] = random_call_id
+) -> ToolCallParser:
     """Tool-call parser for Qwen3-coder XML calls."""
     return ToolCallParser(Qwen3CoderFormat(), tools, id_factory)
