@@ -14,12 +14,23 @@ class ChainedOptimizer:
     steps, clipped by the same coefficient, or none does. Every rank must hold the same
     members in the same order. ``param_groups`` concatenates the members' groups (the same
     dicts, so an LR scheduler driving the chain drives each member).
+
+    The loss is scaled once, so all members must unscale by the same scale: either no member
+    has a loss scaler, or all have one and they are made to share the first member's.
     """
 
     def __init__(self, chained_optimizers: list):
         if not chained_optimizers:
             raise OptimizerConfigError("ChainedOptimizer needs at least one optimizer, got an empty list")
         self.chained_optimizers = list(chained_optimizers)
+        with_scaler = [opt.grad_scaler is not None for opt in self.chained_optimizers]
+        if any(with_scaler) and not all(with_scaler):
+            raise OptimizerConfigError(
+                f"chained optimizers disagree on loss scaling (member has a loss scaler: {with_scaler}); "
+                "use the same fp16 / loss_scale settings for every member"
+            )
+        for opt in self.chained_optimizers[1:]:
+            opt.grad_scaler = self.chained_optimizers[0].grad_scaler
 
     @property
     def param_groups(self) -> list[dict]:
@@ -30,7 +41,7 @@ class ChainedOptimizer:
         return self.chained_optimizers[0].config
 
     def get_loss_scale(self) -> float:
-        """The first member's scale (members built together share one scaler)."""
+        """The shared loss scale (1.0 without loss scaling)."""
         return self.chained_optimizers[0].get_loss_scale()
 
     def scale_loss(self, loss):
