@@ -7,9 +7,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.tensor_parallel import set_parallel_attributes
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_full_grad,
+    gather_full_parameter,
+    init_rng_scope,
+    set_parallel_attributes,
+)
 from tests.unit_tests.dist_harness import device, run_distributed
-from tests.unit_tests.tensor_parallel.helpers import collection, tp_config
+from tests.unit_tests.tensor_parallel.helpers import collection, data_seed, gtp_peer_seeds, tp_config
 
 
 class Chunk(torch.nn.Module):
@@ -92,3 +99,42 @@ def test_missing_grads_become_zeros_and_main_grad_is_preferred():
         return a.grad.tolist(), b.main_grad.tolist(), b.grad.tolist()
 
     assert run_distributed(run, 2) == [([0.0, 0.0], [3.0, 3.0], [100.0, 100.0])] * 2
+
+
+def _layers_with_sequence_parallel_and_gtp():
+    """Column -> gelu -> Row under TP2 x GTP2 with sequence parallelism: after finalize every
+    gathered grad (sharded weights, TP-sliced and whole biases) is the GTP-peer mean of the
+    single-process full-sequence grads."""
+    pg = collection(tp=2, gtp=2)
+    config = tp_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    with init_rng_scope(config, "layer1"):
+        fc1 = ColumnParallelLinear(4, 6, config=config, init_method=torch.nn.init.normal_, pg_collection=pg)
+        fc2 = RowParallelLinear(6, 4, config=config, init_method=torch.nn.init.normal_, pg_collection=pg)
+    model = torch.nn.ModuleList([fc1, fc2]).to(device())
+    with torch.no_grad():
+        fc1.bias.copy_(torch.linspace(-1, 1, 3))
+    full = {name: gather_full_parameter(p, pg).cpu() for name, p in model.named_parameters()}
+
+    def reference_grads(seed):
+        x = torch.randn(4, 2, 4, generator=torch.Generator().manual_seed(seed))
+        params = {k: v.clone().requires_grad_(True) for k, v in full.items()}
+        h = torch.nn.functional.gelu(x @ params["0.weight"].t() + params["0.bias"])
+        y = h @ params["1.weight"].t() + params["1.bias"]
+        (y * y).sum().backward()
+        return x, {k: v.grad for k, v in params.items()}
+
+    x, _ = reference_grads(data_seed(2))
+    x_local = x.chunk(2, dim=0)[pg.rank("tp")].to(device())  # sequence parallel input
+    y = fc2(torch.nn.functional.gelu(fc1(x_local)[0]))[0]
+    (y * y).sum().backward()
+    finalize_model_grads([model], pg, config)
+
+    peers = [reference_grads(s)[1] for s in gtp_peer_seeds(pg, 2)]
+    for name, param in model.named_parameters():
+        expected = sum(p[name] for p in peers) / len(peers)
+        torch.testing.assert_close(gather_full_grad(param, pg).cpu(), expected, rtol=1e-5, atol=1e-5, msg=name)
+    return True
+
+
+def test_parallel_layers_with_sequence_parallel_and_gtp_get_the_mean_full_gradient():
+    assert run_distributed(_layers_with_sequence_parallel_and_gtp, 4) == [True] * 4
