@@ -1,0 +1,166 @@
+"""The msgpack wire protocol between clients, the coordinator and engine endpoints.
+
+Every message is one msgpack array ``[kind, payload]`` where ``kind`` is a
+:class:`MessageKind` value and ``payload`` a map whose required keys depend on the kind
+(:data:`REQUIRED_KEYS`). Only msgpack is used (never pickle): a peer can send nothing but
+plain data, and anything that does not decode to a well-formed message raises
+:class:`ProtocolError` naming what was wrong.
+
+Request outputs travel as the dict of ``RequestOutput.to_dict()`` (see the engine
+contract); :func:`check_output` validates one on arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import msgpack
+
+from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a well-formed message of this protocol."""
+
+
+class MessageKind(str, enum.Enum):
+    """What a message asks for or reports."""
+
+    # client -> coordinator -> engine
+    SUBMIT = "submit"  # {request_id, prompt_tokens, sampling_params}
+    ABORT = "abort"  # {request_id}
+    CONTROL = "control"  # {signal}: pause, resume or stop every engine
+    # client <-> coordinator
+    STATS = "stats"  # {query_id} -> {query_id, stats}
+    # engine -> coordinator
+    REGISTER = "register"  # {engine_id}
+    DEREGISTER = "deregister"  # {engine_id}
+    ENGINE_STATS = "engine_stats"  # {stats}
+    # engine -> coordinator -> client
+    OUTPUTS = "outputs"  # {outputs: [RequestOutput dict, ...]}
+
+
+class ControlSignal(str, enum.Enum):
+    """Signals the coordinator forwards to every engine."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    STOP = "stop"
+
+
+REQUIRED_KEYS: dict[MessageKind, tuple[str, ...]] = {
+    MessageKind.SUBMIT: ("request_id", "prompt_tokens", "sampling_params"),
+    MessageKind.ABORT: ("request_id",),
+    MessageKind.CONTROL: ("signal",),
+    MessageKind.STATS: ("query_id",),
+    MessageKind.REGISTER: ("engine_id",),
+    MessageKind.DEREGISTER: ("engine_id",),
+    MessageKind.ENGINE_STATS: ("stats",),
+    MessageKind.OUTPUTS: ("outputs",),
+}
+
+# The fields of RequestOutput.to_dict() that serving reads, and their types.
+OUTPUT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "request_id": (str,),
+    "new_token_ids": (list,),
+    "new_log_probs": (list,),
+    "finished": (bool,),
+    "finish_reason": (str, type(None)),
+    "error": (dict, type(None)),
+    "prompt_tokens": (int,),
+    "generated_tokens": (int,),
+}
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def encode(kind: MessageKind, **payload: Any) -> bytes:
+    """Pack one message; raises :class:`ProtocolError` for a missing key or a value msgpack cannot hold."""
+    missing = [key for key in REQUIRED_KEYS[kind] if key not in payload]
+    if missing:
+        raise ProtocolError(f"{kind.value} message needs keys {list(REQUIRED_KEYS[kind])}; missing {missing}")
+    try:
+        return msgpack.packb([kind.value, payload], use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{kind.value} message holds a value msgpack cannot encode: {exc}") from exc
+
+
+def decode(data: bytes) -> tuple[MessageKind, dict[str, Any]]:
+    """Unpack one message into ``(kind, payload)``; raises :class:`ProtocolError` when malformed."""
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError(f"message is not valid msgpack: {exc}") from exc
+    if not (isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)):
+        raise ProtocolError(f"a message is a 2-element array [kind, payload map], got {message!r:.200}")
+    try:
+        kind = MessageKind(message[0])
+    except ValueError:
+        accepted = ", ".join(k.value for k in MessageKind)
+        raise ProtocolError(f"unknown message kind {message[0]!r}; accepted: {accepted}") from None
+    payload = message[1]
+    missing = [key for key in REQUIRED_KEYS[kind] if key not in payload]
+    if missing:
+        raise ProtocolError(f"{kind.value} message needs keys {list(REQUIRED_KEYS[kind])}; missing {missing}")
+    return kind, payload
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """The msgpack-able form of ``params`` (inverse: :func:`sampling_params_from_dict`)."""
+    data = dataclasses.asdict(params)
+    data["stop"] = list(params.stop)
+    return data
+
+
+def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    """Rebuild SamplingParams; unknown fields raise ``InvalidSamplingParamsError`` like bad values do."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidSamplingParamsError(f"unknown sampling parameters {unknown}; accepted: {sorted(known)}")
+    return SamplingParams(**data)
+
+
+def check_output(output: Any) -> dict[str, Any]:
+    """Validate one request output dict as it arrives; returns it unchanged."""
+    if not isinstance(output, dict):
+        raise ProtocolError(f"a request output is a map, got {type(output).__name__}")
+    for key, types in OUTPUT_FIELD_TYPES.items():
+        if key not in output:
+            raise ProtocolError(f"request output lacks {key!r}; needs {list(OUTPUT_FIELD_TYPES)}")
+        if not isinstance(output[key], types):
+            raise ProtocolError(f"request output field {key!r} has type {type(output[key]).__name__}")
+    if output["finished"] != (output["finish_reason"] is not None):
+        raise ProtocolError("a request output has a finish_reason exactly when it is finished")
+    if output["finish_reason"] is not None and output["finish_reason"] not in FINISH_REASONS:
+        raise ProtocolError(f"unknown finish_reason {output['finish_reason']!r}; accepted: {FINISH_REASONS}")
+    return output
+
+
+def error_output(request_id: str, error: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+    """The terminal output of a request that failed outside the engine's step (finish_reason "error")."""
+    return {
+        "request_id": request_id,
+        "new_token_ids": [],
+        "new_log_probs": [],
+        "finished": True,
+        "finish_reason": "error",
+        "error": error,
+        "prompt_log_probs": None,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": 0,
+    }
+
+
+def abort_output(request_id: str) -> dict[str, Any]:
+    """The terminal output of a request aborted before any engine took it."""
+    return {**error_output(request_id, error=None), "finish_reason": "abort"}
+
+
+def error_dict(exc: BaseException) -> dict[str, Any]:
+    """Serialize an exception: ``exc.to_dict()`` when it has one, else ``{"type", "message", "details"}``."""
+    to_dict = getattr(exc, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return {"type": type(exc).__name__, "message": str(exc), "details": {}}

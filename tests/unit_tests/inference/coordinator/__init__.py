@@ -1,0 +1,1 @@
+"""Tests of the coordinator, engine endpoint and client."""

@@ -1,0 +1,222 @@
+"""A small deterministic engine that implements the engine contract, for serving tests.
+
+Generated token ``i`` of a prompt is a lowercase ASCII letter picked by a hash of
+(prompt, i) (:func:`expected_tokens`), one token per step for every active request.
+Requests move waiting -> active (at most ``max_active`` at a time) -> finished; a test can
+also park an active request in the ``paused`` state (as memory pressure would) with
+:meth:`HashEngine.park`. Aborts are honored in every state with one terminal output.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from megatron.core.inference.contexts.errors import PromptTooLongError
+from megatron.core.inference.sampling import SamplingParams
+
+EOS_ID = 257  # the byte-level tokenizer's <eos>
+
+
+def expected_token(prompt_tokens: Sequence[int], index: int) -> int:
+    """The ``index``-th generated token for ``prompt_tokens`` (a letter a-z)."""
+    return ord("a") + zlib.crc32(f"{list(prompt_tokens)}/{index}".encode()) % 26
+
+
+def expected_tokens(prompt_tokens: Sequence[int], count: int) -> list[int]:
+    return [expected_token(prompt_tokens, i) for i in range(count)]
+
+
+def token_log_prob(token: int) -> float:
+    return -((token % 5) + 1) / 8
+
+
+@dataclass
+class DoubleOutput:
+    """The contract's RequestOutput, plus ``new_top_log_probs`` when top log-probs were asked."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_log_probs: list[float]
+    finished: bool
+    finish_reason: str | None
+    error: dict | None
+    prompt_log_probs: list[float] | None
+    prompt_tokens: int
+    generated_tokens: int
+    new_top_log_probs: list | None = None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if data["new_top_log_probs"] is None:
+            del data["new_top_log_probs"]
+        return data
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    state: str = "waiting"  # waiting | active | paused
+    generated: list[int] = field(default_factory=list)
+    first_output_sent: bool = False
+    aborted: bool = False
+
+
+class HashEngine:
+    """Deterministic engine double.
+
+    Args:
+        max_active: requests generating at once; the rest wait.
+        step_delay_s: sleep per step (a slow engine).
+        eos_at: generate EOS as token number ``eos_at`` (0-based) unless ``ignore_eos``.
+        script: prompt tokens -> the whole output to generate (then EOS), replacing the hash.
+        max_sequence_length: longer prompts are refused with PromptTooLongError.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_active: int = 1 << 30,
+        step_delay_s: float = 0.0,
+        eos_at: int | None = None,
+        script: Callable[[list[int]], list[int]] | None = None,
+        max_sequence_length: int = 4096,
+    ):
+        self.max_active = max_active
+        self.step_delay_s = step_delay_s
+        self.eos_at = eos_at
+        self.script = script
+        self.max_sequence_length = max_sequence_length
+        self.requests: dict[str, _Request] = {}
+        self.paused = False
+        self.steps = 0
+        self.log: list[tuple] = []  # every call that changes state, in order
+        self.finished: dict[str, str] = {}  # request id -> finish reason
+        self._lock = threading.Lock()
+
+    # -- contract ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_tokens: list[int], sampling_params: SamplingParams, *, prefilled_import=False):
+        with self._lock:
+            self.log.append(("add", request_id))
+            if len(prompt_tokens) > self.max_sequence_length:
+                raise PromptTooLongError(prompt_length=len(prompt_tokens), max_sequence_length=self.max_sequence_length)
+            if request_id in self.requests:
+                raise ValueError(f"request {request_id!r} is already in the engine")
+            self.requests[request_id] = _Request(list(prompt_tokens), sampling_params)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.log.append(("abort", request_id))
+            if request_id in self.requests:
+                self.requests[request_id].aborted = True
+
+    def pause(self) -> None:
+        self.log.append(("pause",))
+        self.paused = True
+
+    def resume(self) -> None:
+        self.log.append(("resume",))
+        self.paused = False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def stats(self) -> dict:
+        states = [r.state for r in self.requests.values()]
+        return {
+            "steps": self.steps,
+            "queue_depth": states.count("waiting"),
+            "active": states.count("active"),
+            "kv_usage_fraction": states.count("active") / max(1, min(self.max_active, 64)),
+        }
+
+    def step(self) -> list[DoubleOutput]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        with self._lock:
+            self.steps += 1
+            self.log.append(("step",))
+            outputs = [self._finish(rid, "abort") for rid, r in list(self.requests.items()) if r.aborted]
+            if self.paused:
+                return outputs
+            active = sum(r.state == "active" for r in self.requests.values())
+            for request in self.requests.values():
+                if request.state == "waiting" and active < self.max_active:
+                    request.state, active = "active", active + 1
+            for rid, request in list(self.requests.items()):
+                if request.state == "active":
+                    outputs.append(self._generate(rid, request))
+            return outputs
+
+    # -- test hooks ----------------------------------------------------------------------
+
+    def park(self, request_id: str) -> None:
+        """Move an active request to the paused state (kept, not generating)."""
+        with self._lock:
+            self.requests[request_id].state = "paused"
+
+    def state_of(self, request_id: str) -> str | None:
+        request = self.requests.get(request_id)
+        return None if request is None else request.state
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _next_token(self, request: _Request) -> int:
+        index = len(request.generated)
+        if self.script is not None:
+            planned = self.script(request.prompt)
+            return planned[index] if index < len(planned) else EOS_ID
+        if self.eos_at is not None and index == self.eos_at and not request.params.ignore_eos:
+            return EOS_ID
+        return expected_token(request.prompt, index)
+
+    def _generate(self, rid: str, request: _Request) -> DoubleOutput:
+        token = self._next_token(request)
+        request.generated.append(token)
+        limit = request.params.max_tokens or self.max_sequence_length - len(request.prompt)
+        reason = None
+        if token == EOS_ID and not request.params.ignore_eos:
+            reason = "stop"
+        elif len(request.generated) >= limit:
+            reason = "length"
+        output = self._output(rid, request, [token], reason)
+        if reason is not None:
+            del self.requests[rid]
+            self.finished[rid] = reason
+        return output
+
+    def _finish(self, rid: str, reason: str) -> DoubleOutput:
+        request = self.requests.pop(rid)
+        self.finished[rid] = reason
+        return self._output(rid, request, [], reason)
+
+    def _output(self, rid: str, request: _Request, tokens: list[int], reason: str | None) -> DoubleOutput:
+        params = request.params
+        prompt_log_probs = None
+        if params.return_prompt_logprobs and not request.first_output_sent:
+            prompt_log_probs = [-0.5] * (len(request.prompt) - 1)
+        request.first_output_sent = True
+        top = None
+        if params.top_logprobs:
+            top = [
+                [[t, token_log_prob(t)]] + [[c, -5.0 - k] for k, c in enumerate(range(97, 97 + params.top_logprobs - 1))]
+                for t in tokens
+            ]
+        return DoubleOutput(
+            request_id=rid,
+            new_token_ids=tokens,
+            new_log_probs=[token_log_prob(t) for t in tokens] if params.logprobs else [],
+            finished=reason is not None,
+            finish_reason=reason,
+            error=None,
+            prompt_log_probs=prompt_log_probs,
+            prompt_tokens=len(request.prompt),
+            generated_tokens=len(request.generated),
+            new_top_log_probs=top,
+        )
