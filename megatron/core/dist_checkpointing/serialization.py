@@ -214,7 +214,6 @@ def _slices(metadata: CheckpointMetadata) -> dict:
 def load(
     sharded_state_dict: dict,
     checkpoint_dir: str,
-    process_group: dist.ProcessGroup | None = None,
     *,
     parallelization_group: dist.ProcessGroup | None = None,
     assignment_cache: AssignmentCache | None = None,
@@ -225,11 +224,10 @@ def load(
     its data shape and dtype (cast from the stored dtype if they differ), each ShardedObject by
     its data, each factory by its merged tensor, and the saved common state filled in. Any rank
     may ask for any box of a global tensor. Without a ``parallelization_group`` each rank reads
-    alone (no collectives, ``process_group`` is unused); with one, requests shared by its
+    alone (no collectives); with one, every member must call and requests shared by its
     members are read once and broadcast. Raises CheckpointingError (CorruptCheckpointError for
     truncated or corrupted files) naming the key and file at fault.
     """
-    del process_group  # reads are planned per rank from the shared metadata
     metadata = read_metadata(checkpoint_dir)
     tree, factories = apply_factories(sharded_state_dict)
     leaves = _sharded_leaves(tree)
@@ -305,11 +303,9 @@ def save_iteration(
     return path
 
 
-def load_latest(
-    sharded_state_dict: dict, root: str, process_group: dist.ProcessGroup | None = None, **load_kwargs
-) -> tuple[dict, int]:
+def load_latest(sharded_state_dict: dict, root: str, **load_kwargs) -> tuple[dict, int]:
     """Load the iteration the tracker in ``root`` names; returns (state dict, iteration)."""
     iteration = read_latest_iteration(root)
     if iteration is None:
         raise CheckpointingError(f"{root} has no latest_checkpointed_iteration.txt tracker: nothing has been saved there")
-    return load(sharded_state_dict, iteration_dir(root, iteration), process_group, **load_kwargs), iteration
+    return load(sharded_state_dict, iteration_dir(root, iteration), **load_kwargs), iteration
