@@ -23,6 +23,7 @@ from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.ssm.backends import get_ssm_backend
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.sharding import create_parallel_parameter
+from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 
 # Initialization of the time step (Mamba-2's defaults): dt ~ log-uniform in [DT_MIN, DT_MAX],
 # floored at DT_INIT_FLOOR, stored as its softplus inverse in dt_bias. A ~ uniform in A_INIT_RANGE.
@@ -124,10 +125,6 @@ class GatedRMSNorm(nn.Module):
         return self.weight * normed.flatten(-2).to(x.dtype)
 
 
-def _normal_init(std: float):
-    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
-
-
 def _uniform_init(bound: float):
     return lambda t: nn.init.uniform_(t, -bound, bound)
 
@@ -162,7 +159,7 @@ class MambaMixer(nn.Module):
 
         self.in_proj = ColumnParallelLinear(
             dims.hidden_size, sum(dims.in_proj_sizes), config=config,
-            init_method=_normal_init(config.init_method_std), bias=config.add_bias_linear,
+            init_method=init_method(config), bias=config.add_bias_linear,
             output_partition_sizes=dims.in_proj_sizes, pg_collection=pg,
         )
         conv_channels = sum(dims.conv_sizes)
@@ -180,11 +177,8 @@ class MambaMixer(nn.Module):
         self.D = create_parallel_parameter(config, (dims.nheads,), nn.init.ones_, pg, partition_dim=0)
         norm_weight = create_parallel_parameter(config, (dims.d_inner,), nn.init.ones_, pg, partition_dim=0)
         self.norm = GatedRMSNorm(norm_weight, dims.d_inner // dims.ngroups, config.layernorm_epsilon)
-        out_std = config.init_method_std
-        if config.apply_scaled_init_to_output_layers:
-            out_std /= math.sqrt(2.0 * config.num_layers)
         self.out_proj = RowParallelLinear(
-            dims.d_inner, dims.hidden_size, config=config, init_method=_normal_init(out_std),
+            dims.d_inner, dims.hidden_size, config=config, init_method=output_layer_init_method(config),
             bias=config.add_bias_linear, input_is_parallel=True, pg_collection=pg,
         )
 
