@@ -14,7 +14,7 @@ from megatron.core.optimizer import (
     OptimizerConfigError,
     get_megatron_optimizer,
 )
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.optimizer.toy_models import (
     ADAM,
     batch,
@@ -80,16 +80,16 @@ def test_bf16_master_weights_step_like_torch_adamw_in_fp32():
 def _fp16_scaling_and_skipped_step():
     pgc = dp_collection(2)
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2).half()
+    model = torch.nn.Linear(3, 2).to(device(), torch.float16)
     config = OptimizerConfig(fp16=True, initial_loss_scale=16.0, loss_scale_window=2, hysteresis=1, clip_grad=0.0, **ADAM)
     opt = get_megatron_optimizer(config, model, pgc)
-    ref = torch.nn.Linear(3, 2)
+    ref = torch.nn.Linear(3, 2).to(device())
     ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ref_opt = torch_adamw(ref.parameters(), **ADAM)
     scales, outcomes = [], []
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+        grads = [torch.randn(p.shape, generator=gen).to(device()) for p in model.parameters()]
         for param, ref_param, grad in zip(model.parameters(), ref.parameters(), grads):
             param.grad = (grad * opt.get_loss_scale()).half()  # as if the scaled loss was back-propagated
             ref_param.grad = grad.half().float()
@@ -153,7 +153,7 @@ def _state_round_trip():
         model[0].weight.fill_(0.5)
     opt.reload_model_params()
     masters = {id(e.model_param): e.master for e in opt.master_params}
-    assert torch.equal(masters[id(model[0].weight)], torch.full((8, 4), 0.5))
+    assert torch.equal(masters[id(model[0].weight)].cpu(), torch.full((8, 4), 0.5))
 
 
 def test_state_dict_round_trip_continues_identically():
