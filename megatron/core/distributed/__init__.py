@@ -6,4 +6,4 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedConfigError,
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.param_and_grad_buffer import GradBucket, ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import GradBucket, GradSyncOrderError, ParamAndGradBuffer

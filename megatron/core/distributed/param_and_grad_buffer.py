@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 
 
+class GradSyncOrderError(RuntimeError):
+    """A gradient arrived for a bucket whose reduction had already started."""
+
+
 def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -179,7 +183,14 @@ class ParamAndGradBuffer:
         """Record that ``param``'s gradient is complete; launch every complete bucket whose
         predecessors were launched (buckets always launch in index order, so all replicas
         issue their collectives in the same order)."""
-        self._bucket_of[param].mark_ready(param)
+        bucket = self._bucket_of[param]
+        if bucket.launched:
+            raise GradSyncOrderError(
+                f"a gradient of shape {tuple(param.shape)} arrived after its bucket's reduction was "
+                "launched: run every micro-batch but the last inside no_sync(), and call "
+                "zero_grad_buffer() before the next iteration"
+            )
+        bucket.mark_ready(param)
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].all_ready:
             self.buckets[self._next_to_launch].start_grad_sync()
             self._next_to_launch += 1

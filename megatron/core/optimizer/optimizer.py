@@ -180,7 +180,8 @@ class MegatronOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop ``.grad`` of the model params and masters (DDP's ``main_grad`` is zeroed by
-        ``DistributedDataParallel.zero_grad_buffer``)."""
+        ``DistributedDataParallel.zero_grad_buffer``). ``set_to_none`` is accepted for torch
+        compatibility; gradients are always dropped, never zero-filled."""
         for entry in self.master_params:
             entry.master.grad = None
             entry.model_param.grad = None

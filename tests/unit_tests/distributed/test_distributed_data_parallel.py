@@ -11,6 +11,7 @@ from megatron.core.distributed import (
     DistributedConfigError,
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    GradSyncOrderError,
 )
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from tests.unit_tests.dist_harness import device, run_distributed
@@ -252,3 +253,20 @@ def test_bf16_params_with_fp32_grad_buffer_and_param_buffer_views():
 def test_bad_bucket_size_is_rejected():
     with pytest.raises(DistributedConfigError, match=r"bucket_size must be None \(one bucket\) or an integer >= 1, got 0"):
         DistributedDataParallelConfig(bucket_size=0)
+
+
+def _late_gradient_is_rejected():
+    pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(1))
+    model = tiny_mlp()
+    ddp = DistributedDataParallel(
+        ModelParallelConfig(), DistributedDataParallelConfig(overlap_grad_reduce=True), model, pg_collection=pgc
+    )
+    x, y = batch(2)
+    mse(ddp, x, y).backward()  # every bucket launched: the next backward is outside no_sync
+    with pytest.raises(GradSyncOrderError, match=r"a gradient of shape \(3,\) arrived after its bucket's reduction "
+                       r"was launched: run every micro-batch but the last inside no_sync\(\)"):
+        mse(ddp, x, y).backward()
+
+
+def test_gradient_after_its_bucket_was_launched_is_rejected():
+    run_distributed(_late_gradient_is_rejected, 1)
