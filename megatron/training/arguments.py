@@ -75,6 +75,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on --load, use the scheduler flags instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                   help="on --load, use the checkpoint's scheduler settings")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -96,6 +101,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss on end-of-document tokens")
     g.add_argument("--vocab-size", type=int, default=None, help="for --mock-data; defaults to the tokenizer's")
 
 
@@ -191,6 +197,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.lr_decay_iters = args.train_iters
     _require(args.lr_warmup_iters <= args.lr_decay_iters,
              f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed --lr-decay-iters ({args.lr_decay_iters})")
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
@@ -202,7 +210,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
-        transformer_config_from_args(args)
+        config = transformer_config_from_args(args)
+        if args.model_family == "hybrid":
+            from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern
+            from megatron.core.ssm.mamba_mixer import MambaDims
+
+            MambaDims.from_config(config, tp)
+            resolve_hybrid_pattern(config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None)
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args

@@ -26,6 +26,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # noqa: F401  - imported once here, not lazily in every forked rank
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_TEST_TIMEOUT_S", 180))
 ERROR_GRACE_S = 5.0

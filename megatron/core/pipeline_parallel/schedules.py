@@ -7,6 +7,8 @@ micro-batch mean loss (backward uses ``loss / num_microbatches``) or
 divides the gradients by the global token count). Non-first stages receive their input via
 ``model.set_input_tensor``. ``model`` may be a module or a list of model chunks (one chunk per
 virtual stage; interleaving is not implemented yet, so the list must have one element).
+``grad_scale_func`` (e.g. the fp16 optimizer's loss scaling) is applied to the loss that is
+back-propagated, not to the reported metrics.
 """
 
 from __future__ import annotations
@@ -34,22 +36,34 @@ def _single_chunk(model):
     return chunks[0]
 
 
+def _set_input_tensor(model, tensor) -> None:
+    """Feed the innermost module that accepts a stage input (wrappers such as DDP don't)."""
+    target = model
+    while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
+        target = target.module
+    if hasattr(target, "set_input_tensor"):
+        target.set_input_tensor(tensor)
+    elif tensor is not None:
+        raise ScheduleError(f"{type(model).__name__} has no set_input_tensor() to receive the previous stage's output")
+
+
 class _MicrobatchRunner:
     """Runs one micro-batch forward (with the loss on the last stage) and its backward."""
 
-    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, is_last_stage, forward_only):
+    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, is_last_stage, forward_only,
+                 grad_scale_func=None):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
         self.num_microbatches = num_microbatches
         self.is_last_stage = is_last_stage
         self.forward_only = forward_only
+        self.grad_scale_func = grad_scale_func
         self.metrics: list[dict] = []
         self.num_tokens = 0
 
     def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        if hasattr(self.model, "set_input_tensor"):
-            self.model.set_input_tensor(input_tensor)
+        _set_input_tensor(self.model, input_tensor)
         context = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with context:
             output, loss_func = self.forward_step_func(self.data_iterator, self.model)
@@ -65,7 +79,7 @@ class _MicrobatchRunner:
         else:
             raise ScheduleError(f"loss_func must return (loss, metrics) or (loss, num_tokens, metrics), got {len(result)} values")
         self.metrics.append(metrics)
-        return loss
+        return self.grad_scale_func(loss) if self.grad_scale_func is not None else loss
 
     @staticmethod
     def backward(input_tensor, output_tensor, output_grad) -> torch.Tensor | None:
@@ -83,6 +97,7 @@ def forward_backward_no_pipelining(
     num_microbatches: int,
     forward_only: bool = False,
     no_sync_func: Callable | None = None,
+    grad_scale_func: Callable | None = None,
     **_unused,
 ) -> tuple[list[dict], int]:
     """Gradient accumulation over micro-batches on a single stage.
@@ -95,7 +110,8 @@ def forward_backward_no_pipelining(
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if no_sync_func is None:
         no_sync_func = getattr(model, "no_sync", contextlib.nullcontext)
-    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, True, forward_only)
+    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, True, forward_only,
+                               grad_scale_func)
     with no_sync_func():
         for _ in range(num_microbatches - 1):
             loss = runner.forward(None)
@@ -118,6 +134,7 @@ def forward_backward_pipelining_without_interleaving(
     device: torch.device | None = None,
     forward_only: bool = False,
     pg_collection: ProcessGroupCollection | None = None,
+    grad_scale_func: Callable | None = None,
     **_unused,
 ) -> tuple[list[dict], int]:
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
@@ -132,7 +149,8 @@ def forward_backward_pipelining_without_interleaving(
     pgc = resolve_pg_collection(pg_collection)
     device = device or next(model.parameters()).device
     comm = P2PCommunicator(pgc.pp, tuple(tensor_shape), dtype, device)
-    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, comm.is_last_stage, forward_only)
+    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, comm.is_last_stage,
+                               forward_only, grad_scale_func)
 
     num_warmup = min(comm.num_stages - comm.stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup

@@ -57,6 +57,21 @@ def test_missing_required_flag_is_named():
         parse_args([a for a in BASE if a not in ("--train-iters", "10")], world_size=1)
 
 
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--hybrid-layer-pattern", "M*M-", "--tensor-model-parallel-size", "2"],
+         r"invalid model flags: mamba_num_groups \(1\) must be divisible by tensor_model_parallel_size \(2\)"),
+        (["--hybrid-layer-pattern", "M*X-"], "invalid model flags: .*'X'"),
+        (["--hybrid-layer-pattern", "M*M"], "invalid model flags: .*"),
+    ],
+)
+def test_hybrid_flags_are_checked_before_any_process_group(extra, message):
+    world = 2 if "--tensor-model-parallel-size" in extra else 1
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(BASE + extra, model_family="hybrid", world_size=world)
+
+
 def test_hybrid_requires_a_pattern():
     with pytest.raises(ArgumentError, match="--hybrid-layer-pattern is required"):
         parse_args(BASE, model_family="hybrid", world_size=1)

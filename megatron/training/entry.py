@@ -1,0 +1,25 @@
+"""Shared ``main`` of the pretraining entry points: parse, validate, train, report."""
+
+from __future__ import annotations
+
+import sys
+
+from megatron.training.arguments import ArgumentError, parse_args
+
+
+def run(model_family: str, model_provider, argv: list[str] | None = None) -> int:
+    """Parse flags (failing fast, before any process group, on a bad combination) and train."""
+    try:
+        args = parse_args(argv, model_family=model_family)
+    except ArgumentError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from megatron.training.training import pretrain
+
+    pretrain(args, model_provider)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

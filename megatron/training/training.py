@@ -1,0 +1,218 @@
+"""The pretraining loop: build, train with periodic logs/eval/checkpoints, finish.
+
+Entry points (examples/pretrain_gpt.py, examples/pretrain_hybrid.py) supply a model
+provider; this module owns everything else. One log line and JSONL record per
+``--log-interval`` comes from the logging rank (last pipeline stage, every other
+coordinate 0), which holds the loss averaged over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tokenizers import build_tokenizer
+from megatron.training.arguments import transformer_config_from_args
+from megatron.training.data import build_datasets, microbatches
+from megatron.training.initialize import device_for, initialize_megatron
+from megatron.training.metrics import MetricsLogger, training_flops_per_token
+
+
+@dataclass
+class TrainState:
+    """What a resumed run must restore besides weights and optimizer state."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    history: list = field(default_factory=list)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of a micro-batch."""
+    losses = output_tensor.float()
+    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through the model; the loss is computed on the last stage."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def logging_rank(pgc: ProcessGroupCollection) -> int:
+    """The rank that prints and writes metrics: last pipeline stage, all other coordinates 0."""
+    layout = pgc.layout
+    return layout.rank_of({axis: 0 for axis in layout.axes} | {"pp": layout.pp - 1})
+
+
+def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int) -> float:
+    """Training FLOPs per token of the whole model, summed over the model-parallel group:
+    every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
+    embedding lookups excluded, the (possibly tied) output layer included."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    output_weight = model.output_layer.weight if getattr(model, "output_layer", None) is not None else None
+    first_replica = pgc.rank("gtp") == 0
+    matmul = sum(
+        param.numel()
+        for name, param in model.named_parameters()
+        if param.dim() >= 2
+        and (not name.startswith("embedding.") or param is output_weight)
+        and (getattr(param, "gtp_sharded", False) or first_replica)
+    )
+    attention_layers = sum(isinstance(m, SelfAttention) for m in model.modules())
+    if pgc.rank("tp") != 0 or not first_replica:
+        attention_layers = 0
+    counts = torch.tensor([float(matmul), float(attention_layers)])
+    dist.all_reduce(counts, group=pgc.mp)
+    return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size)
+
+
+class Trainer:
+    """Holds the model, optimizer, scheduler and data of one run and steps them."""
+
+    def __init__(self, args, model_provider, pgc: ProcessGroupCollection):
+        self.args = args
+        self.pgc = pgc
+        self.device = device_for(args)
+        self.config = transformer_config_from_args(args)
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
+        model = model_provider(args, self.config, self.vocab_size, pgc).to(self.device)
+        self.model = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                          grad_reduce_in_fp32=args.bf16 or args.fp16),
+            model, pg_collection=pgc,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                            clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                            initial_loss_scale=args.initial_loss_scale,
+                            use_distributed_optimizer=args.use_distributed_optimizer),
+            [self.model], pgc,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
+            lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+            lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        )
+        self.state = TrainState()
+        self.train_ds, self.valid_ds, _ = build_datasets(args, self.tokenizer, self.vocab_size)
+        self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
+        self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
+        self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size)
+        seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
+        self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+
+    def data_iterator(self, dataset, start_sample: int):
+        data_group_rank = self.pgc.rank("dp_cp_gtp") if self.pgc.has("dp_cp_gtp") else self.pgc.rank("dp_cp")
+        return microbatches(dataset, start_sample=start_sample, micro_batch_size=self.args.micro_batch_size,
+                            data_rank=data_group_rank, data_width=self.args.data_parallel_width, device=self.device)
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> torch.Tensor:
+        """Forward (and backward) over one global batch; the mean loss over it on every rank
+        of the last stage (averaged over the data group), zero elsewhere."""
+        metrics, _ = self.forward_backward(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=[self.model],
+            num_microbatches=self.args.num_microbatches, tensor_shape=self.tensor_shape,
+            dtype=self.config.params_dtype, device=self.device, forward_only=forward_only,
+            pg_collection=self.pgc,
+            grad_scale_func=None if forward_only else self.optimizer.scale_loss,
+        )
+        if not metrics:
+            return torch.zeros((), device=self.device)
+        loss = torch.stack([m["lm loss"].float() for m in metrics]).mean()
+        dist.all_reduce(loss, group=self.pgc.dp_cp_gtp_or_dp_cp())
+        return loss / dist.get_world_size(self.pgc.dp_cp_gtp_or_dp_cp())
+
+    def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
+        """One iteration; returns (loss, update_successful, grad_norm)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(data_iterator, forward_only=False)
+        finalize_model_grads([self.model], self.pgc, self.config)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(1)
+        return loss.item(), update_successful, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over --eval-iters global batches, always from the first sample."""
+        self.model.eval()
+        iterator = self.data_iterator(self.valid_ds, 0)
+        losses = [self._run_schedule(iterator, forward_only=True).item() for _ in range(self.args.eval_iters)]
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def train(self) -> TrainState:
+        args, state = self.args, self.state
+        iterator = self.data_iterator(self.train_ds, state.consumed_samples)
+        interval_losses, interval_start = [], time.perf_counter()
+        while state.iteration < args.train_iters:
+            loss, ok, grad_norm = self.train_step(iterator)
+            state.iteration += 1
+            state.consumed_samples += args.global_batch_size
+            state.skipped_iterations += 0 if ok else 1
+            nan = loss != loss or loss in (float("inf"), float("-inf"))
+            state.nan_iterations += int(nan)
+            interval_losses.append(loss)
+            state.history.append(loss)
+            if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+                elapsed = time.perf_counter() - interval_start
+                iters = len(interval_losses)
+                tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
+                self.logger.log_training(
+                    iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_samples,
+                    elapsed_ms=1000 * elapsed / iters, tokens_per_s=tokens_per_s,
+                    tflops=tokens_per_s * self.flops_per_token / 1e12 / dist.get_world_size(),
+                    lr=self.scheduler.get_lr(), loss=sum(interval_losses) / iters, grad_norm=grad_norm,
+                    skipped=state.skipped_iterations, nan=state.nan_iterations,
+                )
+                interval_losses, interval_start = [], time.perf_counter()
+            if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
+                self.logger.log_evaluation(iteration=state.iteration, loss=self.evaluate())
+            if args.save and (
+                (args.save_interval and state.iteration % args.save_interval == 0) or state.iteration == args.train_iters
+            ):
+                self.save()
+        return state
+
+    def save(self) -> None:
+        from megatron.training.checkpointing import save_checkpoint
+
+        save_checkpoint(self)
+
+    def load(self) -> None:
+        from megatron.training.checkpointing import load_checkpoint
+
+        load_checkpoint(self)
+
+
+def pretrain(args, model_provider) -> TrainState:
+    """Initialize, build, (resume,) train and close. ``model_provider(args, config,
+    vocab_size, pg_collection)`` returns this stage's model."""
+    pgc = initialize_megatron(args)
+    trainer = Trainer(args, model_provider, pgc)
+    if args.load:
+        trainer.load()
+    state = trainer.train()
+    trainer.logger.close()
+    return state

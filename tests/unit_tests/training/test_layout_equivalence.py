@@ -1,0 +1,78 @@
+"""The same training run under TP2, PP2, GTP2, DP2 (with and without the distributed
+optimizer) gives the single-process loss curve, and the loss goes down."""
+
+import importlib.util
+import os
+
+import pytest
+
+from megatron.training.arguments import parse_args
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _provider(family):
+    path = os.path.join(ROOT, "examples", f"pretrain_{family}.py")
+    spec = importlib.util.spec_from_file_location(f"pretrain_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.model_provider
+
+
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3",
+          "--lr-warmup-iters", "2", "--mock-data", "--vocab-size", "64", "--log-interval", "1", "--clip-grad", "1.0",
+          "--distributed-backend", "gloo"]
+
+
+def _train(family, flags, world_size):
+    args = parse_args(COMMON + flags, model_family=family, world_size=world_size)
+    state = pretrain(args, _provider(family))
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron.training.training import logging_rank
+
+    rank = logging_rank(parallel_state.get_process_group_collection())
+    return state.history if dist.get_rank() == rank else None
+
+
+def _curve(family, flags, world_size):
+    results = run_distributed(_train, world_size, family, flags, world_size)
+    (curve,) = [r for r in results if r is not None]
+    return curve
+
+
+GPT_LAYOUTS = {
+    "TP2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "PP2": ["--pipeline-model-parallel-size", "2"],
+    "GTP2": ["--generalized-tensor-parallel-size", "2"],
+    "DP2": [],
+    "DP2-distopt": ["--use-distributed-optimizer"],
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _curve("gpt", [], 1)
+
+
+def test_gpt_loss_decreases(gpt_reference):
+    assert gpt_reference[-1] < gpt_reference[0] - 0.1
+
+
+@pytest.mark.parametrize("layout", list(GPT_LAYOUTS))
+def test_gpt_layouts_reproduce_single_process_losses(gpt_reference, layout):
+    curve = _curve("gpt", GPT_LAYOUTS[layout], 2)
+    assert curve == pytest.approx(gpt_reference, rel=1e-4)
+
+
+def test_hybrid_tp2_pp2_reproduces_single_process_losses():
+    flags = ["--hybrid-layer-pattern", "M*|M-", "--num-layers", "4", "--mamba-head-dim", "8", "--mamba-state-dim", "8",
+             "--mamba-num-groups", "2"]
+    reference = _curve("hybrid", flags, 1)
+    curve = _curve("hybrid", flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
+    assert curve == pytest.approx(reference, rel=1e-4)
+    assert reference[-1] < reference[0]
