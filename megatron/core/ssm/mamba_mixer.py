@@ -40,6 +40,10 @@ class MambaInferenceContext(Protocol):
     :meth:`MambaDims.conv_state_shape` / :meth:`MambaDims.ssm_state_shape`. Zero states mean a
     fresh request. ``is_decode_only()`` says the batch is one new token per request; otherwise it
     is a prefill of ``[s, b]`` tokens that continues from the given states.
+
+    A context with a ``step`` attribute (the dynamic context's packed batch) instead packs R
+    requests as ``[T, 1]`` tokens, request ``r``'s at ``step.cu_query_lengths[r]:[r + 1]``
+    (``step.query_lengths`` each), and ``mamba_states`` has one row per request.
     """
 
     def is_decode_only(self) -> bool: ...
@@ -192,6 +196,8 @@ class MambaMixer(nn.Module):
         backend = get_ssm_backend(hidden_states.device, self.ssm_backend)
         if inference_context is None:
             y = self._scan(backend, xBC, dt, None, None)
+        elif getattr(inference_context, "step", None) is not None:
+            y = self._packed_step(backend, xBC[0], dt[0], inference_context).unsqueeze(0)
         else:
             conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
             if inference_context.is_decode_only():
@@ -231,6 +237,28 @@ class MambaMixer(nn.Module):
         if ssm_state is not None:
             ssm_state.copy_(final_state)
         return y.flatten(-2)
+
+    def _packed_step(self, backend, xBC, dt, inference_context):
+        """Inference over the packed step of a dynamic context: ``xBC [T, c]``, ``dt [T, h]``
+        of R requests, request ``r``'s tokens at ``step.cu_query_lengths[r]:[r + 1]``, padding
+        after the last (zero output).
+
+        Tokens advance the per-request states one position at a time with the decode path (the
+        ``j``-th token of every request that has one, together), so a token's output and state
+        are bitwise the same whether it came in a prefill chunk, a decode step or a recompute
+        after eviction: pausing, eviction and chunked prefill never change outputs.
+        """
+        conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
+        step = inference_context.step
+        starts, lengths = step.cu_query_lengths[:-1], step.query_lengths
+        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        for offset in range(int(lengths.max()) if lengths.numel() else 0):
+            rows = (lengths > offset).nonzero().squeeze(1)
+            tokens = starts[rows] + offset
+            conv, ssm = conv_state[rows], ssm_state[rows]
+            y[tokens] = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0].to(y.dtype)
+            conv_state[rows], ssm_state[rows] = conv, ssm
+        return y
 
     def _step(self, backend, xBC, dt, conv_state, ssm_state):
         """One-token decode path: advance the conv window and the SSM state in place."""

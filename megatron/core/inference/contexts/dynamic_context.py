@@ -9,6 +9,10 @@ Request lifecycle (called by the engine; every call is all-or-nothing):
   allocates private blocks for the rest (reason ``admission``), and a Mamba slot, zeroed or
   restored from the snapshot of the last shared block.
 * :meth:`~DynamicInferenceContext.append_tokens` — record sampled tokens.
+* :meth:`~DynamicInferenceContext.append_draft_tokens` /
+  :meth:`~DynamicInferenceContext.resolve_draft_tokens` — speculative drafts: computed like
+  other tokens but never hashed or cached; after verification the rejected ones are dropped
+  and their KV positions rewound (they are rewritten by later tokens).
 * :meth:`~DynamicInferenceContext.ensure_token_capacity` — grow a request's blocks for the
   given reason (``decode_growth``, ``lookahead``, ``async_preparation``,
   ``handoff_continuation``); :meth:`pause_request` / :meth:`resume_request` (``resume``);
@@ -83,6 +87,12 @@ class RequestState:
     # parent would belong to another chain.
     registration_deferred: bool = False
     paused: bool = False
+    # Trailing tokens that are speculative drafts (excluded from hashing and caching).
+    num_draft_tokens: int = 0
+
+    @property
+    def confirmed_tokens(self) -> list[int]:
+        return self.tokens[: len(self.tokens) - self.num_draft_tokens]
 
 
 @dataclass(frozen=True)
@@ -257,11 +267,15 @@ class DynamicInferenceContext:
         *,
         max_new_tokens: int = 0,
         hash_chain: BlockHashChain | None = None,
+        allow_chunked_prefill: bool = False,
     ) -> int:
         """Admit a request: share its cached prefix, allocate private blocks for the rest of
         the prompt and a Mamba slot. ``hash_chain`` is the chain a released request handed
-        back (so it is not rehashed). Returns the number of prompt tokens found cached."""
-        self.check_admission(len(prompt_tokens), max_new_tokens)
+        back (so it is not rehashed). ``allow_chunked_prefill``: the caller prefills this
+        request in chunks even with chunked prefill off (a recompute after eviction, an import
+        recomputed locally), so only the per-step token check is skipped. Returns the number
+        of prompt tokens found cached."""
+        self.check_admission(len(prompt_tokens), max_new_tokens, prefilled_import=allow_chunked_prefill)
         tokens = list(prompt_tokens)
         chain = self._chain_for(tokens, hash_chain)
         # At least one prompt token is always computed, to produce the next token's logits.
@@ -334,6 +348,31 @@ class DynamicInferenceContext:
     def append_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> None:
         """Record tokens sampled for a request (their KV is computed by a later step)."""
         self.request(request_id).tokens.extend(tokens)
+
+    def append_draft_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> None:
+        """Record speculative draft tokens after the request's tokens (computed by the next
+        step, never hashed or cached until :meth:`resolve_draft_tokens` confirms them)."""
+        state = self.request(request_id)
+        if state.num_draft_tokens:
+            raise StepError(f"request {request_id!r} still has {state.num_draft_tokens} unresolved draft tokens")
+        state.tokens.extend(tokens)
+        state.num_draft_tokens = len(tokens)
+
+    def resolve_draft_tokens(self, request_id: Hashable, num_accepted: int) -> None:
+        """Keep the first ``num_accepted`` drafts as ordinary tokens and drop the rest, rewinding
+        the computed-token count past them (their KV slots are rewritten by later tokens)."""
+        state = self.request(request_id)
+        if not 0 <= num_accepted <= state.num_draft_tokens:
+            raise StepError(
+                f"request {request_id!r} has {state.num_draft_tokens} draft tokens; cannot accept {num_accepted}"
+            )
+        rejected = state.num_draft_tokens - num_accepted
+        del state.tokens[len(state.tokens) - rejected:]
+        state.num_computed_tokens = min(state.num_computed_tokens, len(state.tokens))
+        state.num_draft_tokens = 0
+        if self.enable_prefix_caching:
+            state.hash_chain.extend(state.tokens[: state.num_computed_tokens])
+            self._register_computed_blocks(state)
 
     def ensure_token_capacity(self, request_id: Hashable, num_tokens: int, reason: PageReason) -> list[int]:
         """Give the request blocks for ``num_tokens`` tokens, allocating fresh private
@@ -481,7 +520,7 @@ class DynamicInferenceContext:
             state = self._requests[request_id]
             state.num_computed_tokens += num_new
             if self.enable_prefix_caching:
-                state.hash_chain.extend(state.tokens)
+                state.hash_chain.extend(state.confirmed_tokens)
                 self._register_computed_blocks(state)
                 self._snapshot_mamba_state(state)
 

@@ -7,6 +7,13 @@ Value rows past the request's length are masked as well as scores, so stale byte
 unused block tail cannot leak into this reference; faster kernels may multiply them by a
 zero weight (0 * NaN = NaN), which is why the context zeroes every fresh private page.
 Grouped-query attention: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
+
+Batch invariance: a query's result is bitwise the same whatever else is in the step and however
+its request's tokens were split into steps (prefill chunk, decode token, recompute after
+eviction), so pausing, eviction and chunking never change outputs. The products are reduced
+elementwise (no matmul whose blocking depends on the number of queries), and the key axis is
+padded with masked keys to a multiple of :data:`KEY_TILE`, which keeps softmax on one kernel
+path for every key count.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+KEY_TILE = 64
 
 
 def paged_attention(
@@ -54,18 +63,20 @@ def paged_attention(
             raise ValueError(f"request {row}: {q_len} new tokens but only {kv_len} tokens in the cache")
         num_blocks = math.ceil(kv_len / block_size)
         blocks = block_tables[row, :num_blocks]
-        keys = key_cache[blocks].reshape(num_blocks * block_size, kv_heads, head_dim).float()
-        values = value_cache[blocks].reshape(num_blocks * block_size, kv_heads, head_dim).float()
-        key_pos = torch.arange(num_blocks * block_size, device=query.device)
+        num_keys = math.ceil(num_blocks * block_size / KEY_TILE) * KEY_TILE
+        keys = query.new_zeros(num_keys, kv_heads, head_dim, dtype=torch.float32)
+        values = torch.zeros_like(keys)
+        keys[:kv_len] = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
+        values[:kv_len] = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
+        key_pos = torch.arange(num_keys, device=query.device)
         query_pos = kv_len - q_len + torch.arange(q_len, device=query.device)
         visible = key_pos[None, :] <= query_pos[:, None]  # [q, k]
-        values = torch.where((key_pos < kv_len)[:, None, None], values, torch.zeros((), device=values.device))
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         q = query[start:start + q_len].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        scores = torch.where(visible[None], scores, torch.tensor(float("-inf"), device=scores.device))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+        scores = (q[:, None] * keys[None]).sum(-1) * scale  # [q, k, h]
+        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+        probs = torch.softmax(scores.transpose(1, 2), dim=-1).transpose(1, 2)  # [q, k, h]
+        out[start:start + q_len] = (probs[..., None] * values[None]).sum(1).to(query.dtype)
         start += q_len
     return out

@@ -1,0 +1,11 @@
+"""The dynamic inference engine (continuous batching over the paged context), its requests,
+scheduler, speculative decoding and typed errors."""
+
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron.core.inference.engines.errors import (
+    DuplicateRequestIdError,
+    EngineConfigError,
+    InvalidPromptError,
+    MaxSequenceLengthOverflowError,
+)
+from megatron.core.inference.engines.requests import RequestOutput, RequestStatus

@@ -1,0 +1,53 @@
+"""Typed errors of the dynamic inference engine.
+
+Request errors (:class:`~megatron.core.inference.contexts.errors.InferenceRequestError`
+subclasses) travel to clients: they serialize with ``to_dict`` / ``from_dict``. Together with
+the context's admission errors (``PromptTooLongError``, ``RequestExceedsPoolError``,
+``PromptExceedsStepTokenLimitError``) they are what :meth:`DynamicInferenceEngine.add_request`
+raises; the engine keeps serving its other requests.
+
+:class:`EngineConfigError` is a misconfigured engine (raised at construction).
+"""
+
+from __future__ import annotations
+
+from megatron.core.inference.contexts.errors import InferenceRequestError
+
+
+class MaxSequenceLengthOverflowError(InferenceRequestError):
+    """Prompt plus requested new tokens exceed the model's maximum sequence length."""
+
+    fields = ("prompt_length", "max_tokens", "max_sequence_length")
+
+    def describe(self, prompt_length, max_tokens, max_sequence_length):
+        return (
+            f"prompt of {prompt_length} tokens plus max_tokens={max_tokens} exceeds the maximum sequence "
+            f"length {max_sequence_length}; ask for at most {max(max_sequence_length - prompt_length, 0)} new "
+            f"tokens (at least 1 must fit)"
+        )
+
+
+class DuplicateRequestIdError(InferenceRequestError):
+    """A request id that the engine already holds (unfinished)."""
+
+    fields = ("request_id",)
+
+    def describe(self, request_id):
+        return f"request id {request_id!r} is already in use by an unfinished request; use a fresh id"
+
+
+class InvalidPromptError(InferenceRequestError):
+    """Empty prompt, or token ids outside the vocabulary."""
+
+    fields = ("reason", "vocab_size")
+
+    def describe(self, reason, vocab_size):
+        return f"invalid prompt: {reason}; send a non-empty list of token ids in [0, {vocab_size})"
+
+
+class EngineConfigError(ValueError):
+    """The engine was configured with values it does not accept (message names them)."""
+
+
+class UnknownEngineRequestError(ValueError):
+    """An operation named a request id the engine does not hold."""

@@ -1,0 +1,190 @@
+"""Which requests run in the next step, and with how many tokens.
+
+Each step, in this order:
+
+1. **Blocks for the next tokens**, oldest request first (running and paused alike): a decode
+   request grows (``decode_growth``), a paused one resumes (``resume``); one that cannot get
+   its blocks is paused (keeps its blocks). Speculative drafts get lookahead blocks
+   (``lookahead``) only when they fit; otherwise the request decodes without drafts.
+2. **Eviction**: while paused requests hold more than ``paused_block_budget`` blocks, or when
+   nothing can run at all, the newest paused request is evicted: it loses its blocks and is
+   requeued at the head of the waiting queue, to be re-admitted with prompt = prompt +
+   generated and the rest of its budget.
+3. **Admission** (FIFO), only while no request is paused, while the pool, the request cap and
+   the step's token budget allow.
+4. **Tokens**: decode tokens (plus drafts) first, then prefill chunks in admission order up to
+   ``max_tokens_per_step``. A prompt is split only with chunked prefill (or when it is a
+   recompute or import), and never so that its final chunk is a single token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from megatron.core.inference.contexts.block_allocator import PageReason
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.contexts.errors import BlockPoolExhaustedError
+from megatron.core.inference.engines.requests import EngineRequest, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: EngineRequest
+    num_tokens: int
+
+
+@dataclass
+class SchedulerEvents:
+    """What a :meth:`Scheduler.schedule` call did (for stats)."""
+
+    pauses: int = 0
+    evictions: int = 0
+    prefix_cache_hit_blocks: int = 0
+
+
+class Scheduler:
+    """Owns the waiting / running / paused sets of an engine (see module doc)."""
+
+    def __init__(self, context: DynamicInferenceContext, *, max_tokens_per_step: int, enable_chunked_prefill: bool,
+                 paused_block_budget: int):
+        self.context = context
+        self.max_tokens_per_step = max_tokens_per_step
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.paused_block_budget = paused_block_budget
+        self.waiting: deque[EngineRequest] = deque()
+        self.admitted: list[EngineRequest] = []  # running and paused, oldest admission first
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def paused(self) -> list[EngineRequest]:
+        return [r for r in self.admitted if r.status is RequestStatus.PAUSED]
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.admitted)
+
+    def _uncomputed(self, request: EngineRequest) -> int:
+        state = self.context.request(request.request_id)
+        return len(state.tokens) - state.num_computed_tokens
+
+    def _paused_blocks(self) -> int:
+        return sum(len(self.context.request(r.request_id).block_ids) for r in self.paused)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def enqueue(self, request: EngineRequest) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: EngineRequest) -> None:
+        """Forget a finished or aborted request (its context state must be released already)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.admitted:
+            self.admitted.remove(request)
+
+    def schedule(self) -> tuple[list[ScheduledRequest], SchedulerEvents]:
+        events = SchedulerEvents()
+        while True:
+            self._grow_or_pause(events)
+            self._evict_over_budget(events)
+            runnable = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
+            if runnable or not self.paused:
+                break
+            self._evict(self.paused[-1], events)  # nothing can run: make room
+        if not self.paused:
+            self._admit(events)
+        return self._pack(), events
+
+    def _grow_or_pause(self, events: SchedulerEvents) -> None:
+        context = self.context
+        for request in self.admitted:
+            state = context.request(request.request_id)
+            try:
+                if request.status is RequestStatus.PAUSED:
+                    context.resume_request(request.request_id)
+                    request.status = RequestStatus.ACTIVE
+                elif state.num_computed_tokens >= request.prefill_target:
+                    context.ensure_token_capacity(request.request_id, len(state.tokens), PageReason.DECODE_GROWTH)
+            except BlockPoolExhaustedError:
+                if request.status is RequestStatus.ACTIVE:
+                    context.pause_request(request.request_id)
+                    request.status = RequestStatus.PAUSED
+                    events.pauses += 1
+                continue
+            self._add_drafts(request)
+
+    def _add_drafts(self, request: EngineRequest) -> None:
+        drafts, request.drafts = request.drafts, []
+        state = self.context.request(request.request_id)
+        if not drafts or state.num_computed_tokens + 1 != len(state.tokens):
+            return
+        try:
+            self.context.ensure_token_capacity(request.request_id, len(state.tokens) + len(drafts),
+                                               PageReason.LOOKAHEAD)
+        except BlockPoolExhaustedError:
+            return
+        self.context.append_draft_tokens(request.request_id, drafts)
+
+    def _evict_over_budget(self, events: SchedulerEvents) -> None:
+        while self.paused and self._paused_blocks() > self.paused_block_budget:
+            self._evict(self.paused[-1], events)
+
+    def _evict(self, request: EngineRequest, events: SchedulerEvents) -> None:
+        request.hash_chain = self.context.release_request(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.evicted = True
+        self.admitted.remove(request)
+        self.waiting.appendleft(request)
+        events.evictions += 1
+
+    def _admit(self, events: SchedulerEvents) -> None:
+        context = self.context
+        budget = self.max_tokens_per_step - sum(min(self._uncomputed(r), 1) for r in self.admitted)
+        while self.waiting and budget > 0 and context.num_requests < context.capacity.max_requests:
+            request = self.waiting[0]
+            tokens = request.context_tokens
+            try:
+                cached = context.add_request(
+                    request.request_id, tokens, max_new_tokens=request.remaining_budget - 1,
+                    hash_chain=request.hash_chain, allow_chunked_prefill=self._may_chunk(request),
+                )
+            except BlockPoolExhaustedError:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.ACTIVE
+            request.prefill_target = len(tokens)
+            self.admitted.append(request)
+            events.prefix_cache_hit_blocks += cached // context.block_size
+            budget -= 1
+
+    def _may_chunk(self, request: EngineRequest) -> bool:
+        return self.enable_chunked_prefill or request.evicted or request.prefilled_import
+
+    def _pack(self) -> list[ScheduledRequest]:
+        budget = self.max_tokens_per_step
+        scheduled = []
+        active = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
+        decoding = [r for r in active if self.context.request(r.request_id).num_computed_tokens >= r.prefill_target]
+        prefilling = [r for r in active if r not in decoding]
+        for request in decoding:
+            num_tokens = self._uncomputed(request)
+            if num_tokens > budget:
+                self._drop_drafts(request)
+                num_tokens = self._uncomputed(request)
+            if num_tokens <= budget:
+                scheduled.append(ScheduledRequest(request, num_tokens))
+                budget -= num_tokens
+        for request in prefilling:
+            remaining = self._uncomputed(request)
+            take = min(remaining, budget)
+            if take < remaining:
+                if not self._may_chunk(request):
+                    continue
+                if remaining - take == 1:
+                    take -= 1  # never leave a one-token final chunk
+            if take >= 1:
+                scheduled.append(ScheduledRequest(request, take))
+                budget -= take
+        return scheduled
+
+    def _drop_drafts(self, request: EngineRequest) -> None:
+        self.context.resolve_draft_tokens(request.request_id, 0)

@@ -1,0 +1,80 @@
+"""Tiny models, a reference greedy decoder and an engine driver shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.config import TransformerConfig
+from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+VOCAB, MAX_SEQ = 96, 128
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    base = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        normalization="RMSNorm", add_bias_linear=False, mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2,
+        mamba_state_dim=8, mamba_d_conv=4, mamba_chunk_size=4, init_method_std=0.2,
+    )
+    return TransformerConfig(**(base | overrides))
+
+
+def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, **overrides) -> GPTModel:
+    config = tiny_config(mtp_num_layers=mtp_depths or None, tensor_model_parallel_size=tp,
+                         pipeline_model_parallel_size=pp, **overrides)
+    pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
+    torch.manual_seed(0)
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pre_process=pp_rank == 0,
+                    post_process=pp_rank == pp_size - 1, position_embedding_type="rope",
+                    mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None, pg_collection=pg).eval()
+
+
+def hybrid_model(pg, pattern: str = "M*-M", **overrides) -> HybridModel:
+    config = tiny_config(num_layers=len(pattern.replace("|", "")), **overrides)
+    pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
+    return HybridModel(config, get_hybrid_stack_local_spec(), VOCAB, MAX_SEQ, hybrid_layer_pattern=pattern,
+                       pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1, pg_collection=pg).eval()
+
+
+def prompts(lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation by full forward passes without any cache (single process)."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([tokens]))
+        tokens.append(int(logits[0, -1, :VOCAB].argmax()))
+    return tokens[len(prompt):]
+
+
+def run(engine: DynamicInferenceEngine, requests: list[list[int]], params: SamplingParams | list[SamplingParams],
+        on_step=None) -> dict:
+    """Drive ``engine`` to completion; per request id: tokens, log-probs, prompt log-probs,
+    number of terminal outputs and finish reason."""
+    params = params if isinstance(params, list) else [params] * len(requests)
+    results = {}
+    for index, (prompt, p) in enumerate(zip(requests, params)):
+        engine.add_request(str(index), prompt, p)
+        results[str(index)] = dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            result = results[output.request_id]
+            result["tokens"] += output.new_token_ids
+            result["log_probs"] += output.new_log_probs
+            if output.prompt_log_probs is not None:
+                result["prompt_log_probs"] = output.prompt_log_probs
+            if output.finished:
+                result["terminal"] += 1
+                result["finish_reason"] = output.finish_reason
+        if on_step is not None:
+            on_step(engine)
+    return results
