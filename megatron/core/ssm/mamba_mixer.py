@@ -244,20 +244,27 @@ class MambaMixer(nn.Module):
         after the last (zero output).
 
         Tokens advance the per-request states one position at a time with the decode path (the
-        ``j``-th token of every request that has one, together), so a token's output and state
-        are bitwise the same whether it came in a prefill chunk, a decode step or a recompute
-        after eviction: pausing, eviction and chunked prefill never change outputs.
+        ``j``-th token of every request that has one, together, padded to ``T`` rows so every
+        call has the same shape), so a token's output and state are bitwise the same whether it
+        came in a prefill chunk, a decode step or a recompute after eviction, and whatever else
+        ran in the step: pausing, eviction and chunked prefill never change outputs.
         """
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
         starts, lengths = step.cu_query_lengths[:-1], step.query_lengths
-        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        num_rows = xBC.shape[0]
+        y = xBC.new_zeros(num_rows, self.dims.local(self.dims.d_inner))
         for offset in range(int(lengths.max()) if lengths.numel() else 0):
             rows = (lengths > offset).nonzero().squeeze(1)
-            tokens = starts[rows] + offset
-            conv, ssm = conv_state[rows], ssm_state[rows]
-            y[tokens] = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0].to(y.dtype)
-            conv_state[rows], ssm_state[rows] = conv, ssm
+            count = rows.numel()
+            tokens = torch.zeros(num_rows, dtype=torch.long, device=xBC.device)
+            tokens[:count] = starts[rows] + offset
+            conv = conv_state.new_zeros(num_rows, *conv_state.shape[1:])
+            ssm = ssm_state.new_zeros(num_rows, *ssm_state.shape[1:])
+            conv[:count], ssm[:count] = conv_state[rows], ssm_state[rows]
+            out = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0]
+            y[tokens[:count]] = out[:count].to(y.dtype)
+            conv_state[rows], ssm_state[rows] = conv[:count], ssm[:count]
         return y
 
     def _step(self, backend, xBC, dt, conv_state, ssm_state):
