@@ -1,0 +1,108 @@
+"""GPTModel API: frozen signature, output shapes and dtypes, vocabulary padding, tying, errors."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.config import TransformerConfig
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.transformer import ContextParallelNotSupportedError, PipelineLayoutError
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+SIGNATURE = [
+    ("config", inspect.Parameter.empty), ("transformer_layer_spec", inspect.Parameter.empty),
+    ("vocab_size", inspect.Parameter.empty), ("max_sequence_length", inspect.Parameter.empty),
+    ("pre_process", True), ("post_process", True), ("fp16_lm_cross_entropy", False), ("parallel_output", True),
+    ("share_embeddings_and_output_weights", False), ("position_embedding_type", "learned_absolute"),
+    ("rotary_percent", 1.0), ("rotary_base", 10000), ("rope_scaling", False), ("rope_scaling_factor", 8.0),
+    ("scatter_embedding_sequence_parallel", True), ("seq_len_interpolation_factor", None),
+    ("mtp_block_spec", None), ("pg_collection", None), ("vp_stage", None), ("logit_dtype", None),
+]
+
+
+@pytest.fixture
+def pg():
+    with single_rank_collection() as collection:
+        yield collection
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    return TransformerConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, **overrides})
+
+
+def test_every_positional_index_binds_the_documented_name():
+    params = list(inspect.signature(GPTModel.__init__).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params] == SIGNATURE
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def test_old_positional_call_binds_parallel_output_and_leaves_logit_dtype_none(pg):
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, True, True, False, False, pg_collection=pg)
+    assert model.parallel_output is False and model.logit_dtype is None
+    logits = model(torch.randint(0, 128, (2, 8)))
+    assert logits.shape == (2, 8, 128) and logits.dtype == torch.float32
+
+
+def test_logit_dtype_gives_fp32_logits_from_a_bf16_model(pg):
+    config = tiny_config(bf16=True)
+    ids = torch.randint(0, 128, (2, 8))
+    plain = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
+    cast = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, logit_dtype=torch.float32)
+    assert plain.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    assert plain(ids).dtype == torch.bfloat16
+    assert cast(ids).dtype == torch.float32
+
+
+def test_padded_vocabulary_never_reaches_logits_or_loss(pg):
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 100, 32, parallel_output=False, pg_collection=pg)
+    assert model.padded_vocab_size == 128
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 8))
+    logits = model(ids)
+    assert logits.shape == (2, 8, 100)
+    loss = model(ids, labels=labels)
+    expected = F.cross_entropy(logits.reshape(-1, 100), labels.reshape(-1), reduction="none").reshape(2, 8)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    model.parallel_output = True
+    local = model(ids)
+    assert local.shape == (2, 8, 128)
+    assert (local[..., 100:] == torch.finfo(torch.float32).min).all()
+    torch.testing.assert_close(local[..., :100], logits)
+
+
+def test_tied_output_layer_uses_the_embedding_weight(pg):
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, share_embeddings_and_output_weights=True,
+                     pg_collection=pg)
+    assert model.output_layer.weight is model.embedding.word_embeddings.weight
+    assert not hasattr(model.embedding.word_embeddings.weight, "shared_embedding")  # one stage: nothing to sync
+
+
+def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="rope",
+                     pg_collection=pg).eval()
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        full = model(ids)
+        embedded = model.embedding(ids, None)
+        assert torch.equal(model(ids, decoder_input=embedded), full)
+        # Explicit positions 0..5 are the default; RoPE is relative, so a uniform shift keeps the
+        # logits while stretched positions change them.
+        assert torch.equal(model(ids, position_ids=torch.arange(6)[None]), full)
+        torch.testing.assert_close(model(ids, position_ids=torch.arange(6)[None] + 3), full, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(model(ids, position_ids=torch.arange(6)[None] * 2), full, atol=1e-4)
+
+
+def test_context_parallel_fails_at_construction(pg):
+    with pytest.raises(ContextParallelNotSupportedError, match="context parallelism is not supported yet"):
+        GPTModel(tiny_config(context_parallel_size=2), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
+
+
+def test_unsupported_construction_arguments_are_rejected(pg):
+    with pytest.raises(PipelineLayoutError, match="vp_stage=1"):
+        GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, vp_stage=1)
+    with pytest.raises(ValueError, match="position_embedding_type must be one of"):
+        GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="alibi",
+                 pg_collection=pg)
+    with pytest.raises(ValueError, match="needs both config.mtp_num_layers >= 1 and an mtp_block_spec"):
+        GPTModel(tiny_config(mtp_num_layers=1), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)

@@ -1,0 +1,83 @@
+"""SelfAttention (GQA, causal, RoPE) against a hand-written attention; the inference hook."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core.config import TransformerConfig
+from megatron.core.transformer.attention import (
+    AttentionInferenceContext,
+    ContextParallelNotSupportedError,
+    SelfAttention,
+    SelfAttentionSubmodules,
+)
+from megatron.core.transformer.rope import RotaryEmbedding, apply_rotary_pos_emb
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+S, B, H, HEADS, GROUPS = 5, 2, 32, 4, 2
+D = H // HEADS
+
+
+@pytest.fixture
+def pg():
+    with single_rank_collection() as collection:
+        yield collection
+
+
+def config(**kw):
+    return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                             add_bias_linear=True, **kw)
+
+
+def hand_attention(attn: SelfAttention, x, rotary=None, causal=True):
+    qkv = x @ attn.linear_qkv.weight.t() + attn.linear_qkv.bias
+    q, k, v = qkv.split([HEADS * D, GROUPS * D, GROUPS * D], dim=-1)
+    q, k, v = q.reshape(S, B, HEADS, D), k.reshape(S, B, GROUPS, D), v.reshape(S, B, GROUPS, D)
+    if rotary is not None:
+        q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
+    out = torch.empty(S, B, HEADS, D)
+    for head in range(HEADS):
+        group = head // (HEADS // GROUPS)  # consecutive query heads share a key/value group
+        scores = torch.einsum("sbd,tbd->bst", q[:, :, head], k[:, :, group]) / math.sqrt(D)
+        if causal:
+            scores = scores.masked_fill(torch.ones(S, S).triu(1).bool(), float("-inf"))
+        out[:, :, head] = torch.einsum("bst,tbd->sbd", scores.softmax(-1), v[:, :, group])
+    return out.reshape(S, B, H) @ attn.linear_proj.weight.t()
+
+
+def test_gqa_causal_attention_with_rope_matches_hand_computation(pg):
+    attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
+    x = torch.randn(S, B, H)
+    rotary = RotaryEmbedding(D)(torch.arange(S)[None].expand(B, S))
+    out, bias = attn(x, rotary_pos_emb=rotary)
+    torch.testing.assert_close(out, hand_attention(attn, x, rotary), rtol=1e-5, atol=1e-5)
+    assert bias is attn.linear_proj.bias  # returned unadded for bias-dropout-add
+
+
+def test_explicit_mask_replaces_the_causal_mask(pg):
+    attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
+    x = torch.randn(S, B, H)
+    nothing_masked = torch.zeros(B, 1, S, S, dtype=torch.bool)
+    out, _ = attn(x, attention_mask=nothing_masked)
+    torch.testing.assert_close(out, hand_attention(attn, x, causal=False), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_context_supplies_the_attention(pg):
+    attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=7, pg_collection=pg)
+
+    class Recording:
+        def store_kv_and_attend(self, layer_number, q, k, v):
+            self.call = (layer_number, q.shape, k.shape, v.shape)
+            return torch.ones_like(q)
+
+    context = Recording()
+    assert isinstance(context, AttentionInferenceContext)
+    out, _ = attn(torch.randn(S, 1, H), inference_context=context)
+    assert context.call == (7, (S, 1, HEADS, D), (S, 1, GROUPS, D), (S, 1, GROUPS, D))
+    torch.testing.assert_close(out, torch.ones(S, 1, H) @ attn.linear_proj.weight.t())
+
+
+def test_context_parallel_is_rejected(pg):
+    with pytest.raises(ContextParallelNotSupportedError, match="context_parallel_size=2"):
+        SelfAttention(config(context_parallel_size=2), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
