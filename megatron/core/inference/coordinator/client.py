@@ -52,6 +52,7 @@ class RequestHandle:
         self._client = client
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._exhausted = False
 
     @property
     def done(self) -> bool:
@@ -68,16 +69,24 @@ class RequestHandle:
         """The terminal output (always arrives; see the module docstring)."""
         return await asyncio.shield(self._result)
 
-    async def abort(self) -> None:
+    def abort(self) -> None:
         """Ask the engine to end this request; its terminal output then has finish_reason "abort"."""
-        await self._client.abort(self.request_id)
+        self._client.abort(self.request_id)
+
+    async def next_output(self) -> dict[str, Any]:
+        """The next output; raises :class:`ClientStateError` once the terminal one was taken."""
+        if self._exhausted:
+            raise ClientStateError(f"request {self.request_id!r} already delivered its terminal output")
+        output = await self._queue.get()
+        self._exhausted = output["finished"]
+        return output
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[dict[str, Any]]:
         while True:
-            output = await self._queue.get()
+            output = await self.next_output()
             yield output
             if output["finished"]:
                 return
@@ -150,10 +159,14 @@ class InferenceClient:
         )
         return handle
 
-    async def abort(self, request_id: str) -> None:
-        """Ask for a request to end; a no-op for ids that already finished."""
+    def abort(self, request_id: str) -> None:
+        """Ask for a request to end; a no-op for ids that already finished.
+
+        Synchronous on purpose: the message is queued at once (the socket has no send
+        limit), so it is safe in ``finally`` blocks of cancelled tasks.
+        """
         if request_id in self._handles and self.started:
-            await self._socket.send(encode(MessageKind.ABORT, request_id=request_id))
+            self._socket.send(encode(MessageKind.ABORT, request_id=request_id))
 
     async def control(self, signal: ControlSignal | str) -> None:
         """Send pause, resume or stop to every engine."""
@@ -179,12 +192,8 @@ class InferenceClient:
         """
         if self._closed:
             return
-        if self._socket is not None:
-            for request_id in list(self._handles):
-                try:
-                    self._socket.send(encode(MessageKind.ABORT, request_id=request_id), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    break
+        for request_id in list(self._handles):
+            self.abort(request_id)
         self._closed = True
         error = error_dict(ClientClosedError("the client closed before the request finished"))
         for request_id, handle in list(self._handles.items()):

@@ -73,7 +73,7 @@ class HashEngine:
         max_active: requests generating at once; the rest wait.
         step_delay_s: sleep per step (a slow engine).
         eos_at: generate EOS as token number ``eos_at`` (0-based) unless ``ignore_eos``.
-        script: prompt tokens -> the whole output to generate (then EOS), replacing the hash.
+        script: prompt tokens -> the whole output to generate (then EOS), or None for the hash.
         max_sequence_length: longer prompts are refused with PromptTooLongError.
     """
 
@@ -83,7 +83,7 @@ class HashEngine:
         max_active: int = 1 << 30,
         step_delay_s: float = 0.0,
         eos_at: int | None = None,
-        script: Callable[[list[int]], list[int]] | None = None,
+        script: Callable[[list[int]], list[int] | None] | None = None,
         max_sequence_length: int = 4096,
     ):
         self.max_active = max_active
@@ -169,8 +169,8 @@ class HashEngine:
 
     def _next_token(self, request: _Request) -> int:
         index = len(request.generated)
-        if self.script is not None:
-            planned = self.script(request.prompt)
+        planned = self.script(request.prompt) if self.script is not None else None
+        if planned is not None:
             return planned[index] if index < len(planned) else EOS_ID
         if self.eos_at is not None and index == self.eos_at and not request.params.ignore_eos:
             return EOS_ID

@@ -72,7 +72,7 @@ def test_aborts_end_waiting_active_and_paused_requests():
             engine.park("paused")
             assert [engine.state_of(n) for n in handles] == ["active", "paused", "waiting"]
             for handle in handles.values():
-                await handle.abort()
+                handle.abort()
             return {name: await h.result() for name, h in handles.items()}
 
         results = run_with_client(coordinator, scenario)
@@ -92,7 +92,7 @@ def test_pause_stops_progress_abort_still_ends_a_request_and_resume_continues():
             dropped = await client.submit([6], GREEDY)
             await asyncio.sleep(0.1)
             assert kept._queue.empty() and not kept.done
-            await dropped.abort()
+            dropped.abort()
             dropped_result = await dropped.result()
             assert not kept.done
             await client.control("resume")
@@ -126,7 +126,7 @@ def test_requests_wait_for_an_engine_and_can_be_aborted_meanwhile():
         async def scenario(client):
             queued = await client.submit([3], GREEDY)
             dropped = await client.submit([4], GREEDY)
-            await client.abort(dropped.request_id)
+            client.abort(dropped.request_id)
             assert (await dropped.result())["finish_reason"] == "abort"
             with serving(coordinator, [HashEngine()]):
                 return await collect(queued)

@@ -1,0 +1,155 @@
+"""POST /v1/chat/completions: messages -> an assistant turn, with reasoning and tool calls split out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from megatron.core.inference.parsers import ToolCallEvent, build_output_parser, collect
+from megatron.core.inference.server import responses as R
+from megatron.core.inference.server.chat_template import render_chat
+from megatron.core.inference.server.errors import bad_request
+from megatron.core.inference.server.protocol import ChatCompletionRequest, NamedToolChoice
+from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
+from megatron.core.inference.server.streaming import EventStreamResponse
+from megatron.core.tokenizers import TokenizerError
+
+
+def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[dict] | None, list[dict] | None]:
+    """(tools shown to the model, tools whose calls are parsed out of the output)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        raise bad_request("tool_choice needs a non-empty tools list", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+    parsed = None if choice == "none" or service.config.tool_call_parser is None else tools
+    return tools, parsed
+
+
+class _ChatChoice:
+    """Per-choice state: the output parser and what it produced."""
+
+    def __init__(self, service: OpenAIService, body: ChatCompletionRequest, choice: Choice, parsed_tools):
+        config = service.config
+        self.choice = choice
+        self.tokenizer = service.tokenizer
+        self.parser = build_output_parser(
+            config.reasoning_parser,
+            config.tool_call_parser if parsed_tools else None,
+            tools=parsed_tools,
+            reasoning_options=config.reasoning_options,
+        )
+        self.want_logprobs = body.logprobs
+        self.num_top = body.top_logprobs or 0
+        self.made_tool_calls = False
+
+    def events(self, delta) -> list:
+        events = self.parser.feed(delta.text) if delta.text else []
+        if delta.finish_reason is not None:
+            events += self.parser.finish()
+        self.made_tool_calls |= any(isinstance(event, ToolCallEvent) for event in events)
+        return events
+
+    def logprobs(self, delta) -> list[dict[str, Any]]:
+        return R.chat_logprobs_content(self.tokenizer, delta.token_ids, delta.log_probs, delta.top_log_probs, self.num_top)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return None if reason is None else R.chat_finish_reason(reason, self.made_tool_calls)
+
+
+async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) -> Response:
+    service.check_model(body.model)
+    tools, parsed_tools = _tools(service, body)
+    messages = [message.model_dump(exclude_none=True) for message in body.messages]
+    try:
+        prompt_text = render_chat(service.tokenizer, messages, tools)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    prompt = service.check_prompt(service.tokenizer.tokenize(prompt_text), "messages")
+    params = service.sampling_params(
+        body,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        echo_logprobs=False,
+    )
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    choices = await service.start_choices(request_id, [prompt], params, body.n, body.stop)
+    service.metrics.observe_ttft(time.monotonic() - started)
+    states = {c.index: _ChatChoice(service, body, c, parsed_tools) for c in choices}
+    created = R.now()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_stream(service, body, request_id, created, prompt, choices, states, include_usage))
+    events: dict[int, list] = {c.index: [] for c in choices}
+    logprobs: dict[int, list] = {c.index: [] for c in choices}
+    reasons: dict[int, str] = {}
+    service.metrics.running += 1
+    try:
+        async for choice, delta in merged_deltas(choices):
+            if delta.finish_reason == "error":
+                raise error_from_output(delta.error)
+            state = states[choice.index]
+            events[choice.index] += state.events(delta)
+            logprobs[choice.index] += state.logprobs(delta) if state.want_logprobs else []
+            if delta.finish_reason is not None:
+                reasons[choice.index] = state.finish_reason(delta.finish_reason)
+    finally:
+        service.metrics.running -= 1
+    result = [
+        _whole_choice(service, index, events[index], logprobs[index] if states[index].want_logprobs else None, reasons[index])
+        for index in sorted(events)
+    ]
+    usage = service.account(choices, [prompt])
+    return JSONResponse(R.envelope("chat.completion", request_id, body.model, created, result, usage=usage))
+
+
+def _whole_choice(service: OpenAIService, index: int, events: list, logprobs, finish_reason: str) -> dict[str, Any]:
+    parsed = collect(events)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
+    if service.config.reasoning_parser is not None:
+        message["reasoning_content"] = parsed.reasoning or None
+    if parsed.tool_calls:
+        message["tool_calls"] = [R.tool_call_dict(call, with_index=False) for call in parsed.tool_calls]
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+    }
+
+
+async def _stream(service, body, request_id, created, prompt, choices, states, include_usage) -> AsyncIterator[str]:
+    def chunk(choice_dicts: list, **extra) -> str:
+        return R.sse(R.envelope("chat.completion.chunk", request_id, body.model, created, choice_dicts, **extra))
+
+    service.metrics.running += 1
+    try:
+        for choice in choices:
+            opening = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield chunk([opening])
+        async for choice, delta in merged_deltas(choices):
+            if delta.finish_reason == "error":
+                yield R.sse(error_from_output(delta.error).body())
+                continue
+            state = states[choice.index]
+            content = state.events(delta)
+            part = {
+                "index": choice.index,
+                "delta": R.chat_delta(content),
+                "logprobs": {"content": state.logprobs(delta)} if state.want_logprobs else None,
+                "finish_reason": state.finish_reason(delta.finish_reason),
+            }
+            if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
+                yield chunk([part])
+        usage = service.account(choices, [prompt])
+        if include_usage:
+            yield chunk([], usage=usage)
+        yield R.SSE_DONE
+    finally:
+        service.metrics.running -= 1

@@ -1,0 +1,117 @@
+"""POST /v1/completions: prompts (text or token ids) -> completions, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from megatron.core.inference.server import responses as R
+from megatron.core.inference.server.errors import bad_request
+from megatron.core.inference.server.protocol import CompletionRequest
+from megatron.core.inference.server.generation import finite_log_prob
+from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
+from megatron.core.inference.server.streaming import EventStreamResponse
+
+
+def prompt_token_lists(service: OpenAIService, prompt) -> list[list[int]]:
+    """The request's prompts as token lists (a string, strings, token ids, or lists of ids)."""
+    if isinstance(prompt, str):
+        prompts = [service.tokenizer.tokenize(prompt)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [service.tokenizer.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts:
+        raise bad_request("prompt is an empty list; send a string, token ids, or a list of them", param="prompt")
+    return [service.check_prompt(tokens, "prompt") for tokens in prompts]
+
+
+class _CompletionChoice:
+    """Per-choice rendering state: echo prefix and log-prob offsets."""
+
+    def __init__(self, service: OpenAIService, body: CompletionRequest, choice: Choice):
+        self.choice = choice
+        self.want_logprobs = body.logprobs is not None
+        self.echo_text = service.tokenizer.detokenize(choice.prompt_tokens) if body.echo else ""
+        self.logprobs = R.CompletionLogProbs(service.tokenizer, top=bool(body.logprobs))
+        self.echo_pending = body.echo
+
+    def render(self, delta) -> dict[str, Any]:
+        """The choice dict for one delta (the echoed prompt comes first, once)."""
+        text, logprobs = delta.text, None
+        parts = []
+        if self.echo_pending:
+            self.echo_pending = False
+            text = self.echo_text + text
+            if self.want_logprobs:
+                prompt_lps = [None] + [finite_log_prob(lp) for lp in (delta.prompt_log_probs or [])]
+                prompt_lps = (prompt_lps + [None] * len(self.choice.prompt_tokens))[: len(self.choice.prompt_tokens)]
+                parts.append(self.logprobs.build(self.choice.prompt_tokens, prompt_lps, None))
+        if self.want_logprobs:
+            parts.append(self.logprobs.build(delta.token_ids, delta.log_probs, delta.top_log_probs))
+            logprobs = R.merge_completion_logprobs(parts)
+        return {"index": self.choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+
+async def completions(service: OpenAIService, body: CompletionRequest) -> Response:
+    service.check_model(body.model)
+    prompts = prompt_token_lists(service, body.prompt)
+    want_logprobs = body.logprobs is not None
+    params = service.sampling_params(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=want_logprobs,
+        top_logprobs=body.logprobs or 0,
+        echo_logprobs=body.echo and want_logprobs,
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    choices = await service.start_choices(request_id, prompts, params, body.n, body.stop)
+    service.metrics.observe_ttft(time.monotonic() - started)
+    renderers = {c.index: _CompletionChoice(service, body, c) for c in choices}
+    created = R.now()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_stream(service, body, request_id, created, prompts, choices, renderers, include_usage))
+    service.metrics.running += 1
+    try:
+        rendered: dict[int, list[dict[str, Any]]] = {c.index: [] for c in choices}
+        async for choice, delta in merged_deltas(choices):
+            if delta.finish_reason == "error":
+                raise error_from_output(delta.error)
+            rendered[choice.index].append(renderers[choice.index].render(delta))
+    finally:
+        service.metrics.running -= 1
+    result = [_join(parts) for _, parts in sorted(rendered.items())]
+    usage = service.account(choices, prompts)
+    return JSONResponse(R.envelope("text_completion", request_id, body.model, created, result, usage=usage))
+
+
+def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    logprobs = [p["logprobs"] for p in parts if p["logprobs"] is not None]
+    return {
+        "index": parts[0]["index"],
+        "text": "".join(p["text"] for p in parts),
+        "logprobs": R.merge_completion_logprobs(logprobs) if logprobs else None,
+        "finish_reason": parts[-1]["finish_reason"],
+    }
+
+
+async def _stream(service, body, request_id, created, prompts, choices, renderers, include_usage) -> AsyncIterator[str]:
+    service.metrics.running += 1
+    try:
+        async for choice, delta in merged_deltas(choices):
+            if delta.finish_reason == "error":
+                yield R.sse(error_from_output(delta.error).body())
+                continue
+            chunk = renderers[choice.index].render(delta)
+            yield R.sse(R.envelope("text_completion", request_id, body.model, created, [chunk]))
+        usage = service.account(choices, prompts)
+        if include_usage:
+            yield R.sse(R.envelope("text_completion", request_id, body.model, created, [], usage=usage))
+        yield R.SSE_DONE
+    finally:
+        service.metrics.running -= 1

@@ -1,0 +1,81 @@
+"""The OpenAI-compatible HTTP API on top of an :class:`InferenceClient`.
+
+``build_app(client, tokenizer, config)`` returns a FastAPI app with /v1/completions,
+/v1/chat/completions, /v1/models, /health and /metrics. Each HTTP request becomes one
+engine request per choice. A request is admitted only once every choice has its first
+output, so admission errors get a proper status even for streams. A client that
+disconnects or closes its stream aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from megatron.core.inference.coordinator.client import InferenceClient
+from megatron.core.inference.server.chat import chat_completions
+from megatron.core.inference.server.completions import completions
+from megatron.core.inference.server.errors import APIError, install_error_handlers
+from megatron.core.inference.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestCounterMiddleware
+from megatron.core.inference.server.protocol import ChatCompletionRequest, CompletionRequest
+from megatron.core.inference.server.service import OpenAIService, ServerConfig
+from megatron.core.inference.server.streaming import until_disconnected
+from megatron.core.tokenizers import build_tokenizer
+
+
+
+def build_app(client: InferenceClient, tokenizer=None, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``client``; the app starts the client on startup and closes it on shutdown."""
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+    config = config or ServerConfig()
+    service = OpenAIService(client, tokenizer, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="Megatron OpenAI-compatible server", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    _add_routes(app, service)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    paths = frozenset(route.path for route in app.routes)
+    app.add_middleware(RequestCounterMiddleware, metrics=service.metrics, paths=paths)
+    return app
+
+
+def _add_routes(app: FastAPI, service: OpenAIService) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not service.client.started:
+            return APIError(503, "the engine client is not running", type="server_error", code="unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        try:
+            stats = await service.client.stats(timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - metrics stay available when the coordinator is not
+            stats = None
+        return PlainTextResponse(service.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model = {"id": service.config.model_name, "object": "model", "created": service.created, "owned_by": "megatron"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.post("/v1/completions")
+    async def _completions(body: CompletionRequest, request: Request) -> Response:
+        return await until_disconnected(request, completions(service, body))
+
+    @app.post("/v1/chat/completions")
+    async def _chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await until_disconnected(request, chat_completions(service, body))

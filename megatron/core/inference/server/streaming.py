@@ -1,0 +1,52 @@
+"""HTTP plumbing for long requests: disconnect watching and a server-sent-events response."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+
+async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; if the HTTP client leaves first, cancel it (its cleanup aborts the engine requests)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that also watches for the client leaving and then closes the body stream."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away mid-send
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+        await self.body_iterator.aclose()
+
+
