@@ -1,0 +1,103 @@
+"""Features that change how work is split never change outputs: chunked prefill, prefix
+caching and speculative decoding give exactly the tokens of the plain engine, and each really
+ran (prefix hits skip prefill work; drafts are both accepted and rejected)."""
+
+import pytest
+import torch
+
+from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.sampling import SamplingParams
+from tests.unit_tests.inference.engines.common import VOCAB, gpt_model, hybrid_model, prompts, reference_greedy, run
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=True, return_prompt_logprobs=True)
+ARGS = dict(block_size=4, num_blocks=128, max_requests=8, max_sequence_length=96)
+MODELS = {"gpt": gpt_model, "hybrid": hybrid_model}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_chunked_prefill_gives_the_unchunked_outputs(kind):
+    lengths = [20, 7, 13, 2]
+    with single_rank_collection() as pg:
+        model = MODELS[kind](pg)
+        whole = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
+                    prompts(lengths), GREEDY)
+        chunked_engine = DynamicInferenceEngine(model, max_tokens_per_step=6, enable_chunked_prefill=True,
+                                                pg_collection=pg, **ARGS)
+        steps = []
+        build_step = chunked_engine.context.build_step
+        chunked_engine.context.build_step = lambda schedule, **kw: steps.append(list(schedule)) or build_step(
+            schedule, **kw)
+        chunked = run(chunked_engine, prompts(lengths), GREEDY)
+        reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
+    assert chunked == whole
+    assert [whole[str(i)]["tokens"] for i in range(len(lengths))] == reference
+    # Each prompt longer than a step was split into several chunks, none of them a lone final token.
+    for request_id, length in (("0", 20), ("2", 13)):
+        sizes = [n for schedule in steps for rid, n in schedule if rid == request_id]
+        chunks, total = [], 0
+        while total < length:
+            chunks.append(sizes[len(chunks)])
+            total += chunks[-1]
+        assert total == length and len(chunks) > 1 and min(chunks) >= 2, chunks
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_prefix_cache_hits_skip_prefill_and_keep_outputs(kind):
+    shared = prompts([16], seed=5)[0]
+    followers = [shared + tail for tail in prompts([5, 9, 3], seed=6)]
+
+    def generate(enable_prefix_caching):
+        with single_rank_collection() as pg:
+            engine = DynamicInferenceEngine(MODELS[kind](pg), max_tokens_per_step=32,
+                                            enable_prefix_caching=enable_prefix_caching, pg_collection=pg, **ARGS)
+            first = run(engine, [shared], GREEDY)
+            rest = {}
+            for index, prompt in enumerate(followers):  # ids must be fresh: prefix them
+                engine.add_request(f"f{index}", prompt, GREEDY)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    rest.setdefault(out.request_id, []).extend(out.new_token_ids)
+            return first, rest, engine.stats
+
+    cached_first, cached_rest, cached_stats = generate(True)
+    plain_first, plain_rest, plain_stats = generate(False)
+    assert cached_first == plain_first and cached_rest == plain_rest
+    assert cached_stats["prefix_cache_hits"] >= 2 * len(followers)
+    assert plain_stats["prefix_cache_hits"] == 0
+    assert cached_stats["prefill_tokens_computed"] <= plain_stats["prefill_tokens_computed"] - 8 * len(followers)
+
+
+def _mtp_model_with_tied_heads(pg):
+    """A GPT whose layers barely change the residual stream and whose MTP depths pass the
+    (normalized) embedding of their input token straight to the shared output head: each depth
+    proposes what the main model will most likely say next, so drafts are often, not always, right."""
+    model = gpt_model(pg, mtp_depths=2)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.self_attention.linear_proj.weight.mul_(0.2)
+            layer.mlp.linear_fc2.weight.mul_(0.2)
+        for depth in model.mtp.layers:
+            depth.eh_proj.weight.zero_()
+            depth.eh_proj.weight[:, :h] = torch.eye(h)
+            depth.transformer_layer.self_attention.linear_proj.weight.zero_()
+            depth.transformer_layer.mlp.linear_fc2.weight.zero_()
+    return model
+
+
+def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_outputs():
+    params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)] * 3 + [
+        SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, logprobs=True)]
+    with single_rank_collection() as pg:
+        model = _mtp_model_with_tied_heads(pg)
+        plain = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
+                    prompts([5, 9, 3, 6]), params)
+        engine = DynamicInferenceEngine(model, max_tokens_per_step=32, num_speculative_tokens=2, pg_collection=pg,
+                                        **ARGS)
+        speculative = run(engine, prompts([5, 9, 3, 6]), params)
+    assert speculative == plain
+    assert engine.stats["drafts_accepted"] > 0 and engine.stats["drafts_rejected"] > 0
+    assert engine.stats["steps"] < max(len(r["tokens"]) for r in plain.values()) + 1
+    assert engine.context.private_page_init_counts["lookahead"] > 0
+    assert all(0 <= t < VOCAB for r in speculative.values() for t in r["tokens"])
