@@ -1,0 +1,142 @@
+"""Admission errors, aborts in every state, seeded sampling, stop conditions and the
+RequestOutput wire format."""
+
+import pytest
+
+from megatron.core.inference.contexts.errors import (
+    CapacityError,
+    InferenceRequestError,
+    PromptExceedsStepTokenLimitError,
+    PromptTooLongError,
+)
+from megatron.core.inference.engines import (
+    DuplicateRequestIdError,
+    DynamicInferenceEngine,
+    InvalidPromptError,
+    MaxSequenceLengthOverflowError,
+    RequestOutput,
+)
+from megatron.core.inference.sampling import SamplingParams
+from tests.unit_tests.inference.engines.common import gpt_model, prompts, run
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture
+def pg():
+    with single_rank_collection() as collection:
+        yield collection
+
+
+@pytest.fixture
+def model(pg):
+    return gpt_model(pg)
+
+
+def _engine(model, pg, **kwargs):
+    args = dict(block_size=4, num_blocks=8, max_tokens_per_step=8, max_sequence_length=24) | kwargs
+    return DynamicInferenceEngine(model, pg_collection=pg, **args)
+
+
+def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving(model, pg):
+    engine = _engine(model, pg)
+    engine.add_request("ok", prompts([5])[0], GREEDY)
+    cases = [
+        (prompts([25])[0], GREEDY, PromptTooLongError,
+         "prompt has 25 tokens but the maximum sequence length is 24"),
+        (prompts([20])[0], SamplingParams(max_tokens=10), MaxSequenceLengthOverflowError,
+         "prompt of 20 tokens plus max_tokens=10 exceeds the maximum sequence length 24; ask for at most 4"),
+        (prompts([24])[0], GREEDY, MaxSequenceLengthOverflowError, "ask for at most 0 new tokens"),
+        (prompts([12])[0], SamplingParams(max_tokens=12), PromptExceedsStepTokenLimitError,
+         "prompt has 12 tokens but one step processes at most 8 tokens and chunked prefill is off"),
+        ([], GREEDY, InvalidPromptError, "invalid prompt: empty prompt"),
+        ([0, 96], GREEDY, InvalidPromptError, "token id out of range; send a non-empty list of token ids in [0, 96)"),
+        (prompts([5])[0], GREEDY, DuplicateRequestIdError, "request id 'ok' is already in use"),
+    ]
+    for index, (prompt, params, error_type, message) in enumerate(cases):
+        request_id = "ok" if error_type is DuplicateRequestIdError else f"bad{index}"
+        with pytest.raises(error_type, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as err:
+            engine.add_request(request_id, prompt, params)
+        assert InferenceRequestError.from_dict(err.value.to_dict()) == err.value
+    # The capacity plan sizes the pool for one request of max_sequence_length, so a request that
+    # passes the length checks always fits: a pool smaller than that is refused up front.
+    with pytest.raises(CapacityError, match="6 KV blocks, but one request of max_sequence_length 40 needs 10"):
+        _engine(model, pg, num_blocks=6, max_sequence_length=40)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["ok"]
+    assert sum(len(o.new_token_ids) for o in outputs) == 6
+
+
+def test_prefilled_import_skips_only_the_step_token_limit(model, pg):
+    engine = _engine(model, pg, num_blocks=6)
+    prompt = prompts([12])[0]
+    with pytest.raises(PromptExceedsStepTokenLimitError):
+        engine.add_request("plain", prompt, GREEDY)
+    engine.add_request("imported", prompt, GREEDY, prefilled_import=True)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("long", prompts([25])[0], GREEDY, prefilled_import=True)
+    with pytest.raises(MaxSequenceLengthOverflowError):
+        engine.add_request("huge", prompt, SamplingParams(max_tokens=13), prefilled_import=True)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    roomy = run(_engine(model, pg, max_tokens_per_step=16), [prompt], GREEDY)
+    assert results["imported"] == roomy["0"]["tokens"]
+
+
+def test_abort_in_waiting_active_and_paused_states_gives_one_terminal_output(model, pg):
+    engine = _engine(model, pg, num_blocks=6, max_requests=2, paused_block_budget=6)
+    params = SamplingParams(temperature=0.0, max_tokens=15)
+    for index, prompt in enumerate(prompts([6, 6, 4])):
+        engine.add_request(str(index), prompt, params)
+    outputs = engine.step()  # admits 0 and 1 (request cap 2); 2 waits
+    states = {}
+    while not engine.scheduler.paused:
+        outputs += engine.step()
+    paused = engine.scheduler.paused[0].request_id
+    active = next(r.request_id for r in engine.scheduler.admitted if r.request_id != paused)
+    states = {"2": "waiting", paused: "paused", active: "active"}
+    assert engine.scheduler.waiting[0].request_id == "2"
+    for request_id in states:
+        engine.abort(request_id)
+        engine.abort(request_id)  # a second abort is ignored
+    outputs += engine.step()
+    terminal = [o for o in outputs if o.finished]
+    assert sorted(o.request_id for o in terminal) == ["0", "1", "2"]
+    assert all(o.finish_reason == "abort" for o in terminal)
+    assert not engine.has_unfinished_requests() and engine.context.num_free_blocks == 6
+    assert engine.step() == []
+
+
+def _sampled(model, pg, batch_prompts, params):
+    return run(_engine(model, pg, num_blocks=64, max_tokens_per_step=32, max_sequence_length=64), batch_prompts,
+               params)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model, pg):
+    target = prompts([7], seed=3)[0]
+    seeded = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=1234, max_tokens=10)
+    alone = _sampled(model, pg, [target], [seeded])["0"]["tokens"]
+    others = prompts([4, 9, 5], seed=4)
+    crowd = _sampled(model, pg, others + [target], [SamplingParams(temperature=1.0, seed=s, max_tokens=14)
+                                                   for s in range(3)] + [seeded])["3"]["tokens"]
+    reseeded = _sampled(model, pg, [target], [SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=99,
+                                                             max_tokens=10)])["0"]["tokens"]
+    assert alone == crowd and len(alone) == 10
+    assert reseeded != alone
+
+
+def test_stop_token_ends_with_stop_and_request_output_round_trips(model, pg):
+    greedy = _sampled(model, pg, prompts([5]), [GREEDY])["0"]["tokens"]
+    engine = _engine(model, pg, eos_token_id=greedy[2])
+    result = run(engine, prompts([5]), [SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)])["0"]
+    assert result["tokens"] == greedy[:3] and result["finish_reason"] == "stop" and len(result["log_probs"]) == 3
+    ignoring = run(_engine(model, pg, eos_token_id=greedy[2]), prompts([5]),
+                   [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)])["0"]
+    assert ignoring["tokens"] == greedy[:6] and ignoring["finish_reason"] == "length"
+    output = RequestOutput("r", [1, 2], [-0.5, -1.0], True, "stop", None, [-2.0], 5, 2)
+    assert RequestOutput.from_dict(output.to_dict()) == output
