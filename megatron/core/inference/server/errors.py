@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,7 +70,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidStopSequencesError)
     async def _sampling_error(request: Request, exc: ValueError):
         # Their messages start with the name of the field at fault.
-        return bad_request(str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value").response()
+        field = re.match(r"[a-z_]*", str(exc)).group() or None
+        return bad_request(str(exc), param=field, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

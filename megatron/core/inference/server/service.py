@@ -17,7 +17,12 @@ from megatron.core.inference.server.metrics import ServerMetrics
 from megatron.core.inference.stop_words import normalize_stop_sequences
 
 # Engine-side errors that mean the request itself is too large.
-_TOO_LARGE = {"PromptTooLongError", "RequestExceedsPoolError", "PromptExceedsStepTokenLimitError"}
+_TOO_LARGE = {
+    "PromptTooLongError",
+    "RequestExceedsPoolError",
+    "PromptExceedsStepTokenLimitError",
+    "MaxSequenceLengthOverflowError",
+}
 # Errors that mean serving went away, not that the request was wrong.
 _UNAVAILABLE = {"EngineLostError", "CoordinatorStoppedError", "ClientClosedError"}
 
