@@ -24,12 +24,12 @@ def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**(base | overrides))
 
 
-def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, **overrides) -> GPTModel:
+def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: int = VOCAB, **overrides) -> GPTModel:
     config = tiny_config(mtp_num_layers=mtp_depths or None, tensor_model_parallel_size=tp,
                          pipeline_model_parallel_size=pp, **overrides)
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     torch.manual_seed(0)
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pre_process=pp_rank == 0,
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, MAX_SEQ, pre_process=pp_rank == 0,
                     post_process=pp_rank == pp_size - 1, position_embedding_type="rope",
                     mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None, pg_collection=pg).eval()
 
