@@ -76,8 +76,6 @@ class Choice:
     handle: RequestHandle
     decoder: ChoiceDecoder
     first: dict[str, Any] | None = None
-    parser: Any = None  # chat output parser
-    made_tool_calls: bool = False
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         first, self.first = self.first, None
