@@ -1,5 +1,12 @@
 """MIMO: a language model with modality encoders, each module on its own rank grid."""
 
+from megatron.core.models.mimo.builder import (
+    build_bridges,
+    build_mimo_model,
+    image_submodule_provider,
+    module_parts,
+    wrap_with_ddp,
+)
 from megatron.core.models.mimo.bridge import BridgeError, EmbeddingBridge, to_language_differentiable
 from megatron.core.models.mimo.mimo_model import (
     MimoInputError,
@@ -25,6 +32,11 @@ __all__ = [
     "ModalitySubmodule",
     "MultimodalProjection",
     "VisionEncoder",
+    "build_bridges",
+    "build_mimo_model",
+    "image_submodule_provider",
+    "module_parts",
+    "wrap_with_ddp",
     "forward_backward",
     "get_mimo_optimizer",
     "get_vision_layer_spec",

@@ -103,12 +103,12 @@ class EmbeddingBridge:
         requests, recv_rows = [], 0
         for route in routes:
             if route.src == me:
-                rows = local[route.src_start : route.src_start + route.count]
+                rows = local[route.src_start : route.src_start + route.count].detach()
                 if route.dst == me:
                     out[route.dst_start : route.dst_start + route.count].copy_(rows)
                     recv_rows += route.count
                 else:
-                    payload = rows.detach().to(self.dtype).contiguous()
+                    payload = rows.to(self.dtype).contiguous()
                     requests.append(dist.isend(payload, route.dst, group=self.group))
             elif route.dst == me:
                 view = out[route.dst_start : route.dst_start + route.count]

@@ -26,10 +26,12 @@ class MimoInputError(ValueError):
 
 
 class ModalitySubmodule(nn.Module):
-    """An encoder and a projection: ``forward(inputs) -> [b, tokens, language hidden]``."""
+    """An encoder and a projection: ``forward(inputs) -> [b, tokens, language hidden]``.
+    ``config`` is the encoder's."""
 
     def __init__(self, encoder: nn.Module, projection: nn.Module):
         super().__init__()
+        self.config = encoder.config
         self.encoder = encoder
         self.projection = projection
 
