@@ -13,9 +13,29 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import ACTIVATIONS
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the fields that disagree."""
+
+
+def activation_name(func: Callable) -> str:
+    """The registered name of an activation function (see ``megatron.core.activations``)."""
+    for name, registered in ACTIVATIONS.items():
+        if registered is func:
+            return name
+    raise ConfigError(
+        f"activation_func {getattr(func, '__name__', func)!r} has no registered name, so a saved config could not "
+        f"name it; use one of {sorted(ACTIVATIONS)} or add it to megatron.core.activations.ACTIVATIONS"
+    )
+
+
+def activation_from_name(name: str) -> Callable:
+    """Inverse of :func:`activation_name`."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"activation_func {name!r} is unknown; known activations: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 @dataclass
@@ -143,21 +163,19 @@ class TransformerConfig(ModelParallelConfig):
             value = getattr(self, f.name)
             if isinstance(value, torch.dtype):
                 value = str(value).removeprefix("torch.")
-            elif callable(value):
-                value = value.__name__
+            elif f.name == "activation_func":
+                value = activation_name(value)
             out[f.name] = value
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "TransformerConfig":
-        """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError."""
+        """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError. Fields this
+        version does not know are ignored."""
         data = dict(data)
         if isinstance(data.get("params_dtype"), str):
             data["params_dtype"] = getattr(torch, data["params_dtype"])
         if isinstance(data.get("activation_func"), str):
-            name = data["activation_func"]
-            if not hasattr(F, name):
-                raise ConfigError(f"activation_func {name!r} is not a torch.nn.functional function")
-            data["activation_func"] = getattr(F, name)
+            data["activation_func"] = activation_from_name(data["activation_func"])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})

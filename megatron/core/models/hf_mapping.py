@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import gelu_tanh, squared_relu
 from megatron.core.config import TransformerConfig
 from megatron.core.tensor_parallel import pad_vocab_size
-from megatron.core.transformer.mlp import gelu_tanh
 
 
 class HFMappingError(ValueError):
@@ -258,11 +258,6 @@ def gpt2_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_siz
 
 
 # ---------------------------------------------------------------- NemotronH (NemotronHForCausalLM), hybrid
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """``relu(x) ** 2`` (NemotronH's ``relu2`` MLP activation)."""
-    return F.relu(x).square()
 
 
 NEMOTRON_H_ACTIVATIONS = {"relu2": squared_relu, "silu": F.silu, "gelu": F.gelu}

@@ -6,20 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.activations import gelu_tanh  # noqa: F401 - re-exported for importers of mlp
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 from megatron.core.transformer.spec import build_module
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (GPT-2's "gelu_new")."""
-    return F.gelu(x, approximate="tanh")
 
 
 @dataclass
