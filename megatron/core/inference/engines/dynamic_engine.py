@@ -8,8 +8,8 @@ temperature, top-k, top-p, per-request seeds; speculative drafts verified, see
 Every rank of a model-parallel group runs its own engine with the same calls in the same
 order; all stay in lockstep.
 
-Steps are padded to ``max_tokens_per_step`` tokens and the reference kernels are batch
-invariant, so a request's tokens and log-probs do not depend on what else ran with it: a
+Steps are padded to ``max_tokens_per_step`` tokens (``batch_invariant``, the default) and the
+reference kernels are batch invariant, so a request's tokens and log-probs do not depend on what else ran with it: a
 tight pool (pauses, evictions), chunked prefill, prefix caching and speculation give exactly
 the outputs of a roomy pool.
 """
@@ -72,6 +72,9 @@ class DynamicInferenceEngine:
         num_speculative_tokens: MTP drafts per decode step (0: off).
         eos_token_id: stops generation unless ``ignore_eos`` (default: the tokenizer's).
         seed: base of the generators of requests without a seed.
+        batch_invariant: pad every step to ``max_tokens_per_step`` tokens so that outputs do
+            not depend on batch composition (see module doc); False runs each step at its real
+            size (faster when steps are small; outputs may then differ in the last bits).
         pg_collection: the model's process groups.
     """
 
@@ -92,6 +95,7 @@ class DynamicInferenceEngine:
         num_speculative_tokens: int = 0,
         eos_token_id: int | None = None,
         seed: int = 0,
+        batch_invariant: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
     ):
         pg = resolve_pg_collection(pg_collection)
@@ -108,6 +112,7 @@ class DynamicInferenceEngine:
         self.runner = ModelRunner(model, pg)
         self.max_sequence_length = max_sequence_length or model.max_sequence_length
         self.max_tokens_per_step = max_tokens_per_step
+        self.pad_steps_to = max_tokens_per_step if batch_invariant else None
         self.context = DynamicInferenceContext.create(
             stage_cache_spec(model, block_size, pg.size("tp")),
             CapacityConfig(buffer_size_bytes=buffer_size_bytes, num_blocks=num_blocks, max_requests=max_requests),
@@ -210,7 +215,7 @@ class DynamicInferenceEngine:
         if not scheduled:
             return outputs
         batch = self.context.build_step([(s.request.request_id, s.num_tokens) for s in scheduled],
-                                        pad_to_tokens=self.max_tokens_per_step)
+                                        pad_to_tokens=self.pad_steps_to)
         bookkeeping = time.perf_counter() - started
         result = self.runner.forward(self.context, batch)
         self.context.commit_step()

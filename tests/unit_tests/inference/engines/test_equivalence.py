@@ -101,3 +101,20 @@ def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_output
     assert engine.stats["steps"] < max(len(r["tokens"]) for r in plain.values()) + 1
     assert engine.context.private_page_init_counts["lookahead"] > 0
     assert all(0 <= t < VOCAB for r in speculative.values() for t in r["tokens"])
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_unpadded_steps_give_the_reference_greedy_tokens(kind):
+    lengths = [9, 4, 14]
+    with single_rank_collection() as pg:
+        model = MODELS[kind](pg)
+        engine = DynamicInferenceEngine(model, max_tokens_per_step=8, enable_chunked_prefill=True,
+                                        batch_invariant=False, pg_collection=pg, **ARGS)
+        sizes = []
+        build_step = engine.context.build_step
+        engine.context.build_step = lambda schedule, **kw: sizes.append(build_step(schedule, **kw).num_padded_tokens) \
+            or engine.context.step
+        results = run(engine, prompts(lengths), GREEDY)
+        reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
+    assert [results[str(i)]["tokens"] for i in range(len(lengths))] == reference
+    assert min(sizes) < 8

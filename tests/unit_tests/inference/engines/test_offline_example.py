@@ -1,0 +1,64 @@
+"""examples/inference/offline_inference.py end to end (a subprocess): the JSON report holds
+every request in prompt order with tokens and log-probs equal to an in-process LLM run of
+the same random model."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+from megatron.core.inference.llm import LLM
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
+from tests.unit_tests.transformer.single_rank import single_rank_collection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+EXAMPLE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
+FLAGS = ["--num-tokens-to-generate", "6", "--kv-block-size", "4", "--kv-block-count", "8", "--max-sequence-length",
+         "32", "--max-tokens-per-step", "8", "--enable-chunked-prefill", "--paused-block-budget", "1",
+         "--hidden-size", "32", "--seed", "7"]
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("offline_inference", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
+    token_prompts = [[72, 101, 108, 108, 111], list(range(60, 73)), [1, 2, 3]]
+    ids_file = tmp_path / "prompts.jsonl"
+    ids_file.write_text("".join(json.dumps(p) + "\n" for p in token_prompts))
+    report_file = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json",
+                           str(report_file), *FLAGS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "output tokens/s" in done.stdout
+    report = json.loads(report_file.read_text())
+    assert set(report["stats"]) == {"steps", "pauses", "evictions", "prefix_cache_hits", "output_tokens_per_s"}
+    assert report["stats"]["pauses"] > 0  # 8 blocks of 4 tokens for three requests
+
+    example = _example_module()
+    args = example.parse_args(["--prompt-token-ids-file", str(ids_file), *FLAGS])
+    tokenizer = ByteLevelTokenizer()
+    with single_rank_collection() as pg:
+        model = example.build_random_model(args, tokenizer.vocab_size, pg)
+        llm = LLM(model, tokenizer, pg_collection=pg, block_size=4, num_blocks=64, max_tokens_per_step=8,
+                  max_sequence_length=32, enable_chunked_prefill=True)
+        outputs = llm.generate(token_prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                              logprobs=True, return_prompt_logprobs=True)] * 3)
+    assert [r["prompt_tokens"] for r in report["requests"]] == token_prompts
+    for row, output in zip(report["requests"], outputs):
+        assert row["generated_tokens"] == output.token_ids
+        assert row["generated_text"] == output.text
+        assert row["generated_log_probs"] == output.log_probs
+        assert row["prompt_log_probs"] == output.prompt_log_probs
+
+
+def test_load_without_checkpoint_support_fails_with_a_message():
+    done = subprocess.run([sys.executable, EXAMPLE, "--prompts", "hi", "--load", "/nonexistent"],
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--load needs checkpoint loading" in done.stderr
