@@ -1,5 +1,6 @@
 """MIMO: a language model with modality encoders, each module on its own rank grid."""
 
+from megatron.core.models.mimo.bridge import BridgeError, EmbeddingBridge, to_language_differentiable
 from megatron.core.models.mimo.builder import (
     build_bridges,
     build_mimo_model,
@@ -7,7 +8,6 @@ from megatron.core.models.mimo.builder import (
     module_parts,
     wrap_with_ddp,
 )
-from megatron.core.models.mimo.bridge import BridgeError, EmbeddingBridge, to_language_differentiable
 from megatron.core.models.mimo.mimo_model import (
     MimoInputError,
     MimoModel,
