@@ -20,14 +20,18 @@ def reference(micro_batch_size, num_microbatches):
 
 
 @pytest.mark.parametrize(
-    "language, encoder, micro_batch_size, num_microbatches, reference_microbatches",
-    [({"tp": 2}, {"tp": 1}, 2, 2, 2), ({"tp": 1}, {"tp": 2}, 1, 2, 4)],
-    ids=["lm_tp2_encoder_dp2", "lm_dp2_encoder_tp2"],
+    "world, language, encoder, micro_batch_size, num_microbatches, reference_microbatches",
+    [
+        (2, {"tp": 2}, {"tp": 1}, 2, 2, 2),
+        (2, {"tp": 1}, {"tp": 2}, 1, 2, 4),
+        (4, {"tp": 2, "gtp": 2}, {"tp": 2}, 1, 2, 4),
+    ],
+    ids=["lm_tp2_encoder_dp2", "lm_dp2_encoder_tp2", "lm_tp2xgtp2_encoder_tp2xdp2"],
 )
-def test_colocated_forward_backward_matches_single_process(language, encoder, micro_batch_size, num_microbatches,
-                                                           reference_microbatches):
+def test_colocated_forward_backward_matches_single_process(world, language, encoder, micro_batch_size,
+                                                           num_microbatches, reference_microbatches):
     ref_loss, ref_grads = reference(micro_batch_size, reference_microbatches)
-    results = run_distributed(grads_after_one_batch, 2, language, encoder, num_microbatches, micro_batch_size)
+    results = run_distributed(grads_after_one_batch, world, language, encoder, num_microbatches, micro_batch_size)
     for loss, grads in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert sorted(grads) == sorted(ref_grads)
