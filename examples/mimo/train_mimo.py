@@ -96,6 +96,8 @@ def parse_mimo_args(argv: list[str] | None = None, world_size: int | None = None
     checks = [
         (args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (not args.calculate_per_token_loss, "--calculate-per-token-loss is not supported for MIMO models"),
+        (args.save is None and args.load is None,
+         "--save/--load are not available for MIMO models yet (sharded MIMO checkpointing is pending)"),
         (args.image_size % args.patch_size == 0,
          f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})"),
         (args.encoder_num_attention_heads % args.encoder_tensor_model_parallel_size == 0,
@@ -276,28 +278,13 @@ class MimoTrainer:
                     skipped=state.skipped_iterations, nan=int(loss != loss),
                 )
                 interval_start, interval_losses = time.perf_counter(), []
-            if args.save and ((args.save_interval and state.iteration % args.save_interval == 0)
-                              or state.iteration == args.train_iters):
-                self.save()
         return state
-
-    def save(self) -> None:
-        from megatron.core.models.mimo.checkpointing import save_mimo_checkpoint
-
-        save_mimo_checkpoint(self)
-
-    def load(self) -> None:
-        from megatron.core.models.mimo.checkpointing import load_mimo_checkpoint
-
-        load_mimo_checkpoint(self)
 
 
 def train(args) -> MimoTrainState:
-    """Join the job, build this rank's part, (resume,) train and close the logger."""
+    """Join the job, build this rank's part, train and close the logger."""
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = MimoTrainer(args)
-    if args.load:
-        trainer.load()
     state = trainer.train()
     trainer.logger.close()
     return state
