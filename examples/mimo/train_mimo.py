@@ -6,7 +6,7 @@ the encoder on ranks 0-1 and the language model (TP2 x DP2) on ranks 2-5:
     torchrun --nproc-per-node 6 examples/mimo/train_mimo.py --encoder-ranks first-2 \\
         --tensor-model-parallel-size 2 --encoder-tensor-model-parallel-size 1 \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
-        --micro-batch-size 2 --global-batch-size 8 --train-iters 50 --lr 1e-3 --save runs/mimo
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 50 --lr 1e-3
 
 Training, parallelism and checkpoint flags are those of examples/pretrain_gpt.py (they
 describe the language model; --hybrid-layer-pattern makes it a HybridModel); the encoder
