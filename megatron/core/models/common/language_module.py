@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, vocab_rows
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
@@ -207,3 +208,11 @@ class LanguageModule(nn.Module):
             for depth, hidden in enumerate(depth_hidden, start=1)
         ]
         return combine_mtp_losses(loss, depth_losses, self.config.mtp_loss_scaling_factor)
+
+    def sharded_state_dict(self, prefix: str = "", metadata: dict | None = None) -> dict:
+        """This stage's parameters as checkpoint pieces (global layer numbers, true vocabulary
+        rows; see :mod:`megatron.core.dist_checkpointing.model_state`), keyed by local name.
+        ``metadata`` (Megatron's format options) must be empty: no options are defined."""
+        if metadata:
+            raise ValueError(f"sharded_state_dict takes no format options yet, got metadata={metadata!r}")
+        return model_sharded_state_dict(self, self.pg_collection, prefix, vocab_rows(self))
