@@ -1,0 +1,139 @@
+"""Checkpointed training through the real loop: 10 steps + save + resume + 10 steps equals 20
+straight steps exactly; --finetune / --no-load-optim; the config record rebuilds the model."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.activations import ACTIVATIONS, gelu_tanh, squared_relu
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.dist_checkpointing import write_latest_iteration
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
+          "--lr-decay-iters", "20", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0.1",
+          "--distributed-backend", "gloo", "--use-distributed-optimizer", "--log-interval", "100"]
+
+
+def _provider(family="gpt"):
+    path = os.path.join(ROOT, "examples", f"pretrain_{family}.py")
+    spec = importlib.util.spec_from_file_location(f"pretrain_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.model_provider
+
+
+def _train(flags, world_size):
+    args = parse_args(COMMON + flags, model_family="gpt", world_size=world_size)
+    state = pretrain(args, _provider())
+    return state.iteration, state.consumed_samples, list(state.history)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """20 steps on DP2, saving at 10 and 20."""
+    save = str(tmp_path_factory.mktemp("straight"))
+    results = run_distributed(_train, 2, ["--train-iters", "20", "--save", save, "--save-interval", "10"], 2)
+    return save, results[0][2]
+
+
+def test_resume_reproduces_the_straight_run_exactly(straight_run, tmp_path):
+    save, straight = straight_run
+    write_latest_iteration(save, 10)
+    try:
+        flags = ["--train-iters", "20", "--load", save, "--save", str(tmp_path / "resumed")]
+        iteration, consumed, history = run_distributed(_train, 2, flags, 2)[0]
+    finally:
+        write_latest_iteration(save, 20)
+    assert (iteration, consumed) == (20, 160)
+    assert history == straight  # the first 10 come from the checkpoint, the last 10 are recomputed
+    assert len(straight) == 20
+
+
+def test_finetune_loads_weights_only_and_no_load_optim_keeps_the_position(straight_run, tmp_path, capfd):
+    save, straight = straight_run
+    (fine,) = run_distributed(_train, 1, ["--train-iters", "1", "--load", save, "--finetune"], 1)
+    assert fine[:2] == (1, 8) and len(fine[2]) == 1
+    assert fine[2][0] < straight[0] - 0.1  # starts from the trained weights
+    (no_optim,) = run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--no-load-optim"], 1)
+    assert no_optim[:2] == (21, 168) and no_optim[2][:20] == straight
+    out = capfd.readouterr().out
+    loaded_lines = [line for line in out.splitlines() if line.startswith("loaded checkpoint")]
+    assert loaded_lines[0].endswith(": model weights")
+    assert loaded_lines[1].endswith(": model weights, train state (iteration 20, consumed samples 160), LR schedule")
+
+
+def test_a_changed_schedule_needs_an_explicit_choice(straight_run):
+    save, _ = straight_run
+    with pytest.raises(Exception, match=r"--lr 0.001 \(checkpoint: 0.003\).*--override-opt-param-scheduler"):
+        run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--lr", "1e-3"], 1)
+    (overridden,) = run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--lr", "1e-3",
+                                                "--override-opt-param-scheduler"], 1)
+    assert overridden[0] == 21
+
+
+def _logits_from_record(path):
+    from megatron.core import parallel_state
+
+    pg = parallel_state.initialize_model_parallel()
+    model = model_from_record(load_model_config(path), pg, parallel_output=False).eval()
+    before = model(torch.arange(16).unsqueeze(0) % 64)
+    load_model_weights(model, path)
+    return before, model(torch.arange(16).unsqueeze(0) % 64)
+
+
+def _logits_from_flags(path, flags):
+    from megatron.core import parallel_state
+    from megatron.training.arguments import transformer_config_from_args
+
+    args = parse_args(COMMON + flags, model_family="gpt", world_size=1)
+    pg = parallel_state.initialize_model_parallel()
+    model = _provider()(args, transformer_config_from_args(args), 64, pg)
+    model.parallel_output = False
+    model.eval()
+    load_model_weights(model, path)
+    return model(torch.arange(16).unsqueeze(0) % 64)
+
+
+def test_config_record_rebuilds_the_model_without_flags(straight_run):
+    save, _ = straight_run
+    record = load_model_config(save)  # plain JSON, no process group in this process
+    assert record["model_family"] == "gpt" and record["model_kwargs"]["vocab_size"] == 64
+    assert record["model_kwargs"]["share_embeddings_and_output_weights"] is True
+    assert record["transformer_config"]["hidden_dropout"] == 0.1
+    assert record["tokenizer_type"] == "ByteLevelTokenizer"
+    (before, rebuilt), = run_distributed(_logits_from_record, 1, save)
+    (reference,) = run_distributed(_logits_from_flags, 1, save, ["--train-iters", "20"])
+    assert not torch.allclose(before, reference, atol=1e-3)
+    torch.testing.assert_close(rebuilt, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_config_dict_round_trips_every_activation(name):
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, activation_func=ACTIVATIONS[name])
+    data = config.to_dict()
+    assert data["activation_func"] == name
+    assert TransformerConfig.from_dict(data) == config
+
+
+def test_registered_activations_compute_what_their_names_say():
+    x = torch.linspace(-3, 3, 13)
+    assert torch.equal(gelu_tanh(x), F.gelu(x, approximate="tanh"))
+    assert torch.equal(squared_relu(x), torch.clamp(x, min=0) ** 2)
+
+
+def test_unregistered_activation_cannot_be_saved_or_loaded():
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, activation_func=torch.tanh)
+    with pytest.raises(ConfigError, match="activation_func 'tanh' has no registered name"):
+        config.to_dict()
+    with pytest.raises(ConfigError, match="activation_func 'swish2' is unknown; known activations"):
+        TransformerConfig.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+                                     "activation_func": "swish2"})
