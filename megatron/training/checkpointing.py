@@ -190,8 +190,9 @@ def _train_state_object(data, main: bool) -> ShardedObject:
 
 
 def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: dict) -> str:
-    """Collectively save ``sharded_state_dict`` (which must hold ``record`` nowhere: it is added)
-    as iteration ``iteration`` of ``root``, write the record as JSON, then move the tracker."""
+    """Collectively save ``sharded_state_dict`` plus the model-config ``record`` as iteration
+    ``iteration`` of ``root``, write the record as JSON beside it, then move the tracker
+    (so the tracker only ever names directories that have their JSON record)."""
     path = iteration_dir(root, iteration)
     save({**sharded_state_dict, "model_config": record}, path)
     if dist.get_rank() == 0:
@@ -260,7 +261,7 @@ def load_checkpoint(trainer) -> None:
     params = checkpoint_params(model, "", vocab_rows(model))
     resume = not args.finetune
     with_optimizer = resume and not args.no_load_optim and "optimizer" in common
-    with_train_state = resume and "scheduler" in common
+    with_train_state = resume and "scheduler" in common  # converted checkpoints hold weights only
     with_rng = resume and not args.no_load_rng and common.get("layout") == _layout(pg)
     request = {"model": model.sharded_state_dict()}
     if with_optimizer:

@@ -94,7 +94,7 @@ def _local_box(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[list[in
     offset, size = [0] * len(global_shape), list(global_shape)
     dim = _attr(param, "partition_dim", -1) if _attr(param, "tensor_model_parallel", False) else -1
     tp_size, tp_rank = pg.size("tp"), pg.rank("tp")
-    if dim >= 0 and dim != 0:
+    if dim > 0:
         if global_shape[dim] % tp_size:
             raise CheckpointingError(
                 f"dimension {dim} of global shape {tuple(global_shape)} is not divisible by the tensor-parallel size {tp_size}"
