@@ -1,23 +1,31 @@
-"""A one-rank gloo world in the test process, for single-process model tests."""
+"""Run a single-process model test on a forked one-rank gloo world.
+
+The test process itself must never own a gloo process group: forked multi-rank tests that run
+later would inherit it and hang destroying it (its threads do not survive the fork).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
-import torch.distributed as dist
+import functools
+import inspect
 
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
+from tests.unit_tests.dist_harness import run_distributed
 
 
-@contextlib.contextmanager
-def single_rank_collection():
-    """Yield the ProcessGroupCollection of a 1-rank world; tear the world down afterwards
-    (forked multi-rank tests need the test process without a default group)."""
-    with tempfile.TemporaryDirectory(prefix="single_rank_") as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-        try:
-            yield ProcessGroupCollection.from_layout(RankLayout())
-        finally:
-            dist.destroy_process_group()
+def _run_with_collection(test, kwargs):
+    test(pg=ProcessGroupCollection.from_layout(RankLayout()), **kwargs)
+
+
+def on_single_rank(test):
+    """Decorate a test taking ``pg`` (a one-rank ProcessGroupCollection) and other pytest
+    arguments: its body runs in a forked rank; failures come back with the traceback."""
+
+    @functools.wraps(test)
+    def wrapper(**kwargs):
+        run_distributed(_run_with_collection, 1, test, kwargs)
+
+    signature = inspect.signature(test)
+    wrapper.__signature__ = signature.replace(parameters=[p for n, p in signature.parameters.items() if n != "pg"])
+    del wrapper.__wrapped__  # pytest must read the signature above, not the wrapped one
+    return wrapper

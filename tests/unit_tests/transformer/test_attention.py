@@ -13,16 +13,10 @@ from megatron.core.transformer.attention import (
     SelfAttentionSubmodules,
 )
 from megatron.core.transformer.rope import RotaryEmbedding, apply_rotary_pos_emb
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 S, B, H, HEADS, GROUPS = 5, 2, 32, 4, 2
 D = H // HEADS
-
-
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
 
 
 def config(**kw):
@@ -46,6 +40,7 @@ def hand_attention(attn: SelfAttention, x, rotary=None, causal=True):
     return out.reshape(S, B, H) @ attn.linear_proj.weight.t()
 
 
+@on_single_rank
 def test_gqa_causal_attention_with_rope_matches_hand_computation(pg):
     attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
     x = torch.randn(S, B, H)
@@ -55,6 +50,7 @@ def test_gqa_causal_attention_with_rope_matches_hand_computation(pg):
     assert bias is attn.linear_proj.bias  # returned unadded for bias-dropout-add
 
 
+@on_single_rank
 def test_explicit_mask_replaces_the_causal_mask(pg):
     attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
     x = torch.randn(S, B, H)
@@ -63,6 +59,7 @@ def test_explicit_mask_replaces_the_causal_mask(pg):
     torch.testing.assert_close(out, hand_attention(attn, x, causal=False), rtol=1e-5, atol=1e-5)
 
 
+@on_single_rank
 def test_inference_context_supplies_the_attention(pg):
     attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=7, pg_collection=pg)
 
@@ -78,6 +75,7 @@ def test_inference_context_supplies_the_attention(pg):
     torch.testing.assert_close(out, torch.ones(S, 1, H) @ attn.linear_proj.weight.t())
 
 
+@on_single_rank
 def test_context_parallel_is_rejected(pg):
     with pytest.raises(ContextParallelNotSupportedError, match="context_parallel_size=2"):
         SelfAttention(config(context_parallel_size=2), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)

@@ -1,20 +1,14 @@
 """MLP: GELU and SwiGLU against hand computation."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.transformer.mlp import MLP, gelu_tanh
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
-
-
+@on_single_rank
 def test_swiglu_is_silu_of_gate_times_up(pg):
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
                                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
@@ -28,6 +22,7 @@ def test_swiglu_is_silu_of_gate_times_up(pg):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@on_single_rank
 def test_gelu_mlp_with_bias(pg):
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, activation_func=gelu_tanh)
     mlp = MLP(config, pg_collection=pg)

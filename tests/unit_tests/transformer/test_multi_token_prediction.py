@@ -14,15 +14,9 @@ from megatron.core.transformer.multi_token_prediction import (
     roll_left,
     shifted_target_mask,
 )
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 VOCAB, B, S, DEPTHS, FACTOR = 100, 2, 6, 2, 0.3
-
-
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
 
 
 def test_roll_left_and_target_mask():
@@ -32,6 +26,7 @@ def test_roll_left_and_target_mask():
     assert shifted_target_mask(tokens, 1).tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]
 
 
+@on_single_rank
 def test_loss_is_main_plus_scaled_mean_of_depth_losses_computed_by_hand(pg):
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
                                mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR)
@@ -72,6 +67,7 @@ def test_loss_is_main_plus_scaled_mean_of_depth_losses_computed_by_hand(pg):
         assert param.grad is not None and param.grad.abs().sum() > 0, f"no gradient reached {name}"
 
 
+@on_single_rank
 def test_inner_layer_is_a_parameter_of_the_spec(pg):
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=1)
     seen = []
@@ -91,6 +87,7 @@ def test_inner_layer_is_a_parameter_of_the_spec(pg):
     assert seen == [config.num_layers + 1]  # MTP layers are numbered after the decoder's
 
 
+@on_single_rank
 def test_mtp_block_needs_depths(pg):
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
     spec = get_mtp_block_spec(get_gpt_layer_local_spec())

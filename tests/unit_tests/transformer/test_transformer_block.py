@@ -13,13 +13,7 @@ from megatron.core.transformer.transformer_block import (
     layer_offset,
     num_layers_per_stage,
 )
-from tests.unit_tests.transformer.single_rank import single_rank_collection
-
-
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 
 def config(**kw):
@@ -34,6 +28,7 @@ def test_layer_offsets_per_stage():
         layer_offset(config(), 0, 3)
 
 
+@on_single_rank
 def test_layers_have_global_numbers_and_per_layer_init(pg):
     block = TransformerBlock(config(), get_gpt_layer_local_spec(), pg_collection=pg)
     assert block.layer_numbers == [1, 2, 3, 4]
@@ -46,6 +41,7 @@ def test_layers_have_global_numbers_and_per_layer_init(pg):
     assert TransformerBlock(config(), get_gpt_layer_local_spec(), post_process=False, pg_collection=pg).final_layernorm is None
 
 
+@on_single_rank
 def test_full_recompute_gives_the_same_gradients(pg):
     grads = []
     x = torch.randn(6, 2, 16)
@@ -59,6 +55,7 @@ def test_full_recompute_gives_the_same_gradients(pg):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@on_single_rank
 def test_non_first_stage_needs_an_input_tensor(pg):
     block = TransformerBlock(config(), get_gpt_layer_local_spec(), pre_process=False, pg_collection=pg)
     with pytest.raises(ValueError, match="call set_input_tensor"):

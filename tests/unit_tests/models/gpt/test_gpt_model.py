@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core.config import TransformerConfig
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.transformer import ContextParallelNotSupportedError, PipelineLayoutError
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 SIGNATURE = [
     ("config", inspect.Parameter.empty), ("transformer_layer_spec", inspect.Parameter.empty),
@@ -22,12 +22,6 @@ SIGNATURE = [
 ]
 
 
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
-
-
 def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, **overrides})
 
@@ -38,6 +32,7 @@ def test_every_positional_index_binds_the_documented_name():
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
 
 
+@on_single_rank
 def test_old_positional_call_binds_parallel_output_and_leaves_logit_dtype_none(pg):
     model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, True, True, False, False, pg_collection=pg)
     assert model.parallel_output is False and model.logit_dtype is None
@@ -45,6 +40,7 @@ def test_old_positional_call_binds_parallel_output_and_leaves_logit_dtype_none(p
     assert logits.shape == (2, 8, 128) and logits.dtype == torch.float32
 
 
+@on_single_rank
 def test_logit_dtype_gives_fp32_logits_from_a_bf16_model(pg):
     config = tiny_config(bf16=True)
     ids = torch.randint(0, 128, (2, 8))
@@ -55,6 +51,7 @@ def test_logit_dtype_gives_fp32_logits_from_a_bf16_model(pg):
     assert cast(ids).dtype == torch.float32
 
 
+@on_single_rank
 def test_padded_vocabulary_never_reaches_logits_or_loss(pg):
     model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 100, 32, parallel_output=False, pg_collection=pg)
     assert model.padded_vocab_size == 128
@@ -71,6 +68,7 @@ def test_padded_vocabulary_never_reaches_logits_or_loss(pg):
     torch.testing.assert_close(local[..., :100], logits)
 
 
+@on_single_rank
 def test_tied_output_layer_uses_the_embedding_weight(pg):
     model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, share_embeddings_and_output_weights=True,
                      pg_collection=pg)
@@ -78,6 +76,7 @@ def test_tied_output_layer_uses_the_embedding_weight(pg):
     assert not hasattr(model.embedding.word_embeddings.weight, "shared_embedding")  # one stage: nothing to sync
 
 
+@on_single_rank
 def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
     model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="rope",
                      pg_collection=pg).eval()
@@ -93,11 +92,13 @@ def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
         assert not torch.allclose(model(ids, position_ids=torch.arange(6)[None] * 2), full, atol=1e-4)
 
 
+@on_single_rank
 def test_context_parallel_fails_at_construction(pg):
     with pytest.raises(ContextParallelNotSupportedError, match="context parallelism is not supported yet"):
         GPTModel(tiny_config(context_parallel_size=2), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
 
 
+@on_single_rank
 def test_unsupported_construction_arguments_are_rejected(pg):
     with pytest.raises(PipelineLayoutError, match="vp_stage=1"):
         GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, vp_stage=1)

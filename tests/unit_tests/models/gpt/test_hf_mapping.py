@@ -7,15 +7,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from megatron.core.models import hf_mapping
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 VOCAB, SEQ, BATCH = 100, 12, 2
-
-
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
 
 
 def _randomized(model: torch.nn.Module) -> torch.nn.Module:
@@ -56,6 +50,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@on_single_rank
 def test_logits_match_huggingface_and_mapping_round_trips(pg, case):
     hf_model, config_from_hf, from_hf, to_hf = CASES[case]()
     config, kwargs = config_from_hf(hf_model.config)
