@@ -1,0 +1,49 @@
+"""Typed, serializable errors of the KV state handoff.
+
+Request-level failures subclass
+:class:`~megatron.core.inference.contexts.errors.InferenceRequestError`, so they travel to the
+client as the ``error`` of one terminal output (``to_dict`` / ``from_dict`` round-trip through
+msgpack and JSON).
+"""
+
+from __future__ import annotations
+
+from megatron.core.inference.contexts.errors import InferenceRequestError
+
+
+class HandoffRejectedError(InferenceRequestError):
+    """The decode side cannot take this handoff (checked before it is queued); nothing was
+    queued or transferred."""
+
+    fields = ("request_id", "reason")
+
+    def describe(self, request_id, reason):
+        return f"handoff of request {request_id!r} rejected: {reason}"
+
+
+class HandoffMetadataError(InferenceRequestError):
+    """A handoff record that is malformed or does not match the decode side's model."""
+
+    fields = ("request_id", "field", "problem")
+
+    def describe(self, request_id, field, problem):
+        return f"handoff record of request {request_id!r} has a bad {field!r}: {problem}"
+
+
+class TransferSubmitError(InferenceRequestError):
+    """The transport refused to start a pull; nothing was transferred, so all storage of the
+    import was released."""
+
+    fields = ("request_id", "transport", "reason")
+
+    def describe(self, request_id, transport, reason):
+        return f"could not start the KV pull of request {request_id!r} over {transport}: {reason}"
+
+
+class TransferFailedError(InferenceRequestError):
+    """A posted pull failed; the storage it may still write is quarantined, not reused."""
+
+    fields = ("request_id", "transport", "reason")
+
+    def describe(self, request_id, transport, reason):
+        return f"KV pull of request {request_id!r} over {transport} failed: {reason}"

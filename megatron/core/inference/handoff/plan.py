@@ -1,0 +1,129 @@
+"""Which bytes a decode rank pulls from which prefill rank.
+
+Caches are contiguous tensors: KV ``[2 (K, V), layers, blocks, block_size, heads, head_dim]``,
+Mamba ``conv [layers, slots, ...]`` and ``ssm [layers, slots, ...]``. A decode rank needs, for
+each of its attention layers (global numbers), its KV head range: every prefill rank holding
+that layer with an overlapping head range supplies the overlap. When the two ranks hold the
+same heads (equal TP), a block is one contiguous run; otherwise each token of a block holds
+the overlap as its own run (different TP sizes). Mamba state moves between ranks of the same
+TP rank and size (its channels are not head-sliced here). Adjacent runs are merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.inference.handoff.failures import HandoffMetadataError
+from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name
+
+KV_REGION, CONV_REGION, SSM_REGION = "kv", "conv", "ssm"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous run: ``nbytes`` from ``src_region + src_offset`` of source ``source``
+    into ``dst_region + dst_offset`` of the local buffers."""
+
+    source: int
+    src_region: str
+    src_offset: int
+    dst_region: str
+    dst_offset: int
+    nbytes: int
+
+
+def _kv_offset(layout: SourceLayout, plane: int, layer_index: int, block: int, token: int, head: int) -> int:
+    num_layers = len(layout.attention_layers)
+    index = ((((plane * num_layers + layer_index) * layout.num_blocks_with_dummy + block) * layout.block_size + token)
+             * layout.num_local_heads + head)
+    return index * layout.head_dim * _itemsize(layout.kv_dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+def _check_compatible(record: HandoffRecord, local: SourceLayout, source: SourceLayout) -> None:
+    for name in ("head_dim", "block_size", "kv_dtype"):
+        if getattr(source, name) != getattr(local, name):
+            raise HandoffMetadataError(request_id=record.request_id, field=name,
+                                       problem=f"prefill has {getattr(source, name)!r}, this engine "
+                                               f"{getattr(local, name)!r}; both sides must match")
+
+
+def _merge(segments: list[Segment]) -> list[Segment]:
+    merged: list[Segment] = []
+    for seg in segments:
+        last = merged[-1] if merged else None
+        if (last is not None and (last.source, last.src_region, last.dst_region) ==
+                (seg.source, seg.src_region, seg.dst_region) and last.src_offset + last.nbytes == seg.src_offset
+                and last.dst_offset + last.nbytes == seg.dst_offset):
+            merged[-1] = Segment(last.source, last.src_region, last.src_offset, last.dst_region, last.dst_offset,
+                                 last.nbytes + seg.nbytes)
+        else:
+            merged.append(seg)
+    return merged
+
+
+def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], dst_blocks: list[int]) -> list[Segment]:
+    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer."""
+    segments = []
+    width = local.head_dim * _itemsize(local.kv_dtype)
+    for layer_index, layer in enumerate(local.attention_layers):
+        covered = 0
+        for source_index, source in enumerate(record.sources):
+            if layer not in source.attention_layers:
+                continue
+            _check_compatible(record, local, source)
+            start, stop = max(local.kv_head_start, source.kv_head_start), min(local.kv_head_stop, source.kv_head_stop)
+            if start >= stop:
+                continue
+            covered += stop - start
+            src_layer = source.attention_layers.index(layer)
+            same_heads = (start, stop) == (source.kv_head_start, source.kv_head_stop) == \
+                (local.kv_head_start, local.kv_head_stop)
+            tokens = [None] if same_heads else range(local.block_size)
+            for plane in (0, 1):
+                for src_block, dst_block in zip(src_blocks, dst_blocks):
+                    for token in tokens:
+                        t = token or 0
+                        nbytes = (local.block_size * local.num_local_heads * width if same_heads
+                                  else (stop - start) * width)
+                        segments.append(Segment(
+                            source_index, KV_REGION,
+                            _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
+                            KV_REGION, _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
+                            nbytes))
+        if covered != local.num_local_heads:
+            raise HandoffMetadataError(
+                request_id=record.request_id, field="sources",
+                problem=f"layer {layer} heads [{local.kv_head_start}, {local.kv_head_stop}) are not all held by the "
+                        f"prefill ranks (covered {covered} of {local.num_local_heads})")
+    return _merge(segments)
+
+
+def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> list[Segment]:
+    """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer."""
+    segments = []
+    for layer_index, layer in enumerate(local.mamba_layers):
+        matches = [(i, s) for i, s in enumerate(record.sources)
+                   if layer in s.mamba_layers and (s.tp_rank, s.tp_size) == (local.tp_rank, local.tp_size)]
+        if not matches:
+            raise HandoffMetadataError(
+                request_id=record.request_id, field="sources",
+                problem=f"no prefill rank holds Mamba layer {layer} at TP rank {local.tp_rank} of {local.tp_size} "
+                        f"(Mamba state moves only between equal TP layouts)")
+        source_index, source = matches[0]
+        if (source.mamba.conv_shape, source.mamba.ssm_shape) != (local.mamba.conv_shape, local.mamba.ssm_shape):
+            raise HandoffMetadataError(request_id=record.request_id, field="mamba",
+                                       problem=f"prefill state shapes {source.mamba.conv_shape}, "
+                                               f"{source.mamba.ssm_shape} differ from {local.mamba.conv_shape}, "
+                                               f"{local.mamba.ssm_shape}")
+        src_layer = source.mamba_layers.index(layer)
+        for region, which in ((CONV_REGION, "conv"), (SSM_REGION, "ssm")):
+            row = local.mamba.row_bytes(which)
+            segments.append(Segment(source_index, region, (src_layer * source.mamba.num_slots + record.mamba_slot) * row,
+                                    region, (layer_index * local.mamba.num_slots + dst_slot) * row, row))
+    return segments

@@ -1,0 +1,83 @@
+"""Shared pieces of the handoff tests: tiny engines, NIXL transports, an in-process driver of
+a prefill side and a decode side, and a single-engine reference run."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL's UCX on CPU hosts: before any agent exists
+
+from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: E402
+from megatron.core.inference.handoff.decode_side import ABANDON, DecodeSide  # noqa: E402
+from megatron.core.inference.handoff.prefill_side import PrefillSide  # noqa: E402
+from megatron.core.inference.handoff.transport import NixlTransport  # noqa: E402
+from megatron.core.inference.sampling import SamplingParams  # noqa: E402
+from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run  # noqa: E402,F401
+
+ENGINE = dict(block_size=4, max_tokens_per_step=16, max_sequence_length=48)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, return_prompt_logprobs=True)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=6, logprobs=True)
+
+
+def build_model(kind: str, pg, **overrides):
+    return gpt_model(pg, **overrides) if kind == "gpt" else hybrid_model(pg, **overrides)
+
+
+def build_engine(model, pg, *, num_blocks: int = 32, prefix_caching: bool = True, **overrides):
+    return DynamicInferenceEngine(model, **(ENGINE | dict(num_blocks=num_blocks, max_requests=8,
+                                                          enable_prefix_caching=prefix_caching, pg_collection=pg)
+                                           | overrides))
+
+
+def nixl(role: str) -> NixlTransport:
+    return NixlTransport(f"{role}-{uuid.uuid4().hex[:8]}")
+
+
+def baseline(engine) -> tuple[int, int | None, int]:
+    """Free blocks, free Mamba slots and requests of an engine's context."""
+    context = engine.context
+    slots = context.mamba_slots.num_free_slots if context.mamba_slots is not None else None
+    return context.num_free_blocks, slots, context.num_requests
+
+
+def new_result() -> dict:
+    return dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
+
+
+def collect(results: dict, outputs) -> None:
+    for output in outputs:
+        result = results.setdefault(output.request_id, new_result())
+        result["tokens"] += output.new_token_ids
+        result["log_probs"] += output.new_log_probs
+        if output.prompt_log_probs is not None:
+            result["prompt_log_probs"] = output.prompt_log_probs
+        if output.finished:
+            result["terminal"] += 1
+            result["finish_reason"] = output.finish_reason
+            result["error"] = output.error
+
+
+def deliver_words(decode: DecodeSide, prefill: PrefillSide) -> None:
+    for word, request_id in decode.take_words():
+        (prefill.abandon if word == ABANDON else prefill.release)(request_id)
+
+
+def run_handoff(prefill: PrefillSide, decode: DecodeSide, requests, params, on_record=None) -> dict:
+    """Prefill ``requests`` (prompts) on one side and decode them on the other, in one process."""
+    params = params if isinstance(params, list) else [params] * len(requests)
+    by_id = {str(i): p for i, p in enumerate(params)}
+    results = {str(i): new_result() for i in range(len(requests))}
+    for index, prompt in enumerate(requests):
+        prefill.add_request(str(index), prompt, params[index])
+    while prefill.has_work() or decode.has_unfinished_requests():
+        if prefill.has_work():
+            done = prefill.step()
+            collect(results, done.finished)
+            for record in done.records:
+                if on_record is not None:
+                    on_record(record)
+                decode.submit(record.request_id, record, by_id[record.request_id])
+        collect(results, decode.step())
+        deliver_words(decode, prefill)
+    return results

@@ -1,0 +1,41 @@
+"""Prefill on one engine, decode on another (one process, real NIXL between two agents)."""
+
+import pytest
+import torch
+
+from megatron.core.inference.handoff.decode_side import DecodeSide
+from megatron.core.inference.handoff.prefill_side import PrefillSide
+from tests.unit_tests.inference.handoff.common import (
+    GREEDY,
+    SAMPLED,
+    baseline,
+    build_engine,
+    build_model,
+    nixl,
+    prompts,
+    run,
+    run_handoff,
+)
+from tests.unit_tests.transformer.single_rank import on_single_rank
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+@on_single_rank
+def test_prefill_then_decode_equals_one_engine(pg, kind):
+    requests = prompts([6, 13, 3, 9])
+    params = [GREEDY, GREEDY, SAMPLED, GREEDY]
+    reference = run(build_engine(build_model(kind, pg), pg), requests, params)
+    prefill_engine = build_engine(build_model(kind, pg), pg, prefix_caching=False)
+    decode_engine = build_engine(build_model(kind, pg), pg)
+    prefill = PrefillSide(prefill_engine, nixl("prefill"))
+    decode = DecodeSide(decode_engine, nixl("decode"))
+    before = baseline(prefill_engine), baseline(decode_engine)
+    got = run_handoff(prefill, decode, requests, params)
+    assert (baseline(prefill_engine), baseline(decode_engine)) == before
+    for request_id, want in reference.items():
+        assert got[request_id]["tokens"] == want["tokens"] and got[request_id]["terminal"] == 1
+        assert got[request_id]["log_probs"] == want["log_probs"]
+        assert got[request_id]["prompt_log_probs"] == want["prompt_log_probs"]
+    assert decode_engine.stats["prefill_tokens_computed"] == 0
+    assert not prefill.pins and not prefill.quarantine
+    assert decode.transport.num_done == decode.transport.num_posted > 0 and decode.transport.num_failed == 0
