@@ -50,3 +50,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("skips that are not allowed (only a missing GPU may skip a test)")
         for line in _bad_skips:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_the_pytest_process():
+    """Forked ranks inherit the pytest process: a process group left initialized here makes
+    later forks hang when they tear it down. Tests must create groups only inside ranks."""
+    import torch.distributed as dist
+
+    from tests.unit_tests.dist_harness import under_torchrun
+
+    yield
+    if dist.is_initialized() and not under_torchrun():
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        pytest.fail("this test left torch.distributed initialized in the pytest process; run it through run_distributed")

@@ -10,6 +10,7 @@ torchrun world and runs every test whose world size matches on NCCL.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import os
 import subprocess
@@ -35,6 +36,8 @@ def bucket_files(bucket: dict, root: str = ROOT) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bucket")
+    parser.add_argument("--only", action="append", default=[], metavar="GLOB",
+                        help="run only the bucket's files matching GLOB (repeatable)")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
     buckets = load_buckets()
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown bucket {args.bucket!r}; known: {', '.join(buckets)}")
     bucket = buckets[args.bucket]
     files = bucket_files(bucket)
+    if args.only:
+        files = [f for f in files if any(fnmatch.fnmatch(f, pattern) for pattern in args.only)]
     if not files:
         print(f"bucket {args.bucket} has no test files", file=sys.stderr)
         return 1
