@@ -82,7 +82,9 @@ class QuarantinedStorage:
 
 
 @dataclass
-class _Import:
+class PendingImport:
+    """A validated import: waiting for room (no plan yet), or pulling (plan and handles set)."""
+
     request_id: str
     record: HandoffRecord
     params: SamplingParams
@@ -111,8 +113,8 @@ class DecodeSide:
         transport.register(cache_regions(self.context))
         pg = engine.runner.pg
         self.layout = SourceLayout.of_context(self.context, {}, pg.rank("tp"), pg.size("tp"))
-        self.waiting: deque[_Import] = deque()
-        self.pulling: dict[str, _Import] = {}
+        self.waiting: deque[PendingImport] = deque()
+        self.pulling: dict[str, PendingImport] = {}
         self.quarantined: list[QuarantinedStorage] = []
         self.words: list[tuple[str, str]] = []
         self._outputs: list[RequestOutput] = []
@@ -167,7 +169,7 @@ class DecodeSide:
         except InferenceRequestError:
             self.stats["rejected"] += 1
             raise
-        self.waiting.append(_Import(request_id, record, params))
+        self.waiting.append(PendingImport(request_id, record, params))
 
     def abort(self, request_id: str) -> None:
         """End a request in any state: a queued import never starts, a pulling one never enters
@@ -216,7 +218,7 @@ class DecodeSide:
             except TransferSubmitError:
                 pass  # start() already ended the request with its one terminal output
 
-    def start(self, imp: _Import) -> None:
+    def start(self, imp: PendingImport) -> None:
         """Admit the import into the context and post its pulls; raises
         :class:`TransferSubmitError` (after releasing what it took and queueing the request's
         terminal output) when a pull cannot start."""
@@ -242,7 +244,7 @@ class DecodeSide:
             raise exc
         self.stats["pulls"] += len(imp.handles)
 
-    def _plan(self, imp: _Import) -> dict[int, list[Segment]]:
+    def _plan(self, imp: PendingImport) -> dict[int, list[Segment]]:
         plan, record = imp.plan, imp.record
         segments = plan_kv(record, self.layout, record.block_ids[plan.first_block_index:], plan.block_ids) \
             if self.layout.attention_layers else []
@@ -286,7 +288,7 @@ class DecodeSide:
         dist.all_reduce(done, dist.ReduceOp.MIN, group=self.group)
         return [_FAILED if f else _DONE if d else _PENDING for f, d in zip(failed.tolist(), done.tolist())]
 
-    def _finish_pull(self, imp: _Import) -> None:
+    def _finish_pull(self, imp: PendingImport) -> None:
         del self.pulling[imp.request_id]
         for handle in imp.handles:
             self.stats["transferred_bytes"] += handle.nbytes
@@ -308,7 +310,7 @@ class DecodeSide:
                                    prompt_log_probs=record.prompt_log_probs, generator_state=generator_state)
         self.stats["imports"] += 1
 
-    def _fail(self, imp: _Import, error: InferenceRequestError) -> None:
+    def _fail(self, imp: PendingImport, error: InferenceRequestError) -> None:
         """Release what no pull can write (shared cached blocks, continuation pages); quarantine
         the pull targets while any pull was posted. One terminal output."""
         del self.pulling[imp.request_id]
@@ -329,7 +331,7 @@ class DecodeSide:
         self.words.append((ABANDON if still_pending else RELEASE, imp.request_id))
         self._terminal(imp, "abort" if imp.aborted else "error", None if imp.aborted else error)
 
-    def _terminal(self, imp: _Import, reason: str, error: InferenceRequestError | None = None) -> None:
+    def _terminal(self, imp: PendingImport, reason: str, error: InferenceRequestError | None = None) -> None:
         if reason == "abort":
             self.stats["aborted"] += 1
         self._outputs.append(RequestOutput(

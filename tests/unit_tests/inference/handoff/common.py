@@ -81,3 +81,41 @@ def run_handoff(prefill: PrefillSide, decode: DecodeSide, requests, params, on_r
         collect(results, decode.step())
         deliver_words(decode, prefill)
     return results
+
+
+def pair(kind: str, pg, *, decode_overrides=None, prefill_overrides=None, model_overrides=None,
+         decode_transport=None):
+    """A prefill side and a decode side over NIXL, each on its own engine of the same model."""
+    model_overrides = model_overrides or {}
+    prefill_engine = build_engine(build_model(kind, pg, **model_overrides), pg, prefix_caching=False,
+                                  **(prefill_overrides or {}))
+    decode_engine = build_engine(build_model(kind, pg, **model_overrides), pg, **(decode_overrides or {}))
+    return (PrefillSide(prefill_engine, nixl("prefill")),
+            DecodeSide(decode_engine, decode_transport or nixl("decode")))
+
+
+def prefill_records(prefill: PrefillSide, requests: dict, params=GREEDY) -> dict:
+    """Prefill ``{request_id: prompt}``; return ``{request_id: record}``."""
+    for request_id, prompt in requests.items():
+        prefill.add_request(request_id, prompt, params)
+    records = {}
+    while prefill.has_work():
+        for record in prefill.step().records:
+            records[record.request_id] = record
+    return records
+
+
+def drain(decode: DecodeSide, prefill: PrefillSide, results: dict | None = None, on_step=None) -> dict:
+    results = {} if results is None else results
+    while decode.has_unfinished_requests():
+        collect(results, decode.step())
+        deliver_words(decode, prefill)
+        if on_step is not None:
+            on_step()
+    return results
+
+
+def block_bytes(engine) -> int:
+    """Bytes of one KV block (K and V, all layers of the stage)."""
+    data = engine.context.kv_cache.data
+    return data[:, :, 0].numel() * data.element_size()
