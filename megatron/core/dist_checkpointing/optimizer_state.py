@@ -1,7 +1,8 @@
 """An optimizer's sharded state dict: per-parameter state with the geometry of its parameter.
 
 fp32 masters and the torch optimizer's tensor state (Adam ``exp_avg`` / ``exp_avg_sq``, SGD
-``momentum_buffer``) are stored as ``optimizer.state.<name>.<param key>``, described by
+``momentum_buffer``) are stored as ``<prefix>.state.<name>.<param key>`` (prefix ``optimizer``
+unless the caller picks another, e.g. one per module of a job with several optimizers), described by
 :func:`model_state.describe_tensor` exactly like the parameter, so they reshard to any
 TP/PP/DP/GTP layout. The distributed optimizer holds flat element ranges of its parameters:
 it sums its ranges over ``dp_cp`` into parameter-shaped tensors before saving (only dp_cp
@@ -99,27 +100,35 @@ def _object(key: str, data, pg: ProcessGroupCollection) -> ShardedObject:
     return ShardedObject(key, data, (1,), (0,), replica_id=singleton_replica_id(pg))
 
 
-def _group_key(optimizer, index: int) -> str:
-    return "optimizer.param_groups" if len(_members(optimizer)) == 1 else f"optimizer.member{index}.param_groups"
+def _group_key(optimizer, index: int, key_prefix: str) -> str:
+    if len(_members(optimizer)) == 1:
+        return f"{key_prefix}.param_groups"
+    return f"{key_prefix}.member{index}.param_groups"
 
 
-def optimizer_sharded_state_dict(optimizer, params: list[CheckpointParam], pg: ProcessGroupCollection) -> dict:
+def optimizer_sharded_state_dict(
+    optimizer, params: list[CheckpointParam], pg: ProcessGroupCollection, key_prefix: str = "optimizer"
+) -> dict:
     """Sharded state of a MegatronOptimizer, DistributedOptimizer or ChainedOptimizer.
 
     ``params`` describes the model's parameters (``model_state.checkpoint_params``); every
-    parameter the optimizer steps must be among them. A collective over ``dp_cp`` for the
+    parameter the optimizer steps must be among them. Every key starts with ``key_prefix``:
+    optimizers saved into one checkpoint next to each other (each over its own ``pg``, e.g.
+    one per module of a MIMO job) need distinct prefixes. A collective over ``dp_cp`` for the
     distributed optimizer.
     """
     specs = {id(spec.param): spec for spec in params}
     members = _members(optimizer)
     out = {
         "state": {},
-        "param_groups": [_object(_group_key(optimizer, i), _group_records(m, pg), pg) for i, m in enumerate(members)],
-        "format": _object("optimizer.format", {"format": STATE_FORMAT, "members": len(members)}, pg),
+        "param_groups": [
+            _object(_group_key(optimizer, i, key_prefix), _group_records(m, pg), pg) for i, m in enumerate(members)
+        ],
+        "format": _object(f"{key_prefix}.format", {"format": STATE_FORMAT, "members": len(members)}, pg),
     }
     scaler = members[0].grad_scaler
     if scaler is not None:
-        out["grad_scaler"] = _object("optimizer.grad_scaler", scaler.state_dict(), pg)
+        out["grad_scaler"] = _object(f"{key_prefix}.grad_scaler", scaler.state_dict(), pg)
     for member in members:
         for name, by_param in _param_shaped_states(member, pg).items():
             for param in _params(member):
@@ -130,7 +139,7 @@ def optimizer_sharded_state_dict(optimizer, params: list[CheckpointParam], pg: P
                         "checkpoint parameters; pass the parameters of every model chunk the optimizer covers"
                     )
                 out["state"].setdefault(name, {})[spec.name] = describe_tensor(
-                    f"optimizer.state.{name}.{spec.key}", by_param[id(param)], spec, pg
+                    f"{key_prefix}.state.{name}.{spec.key}", by_param[id(param)], spec, pg
                 )
     return out
 
