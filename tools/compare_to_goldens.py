@@ -24,7 +24,7 @@ def summarize(path: str, golden: list[float]) -> dict:
         records = [json.loads(line) for line in f if line.strip()]
     train = [r for r in records if r.get("type") == "train"]
     losses = [r["lm loss"] for r in train]
-    steady = train[1:] or train  # the first iteration includes start-up work
+    steady = train[1:] or train or [{"tokens_per_s": 0.0, "tflops": 0.0}]  # iteration 1 includes start-up work
     return {
         "losses": losses,
         "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, golden)) if losses else float("inf"),

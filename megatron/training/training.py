@@ -59,7 +59,8 @@ def logging_rank(pgc: ProcessGroupCollection) -> int:
     return layout.rank_of({axis: 0 for axis in layout.axes} | {"pp": layout.pp - 1})
 
 
-def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int) -> float:
+def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int,
+                          device: torch.device) -> float:
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
     embedding lookups excluded, the (possibly tied) output layer included."""
@@ -77,7 +78,7 @@ def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, s
     attention_layers = sum(isinstance(m, SelfAttention) for m in model.modules())
     if pgc.rank("tp") != 0 or not first_replica:
         attention_layers = 0
-    counts = torch.tensor([float(matmul), float(attention_layers)])
+    counts = torch.tensor([float(matmul), float(attention_layers)], device=device)
     dist.all_reduce(counts, group=pgc.mp)
     return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size)
 
@@ -116,7 +117,7 @@ class Trainer:
         self.train_ds, self.valid_ds, _ = build_datasets(args, self.tokenizer, self.vocab_size)
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
-        self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size)
+        self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size, self.device)
         seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)

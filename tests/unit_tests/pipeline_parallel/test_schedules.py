@@ -12,7 +12,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
 )
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 
 HIDDEN, SEQ, MBS, NUM_LAYERS = 6, 3, 2, 4
 
@@ -84,13 +84,14 @@ def _pipelined(pp, num_microbatches, forward_only):
     stage = pgc.rank("pp")
     per_stage = NUM_LAYERS // pp
     layers = _full_layers()[stage * per_stage:(stage + 1) * per_stage]
-    model = Stage(layers, first=stage == 0)
+    model = Stage(layers, first=stage == 0).to(device())
+    batches = [(x.to(device()), t.to(device())) for x, t in _microbatches(num_microbatches)]
     metrics, _ = forward_backward_pipelining_without_interleaving(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches(num_microbatches)), model=[model],
+        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=num_microbatches, tensor_shape=(SEQ, MBS, HIDDEN), forward_only=forward_only,
         pg_collection=pgc,
     )
-    grads = None if forward_only else [p.grad.clone() for p in model.parameters()]
+    grads = None if forward_only else [p.grad.cpu() for p in model.parameters()]
     return stage, [m["loss"] for m in metrics], grads
 
 
