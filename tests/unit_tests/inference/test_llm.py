@@ -10,18 +10,13 @@ from megatron.core.inference.llm import LLM, PromptTypeError
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from tests.unit_tests.inference.engines.common import gpt_model, prompts, reference_greedy
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 ENGINE = dict(block_size=4, num_blocks=64, max_tokens_per_step=32, max_sequence_length=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=True)
 
 
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
-
-
+@on_single_rank
 def test_generate_returns_outputs_in_prompt_order(pg):
     model = gpt_model(pg)
     llm = LLM(model, pg_collection=pg, **ENGINE)
@@ -36,6 +31,7 @@ def test_generate_returns_outputs_in_prompt_order(pg):
         llm.generate("hello", GREEDY)
 
 
+@on_single_rank
 def test_text_prompts_and_stop_strings(pg):
     tokenizer = ByteLevelTokenizer()
     llm = LLM(gpt_model(pg, vocab_size=tokenizer.vocab_size), tokenizer, pg_collection=pg, **ENGINE)
@@ -49,6 +45,7 @@ def test_text_prompts_and_stop_strings(pg):
     assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) < 12
 
 
+@on_single_rank
 def test_concurrent_streams_add_up_to_the_batch_result_and_early_exit_aborts(pg):
     llm = LLM(gpt_model(pg), pg_collection=pg, **ENGINE)
     batch = prompts([5, 10])

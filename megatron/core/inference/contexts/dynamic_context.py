@@ -16,7 +16,8 @@ Request lifecycle (called by the engine; every call is all-or-nothing):
 * :meth:`~DynamicInferenceContext.ensure_token_capacity` — grow a request's blocks for the
   given reason (``decode_growth``, ``lookahead``, ``async_preparation``,
   ``handoff_continuation``); :meth:`pause_request` / :meth:`resume_request` (``resume``);
-  :meth:`release_request` (finish or evict; returns the hash chain for re-admission).
+  :meth:`release_request` (finish or evict; returns the hash chain for re-admission);
+  :meth:`detach_request` / :meth:`release_detached` (storage kept past the request: handoff pins).
 * :meth:`~DynamicInferenceContext.import_request` / :meth:`commit_import` — handoff: blocks
   not already cached are allocated untouched for the transfer to fill.
 
@@ -410,6 +411,23 @@ class DynamicInferenceContext:
         del self._requests[request_id]
         return state.hash_chain
 
+    def detach_request(self, request_id: Hashable) -> RequestState:
+        """Take a request out of the context (it no longer counts as one of its requests) while
+        its blocks stay referenced and its Mamba slot stays held: a handoff pin whose storage
+        another engine reads, or storage a transfer may still write. Give the storage back with
+        :meth:`release_detached`."""
+        if self.step is not None and request_id in self.step.request_ids:
+            raise StepError(f"request {request_id!r} is in the step being run; commit the step first")
+        state = self.request(request_id)
+        del self._requests[request_id]
+        return state
+
+    def release_detached(self, state: RequestState) -> None:
+        """Free the blocks and Mamba slot of a request taken out by :meth:`detach_request`."""
+        self.pool.free(state.block_ids)
+        if state.mamba_slot is not None:
+            self.mamba_slots.free(state.mamba_slot)
+
     # ---- step ------------------------------------------------------------------------------
     def build_step(self, schedule: Sequence[tuple[Hashable, int]], *, pad_to_tokens: int | None = None) -> StepBatch:
         """Pack ``(request_id, num_new_tokens)`` entries into this step's :class:`StepBatch`
@@ -419,11 +437,12 @@ class DynamicInferenceContext:
             raise StepError("the previous step was not committed; call commit_step() first")
         bs = self.block_size
         ids, token_ids, positions, slots, q_lens, offsets, tables, mamba_slots = [], [], [], [], [], [], [], []
+        seen = set()
         for request_id, num_new in schedule:
             state = self.request(request_id)
             start = state.num_computed_tokens
             problem = (
-                "appears twice" if request_id in ids else
+                "appears twice" if request_id in seen else
                 "is paused" if state.paused else
                 f"asks for {num_new} new tokens but has {len(state.tokens) - start} uncomputed"
                 if not 1 <= num_new <= len(state.tokens) - start else
@@ -433,14 +452,14 @@ class DynamicInferenceContext:
             if problem:
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
-            pos = torch.arange(start, start + num_new)
-            block_ids = torch.tensor(state.block_ids, dtype=torch.long)
-            token_ids.append(torch.tensor(state.tokens[start:start + num_new], dtype=torch.long))
-            positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            seen.add(request_id)
+            blocks = state.block_ids
+            token_ids.extend(state.tokens[start:start + num_new])
+            positions.extend(range(start, start + num_new))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + num_new))
             q_lens.append(num_new)
             offsets.append(start)
-            tables.append(block_ids[: self.blocks_for_tokens(start + num_new)])
+            tables.append(blocks[: self.blocks_for_tokens(start + num_new)])
             mamba_slots.append(state.mamba_slot)
         num_tokens = sum(q_lens)
         if num_tokens > self.max_tokens_per_step:
@@ -450,17 +469,17 @@ class DynamicInferenceContext:
             raise StepError(f"pad_to_tokens={pad_to_tokens} is less than the step's {num_tokens} tokens")
         dummy = self.pool.dummy_block_id
         pad = padded - num_tokens
-        table = torch.full((len(ids), max((len(t) for t in tables), default=0)), dummy, dtype=torch.long)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = blocks
+        width = max((len(t) for t in tables), default=0)
+        table = torch.tensor([t + [dummy] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(ids), width)
         q_len_tensor = torch.tensor(q_lens, dtype=torch.long)
         offset_tensor = torch.tensor(offsets, dtype=torch.long)
         device = self.device
         self.step = StepBatch(
             request_ids=tuple(ids),
-            token_ids=torch.cat(token_ids + [torch.zeros(pad, dtype=torch.long)]).to(device),
-            positions=torch.cat(positions + [torch.zeros(pad, dtype=torch.long)]).to(device),
-            slot_mapping=torch.cat(slots + [dummy * bs + torch.arange(pad) % bs]).to(device),
+            token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device),
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots + [dummy * bs + i % bs for i in range(pad)], dtype=torch.long,
+                                      device=device),
             query_lengths=q_len_tensor.to(device),
             cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.long), q_len_tensor.cumsum(0)]).to(device),
             kv_offsets=offset_tensor.to(device),

@@ -8,12 +8,16 @@ unused block tail cannot leak into this reference; faster kernels may multiply t
 zero weight (0 * NaN = NaN), which is why the context zeroes every fresh private page.
 Grouped-query attention: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
 
+All queries of a step are computed together, each over its own request's keys gathered
+through the block table (``[queries, keys, heads, dim]``, in slices of :data:`QUERY_SLICE`
+queries to bound memory).
+
 Batch invariance: a query's result is bitwise the same whatever else is in the step and however
 its request's tokens were split into steps (prefill chunk, decode token, recompute after
 eviction), so pausing, eviction and chunking never change outputs. The products are reduced
-elementwise (no matmul whose blocking depends on the number of queries), and the key axis is
-padded with masked keys to a multiple of :data:`KEY_TILE`, which keeps softmax on one kernel
-path for every key count.
+elementwise per query (no matmul whose blocking depends on the number of queries), and the key
+axis is padded with masked keys to a multiple of :data:`KEY_TILE`, which keeps softmax on one
+kernel path for every key count.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 import torch
 
 KEY_TILE = 64
+QUERY_SLICE = 128
 
 
 def paged_attention(
@@ -54,29 +59,36 @@ def paged_attention(
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
     if int(query_lengths.sum()) != num_tokens:
         raise ValueError(f"query_lengths sum to {int(query_lengths.sum())} but query has {num_tokens} tokens")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    group = q_heads // kv_heads
+    bad = (query_lengths > kv_lengths).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise ValueError(f"request {row}: {int(query_lengths[row])} new tokens but only {int(kv_lengths[row])} "
+                         f"tokens in the cache")
     out = torch.empty_like(query)
-    start = 0
-    for row, (q_len, kv_len) in enumerate(zip(query_lengths.tolist(), kv_lengths.tolist())):
-        if q_len > kv_len:
-            raise ValueError(f"request {row}: {q_len} new tokens but only {kv_len} tokens in the cache")
-        num_blocks = math.ceil(kv_len / block_size)
-        blocks = block_tables[row, :num_blocks]
-        num_keys = math.ceil(num_blocks * block_size / KEY_TILE) * KEY_TILE
-        keys = query.new_zeros(num_keys, kv_heads, head_dim, dtype=torch.float32)
-        values = torch.zeros_like(keys)
-        keys[:kv_len] = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
-        values[:kv_len] = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
-        key_pos = torch.arange(num_keys, device=query.device)
-        query_pos = kv_len - q_len + torch.arange(q_len, device=query.device)
-        visible = key_pos[None, :] <= query_pos[:, None]  # [q, k]
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        q = query[start:start + q_len].float()
-        scores = (q[:, None] * keys[None]).sum(-1) * scale  # [q, k, h]
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        probs = torch.softmax(scores.transpose(1, 2), dim=-1).transpose(1, 2)  # [q, k, h]
-        out[start:start + q_len] = (probs[..., None] * values[None]).sum(1).to(query.dtype)
-        start += q_len
+    if num_tokens == 0:
+        return out
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    device = query.device
+    # Per query token: its request and its position (keys 0..position are visible).
+    request_of = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)
+    first = torch.cumsum(query_lengths, 0) - query_lengths
+    positions = (kv_lengths - query_lengths)[request_of] + torch.arange(num_tokens, device=device) - first[request_of]
+    num_keys = math.ceil(int(kv_lengths.max()) / KEY_TILE) * KEY_TILE
+    key_pos = torch.arange(num_keys, device=device)
+    table_col = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    flat_keys = key_cache.reshape(-1, kv_heads, head_dim)
+    flat_values = value_cache.reshape(-1, kv_heads, head_dim)
+    group = q_heads // kv_heads
+    for lo in range(0, num_tokens, QUERY_SLICE):
+        hi = min(lo + QUERY_SLICE, num_tokens)
+        slots = block_tables[request_of[lo:hi]][:, table_col] * block_size + key_pos % block_size  # [q, k]
+        visible = (key_pos[None, :] <= positions[lo:hi, None])[:, :, None, None]  # [q, k, 1, 1]
+        keys = torch.where(visible, flat_keys[slots].float(), 0.0)  # [q, k, kv_heads, d]
+        values = torch.where(visible, flat_values[slots].float(), 0.0)
+        q = query[lo:hi].float().reshape(hi - lo, 1, kv_heads, group, head_dim)
+        scores = (q * keys[:, :, :, None, :]).sum(-1) * scale  # [q, k, kv_heads, group]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores.permute(0, 2, 3, 1), dim=-1).permute(0, 3, 1, 2)
+        context = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [q, kv_heads, group, d]
+        out[lo:hi] = context.reshape(hi - lo, q_heads, head_dim).to(query.dtype)
     return out

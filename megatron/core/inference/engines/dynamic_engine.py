@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from megatron.core.inference.contexts.capacity import CapacityConfig
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
 from megatron.core.inference.engines.errors import (
     DuplicateRequestIdError,
     EngineConfigError,
@@ -156,9 +156,24 @@ class DynamicInferenceEngine:
         other requests are unaffected). ``prefilled_import``: its KV was computed elsewhere, so
         the per-step prompt token limit does not apply (length and pool checks still do)."""
         params = sampling_params or SamplingParams()
+        prompt = [int(t) for t in prompt_tokens]
+        max_new = self.check_request(request_id, prompt, params, prefilled_import=prefilled_import)
+        seed = params.seed if params.seed is not None else (self.seed * _SEED_MIX + self._num_added) % 2**63
+        self._num_added += 1
+        request = EngineRequest(
+            request_id, prompt, params, max_new, make_generator(seed, self.runner.device) if not params.greedy else None,
+            prefilled_import=prefilled_import,
+            stop_matcher=StopSequenceMatcher(params.stop) if params.stop and self.tokenizer is not None else None,
+        )
+        self._requests[request_id] = request
+        self.scheduler.enqueue(request)
+
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
+                      prefilled_import: bool = False) -> int:
+        """Raise the typed error of a request this engine can never serve; else return its
+        generation budget (``max_tokens``, or what the sequence length leaves)."""
         if request_id in self._requests:
             raise DuplicateRequestIdError(request_id=request_id)
-        prompt = [int(t) for t in prompt_tokens]
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range",
@@ -170,15 +185,39 @@ class DynamicInferenceEngine:
         max_new = params.max_tokens or room
         # The last generated token's KV is never computed.
         self.context.check_admission(len(prompt), max_new - 1, prefilled_import=prefilled_import)
-        seed = params.seed if params.seed is not None else (self.seed * _SEED_MIX + self._num_added) % 2**63
-        self._num_added += 1
-        request = EngineRequest(
-            request_id, prompt, params, max_new, make_generator(seed, self.runner.device) if not params.greedy else None,
-            prefilled_import=prefilled_import,
-            stop_matcher=StopSequenceMatcher(params.stop) if params.stop and self.tokenizer is not None else None,
-        )
+        return max_new
+
+    def detach_for_handoff(self, request_id: str) -> tuple[EngineRequest, RequestState]:
+        """Hand an unfinished request over to another engine: the engine forgets it (no
+        output), and its context storage (KV blocks, Mamba slot) stays held for the handoff
+        until the caller gives it back with ``context.release_detached``."""
+        request = self._requests.pop(request_id)
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        return request, self.context.detach_request(request_id)
+
+    def admit_imported(self, request_id: str, prompt_tokens: Sequence[int], sampling_params: SamplingParams, *,
+                       generated_tokens: Sequence[int], generated_log_probs: Sequence[float],
+                       prompt_log_probs: Sequence[float] | None = None,
+                       generator_state: torch.Tensor | None = None) -> None:
+        """Enter a request straight into decode whose prompt KV (and Mamba state) a handoff
+        already put into this context (``context.import_request``): its tokens so far are
+        ``generated_tokens``; ``generator_state`` continues the sampler of the engine that
+        produced them. Checked like :meth:`add_request` except the per-step prompt limit."""
+        prompt = [int(t) for t in prompt_tokens]
+        max_new = self.check_request(request_id, prompt, sampling_params, prefilled_import=True)
+        generator = None
+        if not sampling_params.greedy:
+            generator = make_generator(sampling_params.seed or 0, self.runner.device)
+            if generator_state is not None:
+                generator.set_state(generator_state)
+        request = EngineRequest(request_id, prompt, sampling_params, max_new, generator, prefilled_import=True,
+                                status=RequestStatus.ACTIVE, prefill_target=len(prompt),
+                                generated_tokens=list(generated_tokens),
+                                generated_log_probs=list(generated_log_probs),
+                                prompt_log_probs=list(prompt_log_probs or []))
         self._requests[request_id] = request
-        self.scheduler.enqueue(request)
+        self.scheduler.admitted.append(request)
 
     def abort(self, request_id: str) -> None:
         """Finish a request in any state with ``finish_reason="abort"`` (reported by the next

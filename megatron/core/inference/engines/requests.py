@@ -65,9 +65,10 @@ class RequestOutput:
         return cls(**data)
 
 
-@dataclass
+@dataclass(eq=False)
 class EngineRequest:
-    """The engine's bookkeeping of one request (not part of the public API)."""
+    """The engine's bookkeeping of one request (not part of the public API); compared by
+    identity."""
 
     request_id: str
     prompt_tokens: list[int]

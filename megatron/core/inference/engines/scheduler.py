@@ -163,8 +163,10 @@ class Scheduler:
         budget = self.max_tokens_per_step
         scheduled = []
         active = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
-        decoding = [r for r in active if self.context.request(r.request_id).num_computed_tokens >= r.prefill_target]
-        prefilling = [r for r in active if r not in decoding]
+        decoding, prefilling = [], []
+        for request in active:
+            done = self.context.request(request.request_id).num_computed_tokens >= request.prefill_target
+            (decoding if done else prefilling).append(request)
         for request in decoding:
             num_tokens = self._uncomputed(request)
             if num_tokens > budget:

@@ -8,7 +8,7 @@ import torch
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import VOCAB, gpt_model, hybrid_model, prompts, reference_greedy, run
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=True, return_prompt_logprobs=True)
 ARGS = dict(block_size=4, num_blocks=128, max_requests=8, max_sequence_length=96)
@@ -16,20 +16,20 @@ MODELS = {"gpt": gpt_model, "hybrid": hybrid_model}
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_chunked_prefill_gives_the_unchunked_outputs(kind):
+@on_single_rank
+def test_chunked_prefill_gives_the_unchunked_outputs(pg, kind):
     lengths = [20, 7, 13, 2]
-    with single_rank_collection() as pg:
-        model = MODELS[kind](pg)
-        whole = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
-                    prompts(lengths), GREEDY)
-        chunked_engine = DynamicInferenceEngine(model, max_tokens_per_step=6, enable_chunked_prefill=True,
-                                                pg_collection=pg, **ARGS)
-        steps = []
-        build_step = chunked_engine.context.build_step
-        chunked_engine.context.build_step = lambda schedule, **kw: steps.append(list(schedule)) or build_step(
-            schedule, **kw)
-        chunked = run(chunked_engine, prompts(lengths), GREEDY)
-        reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
+    model = MODELS[kind](pg)
+    whole = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
+                prompts(lengths), GREEDY)
+    chunked_engine = DynamicInferenceEngine(model, max_tokens_per_step=6, enable_chunked_prefill=True,
+                                            pg_collection=pg, **ARGS)
+    steps = []
+    build_step = chunked_engine.context.build_step
+    chunked_engine.context.build_step = lambda schedule, **kw: steps.append(list(schedule)) or build_step(
+        schedule, **kw)
+    chunked = run(chunked_engine, prompts(lengths), GREEDY)
+    reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
     assert chunked == whole
     assert [whole[str(i)]["tokens"] for i in range(len(lengths))] == reference
     # Each prompt longer than a step was split into several chunks, none of them a lone final token.
@@ -43,22 +43,22 @@ def test_chunked_prefill_gives_the_unchunked_outputs(kind):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_prefix_cache_hits_skip_prefill_and_keep_outputs(kind):
+@on_single_rank
+def test_prefix_cache_hits_skip_prefill_and_keep_outputs(pg, kind):
     shared = prompts([16], seed=5)[0]
     followers = [shared + tail for tail in prompts([5, 9, 3], seed=6)]
 
     def generate(enable_prefix_caching):
-        with single_rank_collection() as pg:
-            engine = DynamicInferenceEngine(MODELS[kind](pg), max_tokens_per_step=32,
-                                            enable_prefix_caching=enable_prefix_caching, pg_collection=pg, **ARGS)
-            first = run(engine, [shared], GREEDY)
-            rest = {}
-            for index, prompt in enumerate(followers):  # ids must be fresh: prefix them
-                engine.add_request(f"f{index}", prompt, GREEDY)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    rest.setdefault(out.request_id, []).extend(out.new_token_ids)
-            return first, rest, engine.stats
+        engine = DynamicInferenceEngine(MODELS[kind](pg), max_tokens_per_step=32,
+                                        enable_prefix_caching=enable_prefix_caching, pg_collection=pg, **ARGS)
+        first = run(engine, [shared], GREEDY)
+        rest = {}
+        for index, prompt in enumerate(followers):  # ids must be fresh: prefix them
+            engine.add_request(f"f{index}", prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                rest.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return first, rest, engine.stats
 
     cached_first, cached_rest, cached_stats = generate(True)
     plain_first, plain_rest, plain_stats = generate(False)
@@ -86,16 +86,16 @@ def _mtp_model_with_tied_heads(pg):
     return model
 
 
-def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_outputs():
+@on_single_rank
+def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_outputs(pg):
     params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)] * 3 + [
         SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, logprobs=True)]
-    with single_rank_collection() as pg:
-        model = _mtp_model_with_tied_heads(pg)
-        plain = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
-                    prompts([5, 9, 3, 6]), params)
-        engine = DynamicInferenceEngine(model, max_tokens_per_step=32, num_speculative_tokens=2, pg_collection=pg,
-                                        **ARGS)
-        speculative = run(engine, prompts([5, 9, 3, 6]), params)
+    model = _mtp_model_with_tied_heads(pg)
+    plain = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
+                prompts([5, 9, 3, 6]), params)
+    engine = DynamicInferenceEngine(model, max_tokens_per_step=32, num_speculative_tokens=2, pg_collection=pg,
+                                    **ARGS)
+    speculative = run(engine, prompts([5, 9, 3, 6]), params)
     assert speculative == plain
     assert engine.stats["drafts_accepted"] > 0 and engine.stats["drafts_rejected"] > 0
     assert engine.stats["steps"] < max(len(r["tokens"]) for r in plain.values()) + 1
@@ -104,17 +104,17 @@ def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_output
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_unpadded_steps_give_the_reference_greedy_tokens(kind):
+@on_single_rank
+def test_unpadded_steps_give_the_reference_greedy_tokens(pg, kind):
     lengths = [9, 4, 14]
-    with single_rank_collection() as pg:
-        model = MODELS[kind](pg)
-        engine = DynamicInferenceEngine(model, max_tokens_per_step=8, enable_chunked_prefill=True,
-                                        batch_invariant=False, pg_collection=pg, **ARGS)
-        sizes = []
-        build_step = engine.context.build_step
-        engine.context.build_step = lambda schedule, **kw: sizes.append(build_step(schedule, **kw).num_padded_tokens) \
-            or engine.context.step
-        results = run(engine, prompts(lengths), GREEDY)
-        reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
+    model = MODELS[kind](pg)
+    engine = DynamicInferenceEngine(model, max_tokens_per_step=8, enable_chunked_prefill=True,
+                                    batch_invariant=False, pg_collection=pg, **ARGS)
+    sizes = []
+    build_step = engine.context.build_step
+    engine.context.build_step = lambda schedule, **kw: sizes.append(build_step(schedule, **kw).num_padded_tokens) \
+        or engine.context.step
+    results = run(engine, prompts(lengths), GREEDY)
+    reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
     assert [results[str(i)]["tokens"] for i in range(len(lengths))] == reference
     assert min(sizes) < 8

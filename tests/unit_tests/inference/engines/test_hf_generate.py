@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from tests.unit_tests.inference.engines.common import prompts, run
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [5, 11, 3, 8]
@@ -40,20 +40,21 @@ def _engine_greedy(model, pg):
     return [results[str(i)]["tokens"] for i in range(len(PROMPT_LENGTHS))]
 
 
-def test_llama_greedy_generation_matches_transformers():
+@on_single_rank
+def test_llama_greedy_generation_matches_transformers(pg):
     torch.manual_seed(1)
     hf = _perturbed(LlamaForCausalLM(LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)))
-    with single_rank_collection() as pg:
-        config, kwargs = hf_mapping.llama_config_from_hf(hf.config)
-        model = GPTModel(config, get_gpt_layer_local_spec(), pg_collection=pg, **kwargs).eval()
-        model.load_state_dict(hf_mapping.llama_state_dict_from_hf(hf.state_dict(), config), strict=True)
-        ours = _engine_greedy(model, pg)
+    config, kwargs = hf_mapping.llama_config_from_hf(hf.config)
+    model = GPTModel(config, get_gpt_layer_local_spec(), pg_collection=pg, **kwargs).eval()
+    model.load_state_dict(hf_mapping.llama_state_dict_from_hf(hf.state_dict(), config), strict=True)
+    ours = _engine_greedy(model, pg)
     assert ours == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
 
 
-def test_nemotron_h_greedy_generation_matches_transformers():
+@on_single_rank
+def test_nemotron_h_greedy_generation_matches_transformers(pg):
     torch.manual_seed(2)
     hf = NemotronHForCausalLM(NemotronHConfig(
         vocab_size=96, hidden_size=32, hybrid_override_pattern="M*-M-*", layers_block_type=None,
@@ -65,10 +66,9 @@ def test_nemotron_h_greedy_generation_matches_transformers():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
-    with single_rank_collection() as pg:
-        config, kwargs = hf_mapping.nemotron_h_config_from_hf(hf.config)
-        model = HybridModel(config, get_hybrid_stack_local_spec(), pg_collection=pg, **kwargs).eval()
-        model.load_state_dict(hf_mapping.nemotron_h_state_dict_from_hf(
-            hf.state_dict(), config, kwargs["hybrid_layer_pattern"]), strict=True)
-        ours = _engine_greedy(model, pg)
+    config, kwargs = hf_mapping.nemotron_h_config_from_hf(hf.config)
+    model = HybridModel(config, get_hybrid_stack_local_spec(), pg_collection=pg, **kwargs).eval()
+    model.load_state_dict(hf_mapping.nemotron_h_state_dict_from_hf(
+        hf.state_dict(), config, kwargs["hybrid_layer_pattern"]), strict=True)
+    ours = _engine_greedy(model, pg)
     assert ours == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]

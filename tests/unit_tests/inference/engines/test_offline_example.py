@@ -10,8 +10,9 @@ import sys
 
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.dist_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 EXAMPLE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
@@ -25,6 +26,18 @@ def _example_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _llm_run_of_the_example_model(token_prompts, ids_file):
+    example = _example_module()
+    args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
+    tokenizer = ByteLevelTokenizer()
+    pg = ProcessGroupCollection.from_layout(RankLayout())
+    model = example.build_random_model(args, tokenizer.vocab_size, pg)
+    llm = LLM(model, tokenizer, pg_collection=pg, block_size=4, num_blocks=64, max_tokens_per_step=8,
+              max_sequence_length=32, enable_chunked_prefill=True)
+    return llm.generate(token_prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True,
+                                                       return_prompt_logprobs=True)] * len(token_prompts))
 
 
 def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
@@ -41,15 +54,7 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
     assert set(report["stats"]) == {"steps", "pauses", "evictions", "prefix_cache_hits", "output_tokens_per_s"}
     assert report["stats"]["pauses"] > 0  # 8 blocks of 4 tokens for three requests
 
-    example = _example_module()
-    args = example.parse_args(["--prompt-token-ids-file", str(ids_file), *FLAGS])
-    tokenizer = ByteLevelTokenizer()
-    with single_rank_collection() as pg:
-        model = example.build_random_model(args, tokenizer.vocab_size, pg)
-        llm = LLM(model, tokenizer, pg_collection=pg, block_size=4, num_blocks=64, max_tokens_per_step=8,
-                  max_sequence_length=32, enable_chunked_prefill=True)
-        outputs = llm.generate(token_prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                              logprobs=True, return_prompt_logprobs=True)] * 3)
+    outputs = run_distributed(_llm_run_of_the_example_model, 1, token_prompts, str(ids_file))[0]
     assert [r["prompt_tokens"] for r in report["requests"]] == token_prompts
     for row, output in zip(report["requests"], outputs):
         assert row["generated_tokens"] == output.token_ids

@@ -18,20 +18,9 @@ from megatron.core.inference.engines import (
 )
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import gpt_model, prompts, run
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
-
-
-@pytest.fixture
-def pg():
-    with single_rank_collection() as collection:
-        yield collection
-
-
-@pytest.fixture
-def model(pg):
-    return gpt_model(pg)
 
 
 def _engine(model, pg, **kwargs):
@@ -39,7 +28,9 @@ def _engine(model, pg, **kwargs):
     return DynamicInferenceEngine(model, pg_collection=pg, **args)
 
 
-def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving(model, pg):
+@on_single_rank
+def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving(pg):
+    model = gpt_model(pg)
     engine = _engine(model, pg)
     engine.add_request("ok", prompts([5])[0], GREEDY)
     cases = [
@@ -70,7 +61,9 @@ def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving
     assert sum(len(o.new_token_ids) for o in outputs) == 6
 
 
-def test_prefilled_import_skips_only_the_step_token_limit(model, pg):
+@on_single_rank
+def test_prefilled_import_skips_only_the_step_token_limit(pg):
+    model = gpt_model(pg)
     engine = _engine(model, pg, num_blocks=6)
     prompt = prompts([12])[0]
     with pytest.raises(PromptExceedsStepTokenLimitError):
@@ -88,7 +81,9 @@ def test_prefilled_import_skips_only_the_step_token_limit(model, pg):
     assert results["imported"] == roomy["0"]["tokens"]
 
 
-def test_abort_in_waiting_active_and_paused_states_gives_one_terminal_output(model, pg):
+@on_single_rank
+def test_abort_in_waiting_active_and_paused_states_gives_one_terminal_output(pg):
+    model = gpt_model(pg)
     engine = _engine(model, pg, num_blocks=6, max_requests=2, paused_block_budget=6)
     params = SamplingParams(temperature=0.0, max_tokens=15)
     for index, prompt in enumerate(prompts([6, 6, 4])):
@@ -117,7 +112,9 @@ def _sampled(model, pg, batch_prompts, params):
                params)
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(model, pg):
+@on_single_rank
+def test_seeded_sampling_does_not_depend_on_the_batch(pg):
+    model = gpt_model(pg)
     target = prompts([7], seed=3)[0]
     seeded = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=1234, max_tokens=10)
     alone = _sampled(model, pg, [target], [seeded])["0"]["tokens"]
@@ -130,7 +127,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, pg):
     assert reseeded != alone
 
 
-def test_stop_token_ends_with_stop_and_request_output_round_trips(model, pg):
+@on_single_rank
+def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
+    model = gpt_model(pg)
     greedy = _sampled(model, pg, prompts([5]), [GREEDY])["0"]["tokens"]
     engine = _engine(model, pg, eos_token_id=greedy[2])
     result = run(engine, prompts([5]), [SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)])["0"]

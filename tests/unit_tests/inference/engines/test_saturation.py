@@ -8,7 +8,7 @@ import torch
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 PROMPT_LENGTHS = [3, 11, 6, 14, 9, 4, 13, 7]
 NEW_TOKENS = 64
@@ -52,23 +52,23 @@ class PoolWatch:
             self.nonfinite_owned_pages += int((~torch.isfinite(self.context.kv_cache.data[:, :, blocks])).any())
 
 
-def _generate(build_model, num_blocks: int, paused_block_budget: int, skip_page_init: bool = False):
-    with single_rank_collection() as pg:
-        engine = DynamicInferenceEngine(build_model(pg), num_blocks=num_blocks,
-                                        paused_block_budget=paused_block_budget, pg_collection=pg, **ENGINE_ARGS)
-        engine.context._skip_private_page_init_for_tests = skip_page_init
-        watch = PoolWatch(engine)
-        results = run(engine, prompts(PROMPT_LENGTHS), PARAMS, on_step=watch.after_step)
-        return results, engine.stats, dict(engine.context.private_page_init_counts), watch
+def _generate(pg, build_model, num_blocks: int, paused_block_budget: int, skip_page_init: bool = False):
+    engine = DynamicInferenceEngine(build_model(pg), num_blocks=num_blocks,
+                                    paused_block_budget=paused_block_budget, pg_collection=pg, **ENGINE_ARGS)
+    engine.context._skip_private_page_init_for_tests = skip_page_init
+    watch = PoolWatch(engine)
+    results = run(engine, prompts(PROMPT_LENGTHS), PARAMS, on_step=watch.after_step)
+    return results, engine.stats, dict(engine.context.private_page_init_counts), watch
 
 
 MODELS = {"gpt": gpt_model, "hybrid": hybrid_model}
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_tight_pool_pauses_and_evicts_without_changing_outputs(kind):
-    roomy, _, _, _ = _generate(MODELS[kind], num_blocks=100, paused_block_budget=100)
-    tight, stats, page_inits, watch = _generate(MODELS[kind], num_blocks=10, paused_block_budget=3)
+@on_single_rank
+def test_tight_pool_pauses_and_evicts_without_changing_outputs(pg, kind):
+    roomy, _, _, _ = _generate(pg, MODELS[kind], num_blocks=100, paused_block_budget=100)
+    tight, stats, page_inits, watch = _generate(pg, MODELS[kind], num_blocks=10, paused_block_budget=3)
 
     assert stats["pauses"] > 0 and stats["evictions"] > 0
     assert watch.max_decoding_together >= 2
@@ -84,7 +84,8 @@ def test_tight_pool_pauses_and_evicts_without_changing_outputs(kind):
         assert len(got["prompt_log_probs"]) == PROMPT_LENGTHS[int(request_id)] - 1
 
 
-def test_skipping_private_page_init_leaves_nan_in_owned_pages():
-    _, stats, _, watch = _generate(gpt_model, num_blocks=10, paused_block_budget=3, skip_page_init=True)
+@on_single_rank
+def test_skipping_private_page_init_leaves_nan_in_owned_pages(pg):
+    _, stats, _, watch = _generate(pg, gpt_model, num_blocks=10, paused_block_budget=3, skip_page_init=True)
     assert stats["evictions"] > 0
     assert watch.nonfinite_owned_pages > 0
