@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The main job, from a fresh machine: install, train a small GPT on the built-in corpus with
+# torchrun on 4 CPU processes (TP2 x PP2), save a checkpoint, generate text from it.
+#   bash examples/quickstart.sh [extra training flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e .
+export OMP_NUM_THREADS=1
+RUN=${RUN_DIR:-runs/quickstart}
+rm -rf "$RUN"
+
+python3 -m torch.distributed.run --standalone --nproc-per-node 4 examples/pretrain_gpt.py \
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+    --micro-batch-size 4 --global-batch-size 16 --train-iters 300 \
+    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
+    --log-interval 25 --eval-interval 100 --eval-iters 2 \
+    --save "$RUN" --save-interval 300 --metrics-jsonl "$RUN/metrics.jsonl" "$@"
+
+python3 examples/inference/offline_inference.py --load "$RUN" \
+    --prompts "def __init__(self" "import " "class " --num-tokens-to-generate 96 --temperature 0 \
+    --output-json "$RUN/generations.json"
