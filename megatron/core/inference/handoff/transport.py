@@ -11,10 +11,10 @@ that peers put in their handoff records.
 * :class:`NixlTransport` — NIXL one-sided READs (UCX backend; CPU memory, or GPU memory when
   the regions live on a GPU). The source does nothing per transfer, so it cannot know whether
   a read is in flight: :meth:`~HandoffTransport.may_still_read` is always True there.
-* :class:`TorchDistributedTransport` — ``torch.distributed`` send/recv: the puller sends the
-  list of runs, the source packs and sends them (from :meth:`~HandoffTransport.serve`, called
-  from its loop), the puller unpacks. The source knows its in-flight reads exactly and refuses
-  pulls of transfers it no longer serves.
+* :class:`TorchDistributedTransport` — ``torch.distributed`` send/recv: the puller asks for
+  a list of runs (through a shared store), the source packs and sends them (from
+  :meth:`~HandoffTransport.serve`, called from its loop), the puller unpacks. The source knows
+  its in-flight reads exactly and refuses pulls of transfers it no longer serves.
 """
 
 from __future__ import annotations
@@ -225,13 +225,30 @@ class NixlTransport(HandoffTransport):
         self._remote_agents.clear()
 
 
-_TAG_SIZE, _TAG_REQUEST, _TAG_STATUS, _TAG_PAYLOAD = 7101, 7102, 7103, 7104
+_TAG_STATUS, _TAG_PAYLOAD = 7103, 7104
+
+
+def shared_store(group: dist.ProcessGroup | None = None, host: str = "127.0.0.1") -> dist.Store:
+    """A key-value store every rank of ``group`` reaches (collective): rank 0 of the group
+    hosts a TCPStore on a free port and shares the port."""
+    is_host = dist.get_rank(group) == 0
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if is_host else None
+    box = [store.port if is_host else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if store is None:
+        store = dist.TCPStore(host, box[0], is_master=False, wait_for_workers=False)
+    return dist.PrefixStore("handoff/", store)
 
 
 class TorchDistributedTransport(HandoffTransport):
     """Pulls over ``torch.distributed`` point-to-point (see module doc).
 
+    Pull requests and completions travel through ``store`` (whose ``check`` never blocks,
+    unlike a gloo receive); the bytes travel as one send per pull from source to puller.
+    The puller posts its receives before asking, so the source's sends complete at once.
+
     Args:
+        store: a store shared by both sides (see :func:`shared_store`).
         group: process group holding both sides (default: the world).
         clients: on a source, the ranks (global) that may pull from it.
 
@@ -240,12 +257,12 @@ class TorchDistributedTransport(HandoffTransport):
 
     name = "torch.distributed"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, clients: Sequence[int] = ()):
+    def __init__(self, store: dist.Store, group: dist.ProcessGroup | None = None, clients: Sequence[int] = ()):
         super().__init__()
+        self.store = store
         self.group = group
-        self.clients = list(clients)
-        self._size_recvs: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._sends: list[tuple[str, list]] = []
+        self._next_pull = {int(client): 0 for client in clients}  # source side: next sequence per client
+        self._sequence = 0  # puller side
 
     @property
     def _device(self) -> torch.device:
@@ -264,29 +281,28 @@ class TorchDistributedTransport(HandoffTransport):
         self._check_bounds(peer["regions"], segments, "source")
         self._check_bounds({n: t.numel() * t.element_size() for n, t in self.regions.items()}, segments,
                            "destination")
-        source, device = int(peer["rank"]), self._device
-        request = msgpack.packb({"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]})
-        body = torch.frombuffer(bytearray(request), dtype=torch.uint8).to(device)
+        source, device, me = int(peer["rank"]), self._device, dist.get_rank()
         nbytes = sum(s.nbytes for s in segments)
         status = torch.zeros(1, dtype=torch.int64, device=device)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        size = torch.tensor([body.numel()], dtype=torch.int64, device=device)
-        works = [
-            dist.isend(size, source, self.group, tag=_TAG_SIZE),
-            dist.isend(body, source, self.group, tag=_TAG_REQUEST),
-            dist.irecv(status, source, self.group, tag=_TAG_STATUS),
-            dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD),
-        ]
+        works = [dist.irecv(status, source, self.group, tag=_TAG_STATUS),
+                 dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD)]
+        key = f"{source}/{me}/{self._sequence}"
+        self._sequence += 1
+        self.store.set(f"pull/{key}", msgpack.packb(
+            {"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]}))
         self.num_posted += 1
-        # The sent tensors stay referenced by the handle until it is released.
-        return PullHandle(transfer_id, nbytes, len(segments), (works, status, payload, list(segments), size, body))
+        return PullHandle(transfer_id, nbytes, len(segments), (works, status, payload, list(segments), f"done/{key}"))
 
     def poll(self, handle: PullHandle) -> TransferState:
         if handle.state is not TransferState.PENDING:
             return handle.state
-        works, status, payload, segments = handle.impl[:4]
-        if not all(work.is_completed() for work in works):
+        works, status, payload, segments, done_key = handle.impl
+        if not self.store.check([done_key]):
             return TransferState.PENDING
+        for work in works:
+            work.wait()
+        self.store.delete_key(done_key)
         if int(status.item()) != 0:
             return self._count(handle._end(TransferState.FAILED, "the source refused the pull (no live pin)"))
         position = 0
@@ -302,34 +318,32 @@ class TorchDistributedTransport(HandoffTransport):
         handle.impl = None
 
     def serve(self) -> None:
-        """Answer the pulls that arrived (non-blocking when none did)."""
-        device = self._device
-        self._sends = [(tid, works) for tid, works in self._sends if not all(w.is_completed() for w in works[:2])]
-        for client in self.clients:
-            if client not in self._size_recvs:
-                size = torch.zeros(1, dtype=torch.int64, device=device)
-                self._size_recvs[client] = (size, dist.irecv(size, client, self.group, tag=_TAG_SIZE))
-            size, work = self._size_recvs[client]
-            if not work.is_completed():
-                continue
-            del self._size_recvs[client]
-            body = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-            dist.recv(body, client, self.group, tag=_TAG_REQUEST)
-            request = msgpack.unpackb(body.cpu().numpy().tobytes())
-            runs = request["runs"]
-            ok = self.is_servable(request["id"]) and all(
-                region in self.regions and 0 <= offset and offset + n <= self.regions[region].numel()
-                * self.regions[region].element_size() for region, offset, n in runs)
-            total = sum(n for _, _, n in runs)
-            if ok:
-                payload = torch.cat([_byte_view(self.regions[region])[offset:offset + n] for region, offset, n in runs])
-            else:
-                payload = torch.zeros(total, dtype=torch.uint8, device=device)
-            status = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-            works = [dist.isend(status, client, self.group, tag=_TAG_STATUS),
-                     dist.isend(payload, client, self.group, tag=_TAG_PAYLOAD)]
-            self._sends.append((request["id"], works + [status, payload]))
+        """Answer every pull that was asked for (returns at once when none was)."""
+        me, device = dist.get_rank(), self._device
+        for client, sequence in self._next_pull.items():
+            key = f"{me}/{client}/{sequence}"
+            while self.store.check([f"pull/{key}"]):
+                request = msgpack.unpackb(self.store.get(f"pull/{key}"))
+                self.store.delete_key(f"pull/{key}")
+                runs = request["runs"]
+                ok = self.is_servable(request["id"]) and all(
+                    region in self.regions and 0 <= offset and offset + n <= self.regions[region].numel()
+                    * self.regions[region].element_size() for region, offset, n in runs)
+                if ok:
+                    payload = torch.cat([_byte_view(self.regions[r])[offset:offset + n] for r, offset, n in runs])
+                else:
+                    payload = torch.zeros(sum(n for _, _, n in runs), dtype=torch.uint8, device=device)
+                status = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+                for work in (dist.isend(status, client, self.group, tag=_TAG_STATUS),
+                             dist.isend(payload, client, self.group, tag=_TAG_PAYLOAD)):
+                    work.wait()  # the puller posted its receives before asking
+                self.store.set(f"done/{key}", b"1")
+                sequence += 1
+                self._next_pull[client] = sequence
+                key = f"{me}/{client}/{sequence}"
 
     def may_still_read(self, transfer_id: str) -> bool:
+        """Pulls are answered whole inside :meth:`serve`; once it returns none is in flight,
+        and later ones of a released pin are refused."""
         self.serve()
-        return any(tid == transfer_id for tid, _ in self._sends)
+        return False

@@ -6,8 +6,13 @@ import pytest
 from megatron.core.inference.contexts.errors import InferenceRequestError
 from megatron.core.inference.handoff.failures import TransferFailedError, TransferSubmitError
 from megatron.core.inference.handoff.prefill_side import PrefillSide
-from megatron.core.inference.handoff.transport import NixlTransport, TorchDistributedTransport, TransferState, \
-    TransportError
+from megatron.core.inference.handoff.transport import (
+    NixlTransport,
+    TorchDistributedTransport,
+    TransferState,
+    TransportError,
+    shared_store,
+)
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.handoff.common import (
     GREEDY,
@@ -154,7 +159,7 @@ def test_abandoned_pins_are_quarantined_while_a_read_may_run_and_released_otherw
     assert engine.context.num_free_blocks == free_blocks and not one_sided.quarantine
 
     other = build_engine(build_model("gpt", pg), pg, prefix_caching=False)
-    served = PrefillSide(other, TorchDistributedTransport(), pin_timeout_s=5.0, clock=lambda: now[0])
+    served = PrefillSide(other, TorchDistributedTransport(shared_store()), pin_timeout_s=5.0, clock=lambda: now[0])
     prefill_records(served, {"b": prompts([9])[0]})
     now[0] = 12.0
     assert served.expire_pins() == ["b"]  # this transport knows no read of it is in flight
