@@ -11,7 +11,11 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL's UCX on CPU hosts: befor
 from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: E402
 from megatron.core.inference.handoff.decode_side import ABANDON, DecodeSide  # noqa: E402
 from megatron.core.inference.handoff.prefill_side import PrefillSide  # noqa: E402
-from megatron.core.inference.handoff.transport import NixlTransport  # noqa: E402
+from megatron.core.inference.handoff.transport import (  # noqa: E402
+    NixlTransport,
+    TransferState,
+    TransportError,
+)
 from megatron.core.inference.sampling import SamplingParams  # noqa: E402
 from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run  # noqa: E402,F401
 
@@ -119,3 +123,30 @@ def block_bytes(engine) -> int:
     """Bytes of one KV block (K and V, all layers of the stage)."""
     data = engine.context.kv_cache.data
     return data[:, :, 0].numel() * data.element_size()
+
+
+class FaultyTransport(NixlTransport):
+    """NIXL whose next ``post_failures`` posts raise, and whose next ``poll_failures`` pulls
+    report failure from the peer (after really being posted)."""
+
+    def __init__(self, name, post_failures=0, poll_failures=0):
+        super().__init__(name)
+        self.post_failures, self.poll_failures = post_failures, poll_failures
+        self.failing = set()
+
+    def post_pull(self, transfer_id, peer, segments):
+        if self.post_failures:
+            self.post_failures -= 1
+            raise TransportError("injected: the peer refused the connection")
+        handle = super().post_pull(transfer_id, peer, segments)
+        if self.poll_failures:
+            self.poll_failures -= 1
+            self.failing.add(id(handle))
+        return handle
+
+    def poll(self, handle):
+        state = super().poll(handle)
+        if id(handle) in self.failing and state is not TransferState.PENDING:
+            handle.state = TransferState.PENDING
+            return handle._end(TransferState.FAILED, "injected: the peer reported an error")
+        return state

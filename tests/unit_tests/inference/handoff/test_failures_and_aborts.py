@@ -6,16 +6,11 @@ import pytest
 from megatron.core.inference.contexts.errors import InferenceRequestError
 from megatron.core.inference.handoff.failures import TransferFailedError, TransferSubmitError
 from megatron.core.inference.handoff.prefill_side import PrefillSide
-from megatron.core.inference.handoff.transport import (
-    NixlTransport,
-    TorchDistributedTransport,
-    TransferState,
-    TransportError,
-    shared_store,
-)
+from megatron.core.inference.handoff.transport import NixlTransport, TorchDistributedTransport, shared_store
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.handoff.common import (
     GREEDY,
+    FaultyTransport,
     baseline,
     build_engine,
     build_model,
@@ -27,33 +22,6 @@ from tests.unit_tests.inference.handoff.common import (
     prompts,
 )
 from tests.unit_tests.transformer.single_rank import on_single_rank
-
-
-class FaultyTransport(NixlTransport):
-    """NIXL whose next ``post_failures`` posts raise, and whose next ``poll_failures`` pulls
-    report failure from the peer (after really being posted)."""
-
-    def __init__(self, name, post_failures=0, poll_failures=0):
-        super().__init__(name)
-        self.post_failures, self.poll_failures = post_failures, poll_failures
-        self.failing = set()
-
-    def post_pull(self, transfer_id, peer, segments):
-        if self.post_failures:
-            self.post_failures -= 1
-            raise TransportError("injected: the peer refused the connection")
-        handle = super().post_pull(transfer_id, peer, segments)
-        if self.poll_failures:
-            self.poll_failures -= 1
-            self.failing.add(id(handle))
-        return handle
-
-    def poll(self, handle):
-        state = super().poll(handle)
-        if id(handle) in self.failing and state is not TransferState.PENDING:
-            handle.state = TransferState.PENDING
-            return handle._end(TransferState.FAILED, "injected: the peer reported an error")
-        return state
 
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
