@@ -8,6 +8,7 @@ from megatron.core.models.mimo.builder import (
     module_parts,
     wrap_with_ddp,
 )
+from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict
 from megatron.core.models.mimo.mimo_model import (
     MimoInputError,
     MimoModel,
@@ -35,6 +36,8 @@ __all__ = [
     "build_bridges",
     "build_mimo_model",
     "image_submodule_provider",
+    "load_mimo_state",
+    "mimo_sharded_state_dict",
     "module_parts",
     "wrap_with_ddp",
     "forward_backward",

@@ -41,11 +41,13 @@ def optimizer_key_prefix(name: str) -> str:
     return f"optimizer.{name}"
 
 
-def _check_modules(parts: dict, given, what: str) -> None:
-    """``given`` (a mapping keyed by module name) must name exactly the modules in ``parts``."""
-    if set(given) != set(parts):
+def _check_modules(parts: dict, given, what: str, exact: bool = True) -> None:
+    """``given`` (a mapping keyed by module name) must name the modules in ``parts``: exactly,
+    or at least them when not ``exact``."""
+    if set(given) != set(parts) if exact else not set(parts) <= set(given):
         raise CheckpointingError(
-            f"this rank holds modules {sorted(parts)} but {what} covers {sorted(given)}; give one entry per held module"
+            f"this rank holds modules {sorted(parts)} but {what} covers {sorted(given)}; "
+            + ("give one entry per held module" if exact else "every held module needs an entry")
         )
 
 
@@ -86,7 +88,9 @@ def load_mimo_state(model: MimoModel, loaded: dict, optimizer: MimoOptimizer | N
     """Install what ``dist_checkpointing.load`` returned for :func:`mimo_sharded_state_dict`:
     the weights of every held module and, with ``optimizer``, each member's state."""
     parts = module_parts(model)
-    _check_modules(parts, loaded["model"], "the loaded model state")
+    # The loaded tree may also name modules held elsewhere: the saved common state keeps the
+    # (emptied) containers of the coordinator's tree.
+    _check_modules(parts, loaded["model"], "the loaded model state", exact=False)
     for name, part in parts.items():
         load_model_pieces(part, loaded["model"][name])
     if optimizer is not None:
