@@ -11,12 +11,15 @@ the encoder on ranks 0-1 and the language model (TP2 x DP2) on ranks 2-5:
 Training, parallelism and checkpoint flags are those of examples/pretrain_gpt.py (they
 describe the language model; --hybrid-layer-pattern makes it a HybridModel); the encoder
 flags describe the encoder and where it runs. No global parallel state is used: each module
-builds its own process groups.
+builds its own process groups, and checkpoints every module through them (--save,
+--save-interval, --load, --finetune, --no-load-optim, --no-load-rng; a resumed run continues
+exactly where the saved one was).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -29,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.config import TransformerConfig  # noqa: E402
 from megatron.core.datasets.synthetic_image_caption import SyntheticImageCaptionDataset  # noqa: E402
+from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, save_iteration  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
 from megatron.core.models.mimo import (  # noqa: E402
     LANGUAGE_MODEL,
@@ -40,12 +44,20 @@ from megatron.core.models.mimo import (  # noqa: E402
     image_submodule_provider,
     wrap_with_ddp,
 )
+from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict  # noqa: E402
 from megatron.core.models.mimo.roles import data_index, data_width  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig  # noqa: E402
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_manual_seed  # noqa: E402
 from megatron.core.tokenizers import build_tokenizer  # noqa: E402
 from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    _rng_object,
+    _rng_states,
+    _scheduler_mismatch_policy,
+    _set_rng_states,
+    _train_state_object,
+)
 from megatron.training.data import microbatches  # noqa: E402
 from megatron.training.initialize import device_for, initialize_distributed  # noqa: E402
 from megatron.training.metrics import MetricsLogger  # noqa: E402
@@ -96,8 +108,6 @@ def parse_mimo_args(argv: list[str] | None = None, world_size: int | None = None
     checks = [
         (args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (not args.calculate_per_token_loss, "--calculate-per-token-loss is not supported for MIMO models"),
-        (args.save is None and args.load is None,
-         "--save/--load are not available for MIMO models yet (sharded MIMO checkpointing is pending)"),
         (args.image_size % args.patch_size == 0,
          f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})"),
         (args.encoder_num_attention_heads % args.encoder_tensor_model_parallel_size == 0,
@@ -213,7 +223,7 @@ class MimoTrainer:
         self.flops_per_token = 0.0
         if self.model.language_model is not None:
             self.flops_per_token = count_flops_per_token(self.model.language_model, self.collections[LANGUAGE_MODEL],
-                                                         args.seq_length, args.hidden_size)
+                                                         args.seq_length, args.hidden_size, self.device)
         self.state = MimoTrainState()
 
     def iterators(self, start_sample: int):
@@ -278,13 +288,69 @@ class MimoTrainer:
                     skipped=state.skipped_iterations, nan=int(loss != loss),
                 )
                 interval_start, interval_losses = time.perf_counter(), []
+            if args.save and (
+                (args.save_interval and state.iteration % args.save_interval == 0) or state.iteration == args.train_iters
+            ):
+                self.save()
         return state
+
+    def layouts(self) -> dict[str, dict]:
+        """Every module's grid, as saved with a checkpoint (RNG states only restore under the same)."""
+        return {name: dataclasses.asdict(layout) for name, layout in self.roles.layouts.items()}
+
+    def save(self) -> str:
+        """Save every module's weights and optimizer state (each through its own groups), the
+        LR schedule, the train state and every rank's RNG states as ``--save``/iter_<iteration>."""
+        state = mimo_sharded_state_dict(self.model, self.collections, self.optimizer) | {
+            "train_state": _train_state_object(dataclasses.asdict(self.state), dist.get_rank() == self.logging_rank),
+            "rng_state": _rng_object(_rng_states()),
+            "scheduler": self.scheduler.state_dict(),
+            "layouts": self.layouts(),
+        }
+        path = save_iteration(state, self.args.save, self.state.iteration)
+        if dist.get_rank() == self.logging_rank:
+            print(f"saved checkpoint {path} (iteration {self.state.iteration})", flush=True)
+        return path
+
+    def load(self) -> None:
+        """Resume from the iteration ``--load``'s tracker names: the weights always; unless
+        ``--finetune`` also the train state and LR schedule, the optimizer state (unless
+        ``--no-load-optim``) and the RNG states (unless ``--no-load-rng`` or the layouts changed)."""
+        args = self.args
+        common, iteration = load_latest({}, args.load)
+        resume = not args.finetune
+        optimizer = self.optimizer if resume and not args.no_load_optim else None
+        with_rng = resume and not args.no_load_rng and common.get("layouts") == self.layouts()
+        request = mimo_sharded_state_dict(self.model, self.collections, optimizer)
+        if resume:
+            request["train_state"] = _train_state_object(None, True)
+        if with_rng:
+            request["rng_state"] = _rng_object(None)
+        loaded = load(request, iteration_dir(args.load, iteration))
+        load_mimo_state(self.model, loaded, optimizer)
+        parts = ["model weights"]
+        if optimizer is None:
+            self.optimizer.reload_model_params()
+        else:
+            parts.append("optimizer state")
+        if resume:
+            self.state = MimoTrainState(**loaded["train_state"])
+            self.scheduler.load_state_dict(common["scheduler"], on_mismatch=_scheduler_mismatch_policy(args))
+            parts.append(f"train state (iteration {self.state.iteration}, consumed samples "
+                         f"{self.state.consumed_samples}), LR schedule")
+        if with_rng:
+            _set_rng_states(loaded["rng_state"])
+            parts.append("RNG states")
+        if dist.get_rank() == self.logging_rank:
+            print(f"loaded checkpoint {iteration_dir(args.load, iteration)}: " + ", ".join(parts), flush=True)
 
 
 def train(args) -> MimoTrainState:
-    """Join the job, build this rank's part, train and close the logger."""
+    """Join the job, build this rank's part (resumed from --load when given), train and close the logger."""
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = MimoTrainer(args)
+    if args.load:
+        trainer.load()
     state = trainer.train()
     trainer.logger.close()
     return state

@@ -7,13 +7,12 @@ encoder and the language model live on disjoint ranks."""
 import dataclasses
 from collections import defaultdict
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.config import TransformerConfig
-from megatron.core.dist_checkpointing import load_latest, save_iteration, validate_records
+from megatron.core.dist_checkpointing import load_latest, save_iteration, validate_records, write_latest_iteration
 from megatron.core.dist_checkpointing.dict_utils import iter_leaves
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.validation import ShardRecord
@@ -32,7 +31,6 @@ from megatron.core.models.mimo import (
 )
 from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tensor_parallel.sharding import gather_full_tensor
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.models.mimo.tiny import (
@@ -47,6 +45,7 @@ from tests.unit_tests.models.mimo.tiny import (
     encoder_config,
     iterators,
 )
+from tests.unit_tests.models.mimo.test_train_mimo import ARGV, load_script
 
 HYBRID_PATTERN = "M*"
 
@@ -76,52 +75,58 @@ def hybrid_language_model(seed: int):
     return provide
 
 
-def build_job(roles: MimoRoles, collections: dict, seed: int, distributed_optimizer=False):
+def build_job(roles: MimoRoles, collections: dict, seed: int):
     """This rank's MIMO model (hybrid language model, ViT), DDP modules, optimizer chain, bridges."""
     enc = roles.layouts["images"]
     encoder_cfg = dataclasses.replace(encoder_config(enc.tp, enc.gtp), init_seed=seed + 1)
     model = build_mimo_model(collections, hybrid_language_model(seed),
                              {"images": image_submodule_provider(encoder_cfg, IMAGE, PATCH, LM_HIDDEN)},
                              {"images": IMAGE_TOKEN})
-    ddp = wrap_with_ddp(model, collections, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer))
-    optimizer = get_mimo_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=distributed_optimizer), ddp,
-                                   collections, [LANGUAGE_MODEL, *roles.modality_names])
+    ddp = wrap_with_ddp(model, collections, DistributedDataParallelConfig())
+    optimizer = get_mimo_optimizer(OptimizerConfig(lr=1e-2), ddp, collections, [LANGUAGE_MODEL, *roles.modality_names])
     bridges = build_bridges(roles, 2, {"images": (NUM_IMAGE_TOKENS, LM_HIDDEN)})
     return model, ddp, optimizer, bridges
 
 
-def train_steps(roles, collections, model, ddp, optimizer, bridges, steps=1):
+def train_step(roles, collections, model, ddp, optimizer, bridges) -> None:
+    """One optimizer step on one micro-batch (so the optimizer has state to save)."""
     lm_iter, image_iters = iterators(roles, collections, bridges, dataset())
-    for _ in range(steps):
-        for module in ddp.values():
-            module.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(model, bridges, lm_iter, image_iters, 1)
-        for name, module in ddp.items():
-            finalize_model_grads([module], collections[name], module.config)
-        assert optimizer.step()[0]
+    for module in ddp.values():
+        module.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward(model, bridges, lm_iter, image_iters, 1)
+    for name, module in ddp.items():
+        finalize_model_grads([module], collections[name], module.config)
+    assert optimizer.step()[0]
+
+
+def full_tensor(local: torch.Tensor, param, part, pg) -> torch.Tensor:
+    """The full tensor of which ``local`` is this rank's piece, laid out like ``param`` of
+    ``part``, without the vocabulary padding (which checkpoints do not keep)."""
+    tensor = gather_full_tensor(local, param, pg).clone()  # unsharded, it would alias the live tensor
+    return tensor[:VOCAB] if tensor.shape[0] == getattr(part, "padded_vocab_size", None) else tensor
+
+
+def full_weights(model, collections) -> dict:
+    """``{"<module>.<param>": full weight}`` of the modules this rank holds."""
+    return {f"{name}.{pname}": full_tensor(param, param, part, collections[name])
+            for name, part in module_parts(model).items() for pname, param in part.named_parameters()}
 
 
 def snapshot(model, optimizer, collections) -> dict:
-    """Every full weight, fp32 master and optimizer state (gathered over TP/GTP, vocabulary
-    padding cut off) and every param-group value of the modules this rank holds."""
-    out = {}
+    """Every full weight, fp32 master and optimizer state tensor, and every param-group value,
+    of the modules this rank holds."""
+    out = {f"weight:{key}": value for key, value in full_weights(model, collections).items()}
     for name, part in module_parts(model).items():
-        pg, padded = collections[name], getattr(part, "padded_vocab_size", None)
-
-        def full(local, param):
-            tensor = gather_full_tensor(local, param, pg)
-            return tensor[:VOCAB] if tensor.shape[0] == padded else tensor
-
         names = {id(p): pname for pname, p in part.named_parameters()}
-        for pname, param in part.named_parameters():
-            out[f"weight:{name}.{pname}"] = full(param, param)
         member = optimizer.optimizers[name]
         for entry in member.master_params:
-            where = f"{name}.{names[id(entry.model_param)]}"
-            out[f"master:{where}"] = full(entry.master, entry.model_param)
+            param, pg = entry.model_param, collections[name]
+            where = f"{name}.{names[id(param)]}"
+            out[f"master:{where}"] = full_tensor(entry.master, param, part, pg)
             for state_name, value in member.optimizer.state[entry.master].items():
-                out[f"{state_name}:{where}"] = value.clone() if state_name == "step" else full(value, entry.model_param)
+                is_step = state_name == "step"
+                out[f"{state_name}:{where}"] = value.clone() if is_step else full_tensor(value, param, part, pg)
         for index, group in enumerate(member.optimizer.param_groups):
             out.update({f"group:{name}.{index}.{k}": v for k, v in group.items() if k != "params"})
     return out
@@ -155,7 +160,7 @@ def _gtp_job_round_trip(root):
     roles = MimoRoles.build(4, language={"tp": 2, "gtp": 2}, modalities={"images": {"gtp": 2}})
     collections = roles.build_collections()
     job = build_job(roles, collections, seed=11)
-    train_steps(roles, collections, *job)
+    train_step(roles, collections, *job)
     model, _, optimizer, _ = job
     state = mimo_sharded_state_dict(model, collections, optimizer)
     saved = snapshot(model, optimizer, collections)
@@ -219,3 +224,86 @@ def test_tp2_gtp2_language_model_checkpoints_through_its_own_groups(tmp_path):
         assert not torch.equal(before["weight:language_model.embedding.word_embeddings.weight"],
                                saved["weight:language_model.embedding.word_embeddings.weight"])
         assert_snapshots_equal(after, saved)
+
+
+# ------------------------------------------------------------------ GTP of size one, or none
+
+
+def _records_with_and_without_gtp():
+    """Records of a trained job (language model TP2, encoder DP2, 2 ranks) described through
+    size-one GTP collections and through the same collections without any GTP group."""
+    forbid_global_groups()
+    roles = MimoRoles.build(2, language={"tp": 2}, modalities={"images": {}})
+    with_gtp = roles.build_collections()
+    without_gtp = {name: dataclasses.replace(pg, gtp=None, dp_cp_gtp=None) for name, pg in with_gtp.items()}
+    out = {}
+    for label, collections in (("size-one gtp", with_gtp), ("no gtp", without_gtp)):
+        job = build_job(roles, collections, seed=3)
+        train_step(roles, collections, *job)
+        out[label] = records(mimo_sharded_state_dict(job[0], collections, job[2]))
+    coords = {name: (pg.rank("tp"), pg.rank("pp"), pg.rank("dp")) for name, pg in with_gtp.items()}
+    return out, coords
+
+
+def test_size_one_and_absent_gtp_keep_the_plain_tp_pp_dp_election():
+    results = run_distributed(_records_with_and_without_gtp, 2)
+    for out, coords in results:
+        assert out["no gtp"] == out["size-one gtp"]
+        singletons = [r for r in out["no gtp"] if r.kind == "object"]
+        assert {r.key for r in singletons} == {f"optimizer.{m}.{k}" for m in (LANGUAGE_MODEL, "images")
+                                               for k in ("param_groups", "format")}
+        for record in singletons:
+            assert record.replica_id == coords[record.key.split(".")[1]]  # (tp, pp, dp), nothing appended
+        for record in out["no gtp"]:
+            if record.kind == "tensor":
+                assert record.replica_id[1] == 0  # the gtp slot of a tensor's id stays 0
+    for label in ("size-one gtp", "no gtp"):
+        per_rank = {rank: out[label] for rank, (out, _) in enumerate(results)}
+        validate_records(per_rank)
+
+
+# ------------------------------------------------------------------ train_mimo: disjoint ranks, resume
+
+
+def _trainer(script, argv):
+    """What ``train_mimo.train`` does, keeping the trainer: build, resume when --load, train."""
+    trainer = script.MimoTrainer(script.parse_mimo_args(argv))
+    if trainer.args.load:
+        trainer.load()
+    trainer.train()
+    trainer.logger.close()
+    return trainer
+
+
+def _disjoint_train_save_resume(straight_dir, resumed_dir):
+    """Encoder on ranks 0-1 (DP2), language model TP2xDP2 on ranks 2-5, distributed optimizer
+    and dropout: 4 straight iterations saving at 2 and 4; a run resumed from 2; fresh
+    differently seeded modules loading the final checkpoint."""
+    forbid_global_groups()
+    script = load_script()
+    flags = ARGV + ["--tensor-model-parallel-size", "2", "--encoder-ranks", "first-2", "--train-iters", "4",
+                    "--hidden-dropout", "0.1", "--use-distributed-optimizer", "--lr-warmup-iters", "1"]
+    straight = _trainer(script, flags + ["--save", straight_dir, "--save-interval", "2"])
+    if dist.get_rank() == 0:
+        write_latest_iteration(straight_dir, 2)
+    dist.barrier()
+    resumed = _trainer(script, flags + ["--load", straight_dir, "--save", resumed_dir])
+    fresh = script.MimoTrainer(script.parse_mimo_args(flags + ["--seed", "5", "--load", resumed_dir, "--finetune"]))
+    before = full_weights(fresh.model, fresh.collections)
+    fresh.load()
+    weights = [full_weights(t.model, t.collections) for t in (straight, resumed, fresh)]
+    resumed_state = dataclasses.asdict(resumed.state)  # a plain dict: the parent cannot import train_mimo's class
+    return straight.state.history, resumed_state, sorted(module_parts(straight.model)), before, *weights
+
+
+def test_disjoint_layout_resumes_exactly_and_loads_into_fresh_modules(tmp_path):
+    results = run_distributed(_disjoint_train_save_resume, 6, str(tmp_path / "straight"), str(tmp_path / "resumed"))
+    for rank, (straight, resumed, modules, before, trained, resumed_weights, loaded) in enumerate(results):
+        assert modules == (["images"] if rank < 2 else [LANGUAGE_MODEL])
+        assert len(straight) == 4 and straight[-1] < straight[0]
+        assert resumed["history"] == straight  # 2 losses from the checkpoint, 2 recomputed: the same curve
+        assert (resumed["iteration"], resumed["consumed_samples"]) == (4, 32)
+        for name, weight in trained.items():
+            assert torch.equal(resumed_weights[name], weight), name
+            assert torch.equal(loaded[name], weight), name
+        assert any(not torch.equal(before[name], weight) for name, weight in trained.items())

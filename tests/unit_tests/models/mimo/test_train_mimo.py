@@ -43,7 +43,6 @@ def test_disjoint_encoder_trains_like_colocated():
     [
         (["--encoder-ranks", "first-4"], "--encoder-ranks must be 'colocated' or 'first-N' with 0 < N < world size 4"),
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size must be 1 for MIMO models"),
-        (["--save", "/tmp/x"], "--save/--load are not available for MIMO models yet"),
         (["--image-size", "10"], r"--image-size \(10\) must be a multiple of --patch-size \(4\)"),
         (["--encoder-tensor-model-parallel-size", "4"], r"--encoder-num-attention-heads \(2\) must be divisible"),
     ],
