@@ -3,9 +3,9 @@
 Like GPU paged-attention kernels, it reads WHOLE blocks through each request's block table
 and masks by length: key ``j`` of a request is visible to its query ``i`` when
 ``j <= kv_offset + i`` (causal within the request's new tokens, everything cached before).
-Value rows past the request's length are masked as well as scores, so stale bytes in an
-unused block tail cannot leak into this reference; faster kernels may multiply them by a
-zero weight (0 * NaN = NaN), which is why the context zeroes every fresh private page.
+Value rows past a query's position are masked as well as scores, so stale bytes in an unused
+block tail cannot leak into this reference; faster kernels may multiply them by a zero weight
+(0 * NaN = NaN), which is why the context zeroes every fresh private page.
 Grouped-query attention: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
 
 All queries of a step are computed together, each over its own request's keys gathered
@@ -73,17 +73,17 @@ def paged_attention(
     request_of = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)
     first = torch.cumsum(query_lengths, 0) - query_lengths
     positions = (kv_lengths - query_lengths)[request_of] + torch.arange(num_tokens, device=device) - first[request_of]
-    num_keys = math.ceil(int(kv_lengths.max()) / KEY_TILE) * KEY_TILE
-    key_pos = torch.arange(num_keys, device=device)
-    table_col = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
     flat_keys = key_cache.reshape(-1, kv_heads, head_dim)
     flat_values = value_cache.reshape(-1, kv_heads, head_dim)
     group = q_heads // kv_heads
     for lo in range(0, num_tokens, QUERY_SLICE):
         hi = min(lo + QUERY_SLICE, num_tokens)
+        num_keys = math.ceil((int(positions[lo:hi].max()) + 1) / KEY_TILE) * KEY_TILE
+        key_pos = torch.arange(num_keys, device=device)
+        table_col = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
         slots = block_tables[request_of[lo:hi]][:, table_col] * block_size + key_pos % block_size  # [q, k]
         visible = (key_pos[None, :] <= positions[lo:hi, None])[:, :, None, None]  # [q, k, 1, 1]
-        keys = torch.where(visible, flat_keys[slots].float(), 0.0)  # [q, k, kv_heads, d]
+        keys = flat_keys[slots].float()  # [q, k, kv_heads, d]; masked scores below
         values = torch.where(visible, flat_values[slots].float(), 0.0)
         q = query[lo:hi].float().reshape(hi - lo, 1, kv_heads, group, head_dim)
         scores = (q * keys[:, :, :, None, :]).sum(-1) * scale  # [q, k, kv_heads, group]
