@@ -7,12 +7,19 @@ encoder and the language model live on disjoint ranks."""
 import dataclasses
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.config import TransformerConfig
-from megatron.core.dist_checkpointing import load_latest, save_iteration, validate_records, write_latest_iteration
+from megatron.core.dist_checkpointing import (
+    CheckpointingError,
+    load_latest,
+    save_iteration,
+    validate_records,
+    write_latest_iteration,
+)
 from megatron.core.dist_checkpointing.dict_utils import iter_leaves
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.validation import ShardRecord
@@ -307,3 +314,31 @@ def test_disjoint_layout_resumes_exactly_and_loads_into_fresh_modules(tmp_path):
             assert torch.equal(resumed_weights[name], weight), name
             assert torch.equal(loaded[name], weight), name
         assert any(not torch.equal(before[name], weight) for name, weight in trained.items())
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+def _mismatched_modules():
+    roles = MimoRoles.build(1, language={}, modalities={"images": {}})
+    collections = roles.build_collections()
+    model, _, optimizer, _ = build_job(roles, collections, seed=3)
+    errors = []
+    for call in (
+        lambda: mimo_sharded_state_dict(model, {LANGUAGE_MODEL: collections[LANGUAGE_MODEL]}),
+        lambda: load_mimo_state(model, {"model": {"images": {}}}),
+    ):
+        with pytest.raises(CheckpointingError) as error:
+            call()
+        errors.append(str(error.value))
+    return errors
+
+
+def test_modules_without_collections_or_loaded_state_are_named():
+    (errors,) = run_distributed(_mismatched_modules, 1)
+    assert errors == [
+        "this rank holds modules ['images', 'language_model'] but collections covers ['language_model']; "
+        "give one entry per held module",
+        "this rank holds modules ['images', 'language_model'] but the loaded model state covers ['images']; "
+        "every held module needs an entry",
+    ]
