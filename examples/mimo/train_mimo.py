@@ -5,7 +5,7 @@ the encoder on ranks 0-1 and the language model (TP2 x DP2) on ranks 2-5:
 
     torchrun --nproc-per-node 6 examples/mimo/train_mimo.py --encoder-ranks first-2 \\
         --tensor-model-parallel-size 2 --encoder-tensor-model-parallel-size 1 \\
-        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 48 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 50 --lr 1e-3
 
 Training, parallelism and checkpoint flags are those of examples/pretrain_gpt.py (they
@@ -52,11 +52,11 @@ from megatron.core.tensor_parallel import model_parallel_manual_seed  # noqa: E4
 from megatron.core.tokenizers import build_tokenizer  # noqa: E402
 from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
-    _rng_object,
-    _rng_states,
-    _scheduler_mismatch_policy,
-    _set_rng_states,
-    _train_state_object,
+    rng_object,
+    rng_states,
+    scheduler_mismatch_policy,
+    set_rng_states,
+    train_state_object,
 )
 from megatron.training.data import microbatches  # noqa: E402
 from megatron.training.initialize import device_for, initialize_distributed  # noqa: E402
@@ -302,8 +302,8 @@ class MimoTrainer:
         """Save every module's weights and optimizer state (each through its own groups), the
         LR schedule, the train state and every rank's RNG states as ``--save``/iter_<iteration>."""
         state = mimo_sharded_state_dict(self.model, self.collections, self.optimizer) | {
-            "train_state": _train_state_object(dataclasses.asdict(self.state), dist.get_rank() == self.logging_rank),
-            "rng_state": _rng_object(_rng_states()),
+            "train_state": train_state_object(dataclasses.asdict(self.state), dist.get_rank() == self.logging_rank),
+            "rng_state": rng_object(rng_states()),
             "scheduler": self.scheduler.state_dict(),
             "layouts": self.layouts(),
         }
@@ -323,9 +323,9 @@ class MimoTrainer:
         with_rng = resume and not args.no_load_rng and common.get("layouts") == self.layouts()
         request = mimo_sharded_state_dict(self.model, self.collections, optimizer)
         if resume:
-            request["train_state"] = _train_state_object(None, True)
+            request["train_state"] = train_state_object(None, True)
         if with_rng:
-            request["rng_state"] = _rng_object(None)
+            request["rng_state"] = rng_object(None)
         loaded = load(request, iteration_dir(args.load, iteration))
         load_mimo_state(self.model, loaded, optimizer)
         parts = ["model weights"]
@@ -335,11 +335,11 @@ class MimoTrainer:
             parts.append("optimizer state")
         if resume:
             self.state = MimoTrainState(**loaded["train_state"])
-            self.scheduler.load_state_dict(common["scheduler"], on_mismatch=_scheduler_mismatch_policy(args))
+            self.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
             parts.append(f"train state (iteration {self.state.iteration}, consumed samples "
                          f"{self.state.consumed_samples}), LR schedule")
         if with_rng:
-            _set_rng_states(loaded["rng_state"])
+            set_rng_states(loaded["rng_state"])
             parts.append("RNG states")
         if dist.get_rank() == self.logging_rank:
             print(f"loaded checkpoint {iteration_dir(args.load, iteration)}: " + ", ".join(parts), flush=True)

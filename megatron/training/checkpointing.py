@@ -160,7 +160,7 @@ def _layout(pg: ProcessGroupCollection) -> dict[str, int]:
     return {axis: pg.size(axis) if axis == "gtp" or pg.has(axis) else 1 for axis in LAYOUT_AXES}
 
 
-def _rng_states() -> dict:
+def rng_states() -> dict:
     states = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -172,7 +172,7 @@ def _rng_states() -> dict:
     return states
 
 
-def _set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict) -> None:
     random.setstate(states["random"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
@@ -181,11 +181,11 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _rng_object(data) -> ShardedObject:
+def rng_object(data) -> ShardedObject:
     return ShardedObject("rng_state", data, (dist.get_world_size(),), (dist.get_rank(),))
 
 
-def _train_state_object(data, main: bool) -> ShardedObject:
+def train_state_object(data, main: bool) -> ShardedObject:
     return ShardedObject("train_state", data, (1,), (0,), replica_id=0 if main else 1)
 
 
@@ -213,8 +213,8 @@ def save_checkpoint(trainer) -> str:
     state_dict = {
         "model": model.sharded_state_dict(),
         "optimizer": optimizer_sharded_state_dict(trainer.optimizer, params, pg),
-        "train_state": _train_state_object(dataclasses.asdict(trainer.state), trainer.is_logging_rank),
-        "rng_state": _rng_object(_rng_states()),
+        "train_state": train_state_object(dataclasses.asdict(trainer.state), trainer.is_logging_rank),
+        "rng_state": rng_object(rng_states()),
         "scheduler": trainer.scheduler.state_dict(),
         "layout": _layout(pg),
     }
@@ -235,7 +235,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     return checkpoint_dir
 
 
-def _scheduler_mismatch_policy(args) -> str:
+def scheduler_mismatch_policy(args) -> str:
     if args.override_opt_param_scheduler:
         return "use_current"
     return "use_checkpoint" if args.use_checkpoint_opt_param_scheduler else "error"
@@ -267,9 +267,9 @@ def load_checkpoint(trainer) -> None:
     if with_optimizer:
         request["optimizer"] = optimizer_sharded_state_dict(trainer.optimizer, params, pg)
     if with_train_state:
-        request["train_state"] = _train_state_object(None, True)
+        request["train_state"] = train_state_object(None, True)
     if with_rng:
-        request["rng_state"] = _rng_object(None)
+        request["rng_state"] = rng_object(None)
     loaded = load(request, checkpoint_dir)
     load_model_pieces(model, loaded["model"])
     loaded_parts = ["model weights"]
@@ -280,13 +280,13 @@ def load_checkpoint(trainer) -> None:
         trainer.optimizer.reload_model_params()
     if with_train_state:
         trainer.state = type(trainer.state)(**loaded["train_state"])
-        trainer.scheduler.load_state_dict(common["scheduler"], on_mismatch=_scheduler_mismatch_policy(args))
+        trainer.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
         loaded_parts.append(
             f"train state (iteration {trainer.state.iteration}, consumed samples {trainer.state.consumed_samples}), "
             "LR schedule"
         )
     if with_rng:
-        _set_rng_states(loaded["rng_state"])
+        set_rng_states(loaded["rng_state"])
         loaded_parts.append("RNG states")
     if dist.get_rank() == 0:
         print(f"loaded checkpoint {checkpoint_dir}: " + ", ".join(loaded_parts), flush=True)
