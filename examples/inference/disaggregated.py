@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Disaggregated prefill/decode: a prefill engine and a decode engine as separate processes,
+KV state moved between them by NIXL, the coordinator in front.
+
+    python examples/inference/disaggregated.py --prompts "Hello" "The sky is" \\
+        --num-tokens-to-generate 32 --output-json out.json
+
+Takes the flags of ``offline_inference.py`` (model, prompts, engine, sampling,
+``--output-json``) and writes the same report; its ``stats`` add the bytes the decode engine
+pulled and the transfer rate. The prefill process prefills each prompt to its first token and
+pins its KV blocks (and Mamba state); the decode process pulls them over NIXL (UCX; on CPU
+hosts ``UCX_NET_DEVICES=lo`` is used), admits the request straight into decode and tells the
+prefill process to release the pin. This process runs the coordinator and the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator  # noqa: E402
+from megatron.core.inference.handoff.decode_side import prompt_token_ids  # noqa: E402
+from megatron.core.inference.sampling import SamplingParams  # noqa: E402
+from megatron.core.tokenizers.factory import build_tokenizer  # noqa: E402
+
+
+def _offline():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_inference.py")
+    spec = importlib.util.spec_from_file_location("offline_inference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _engine(args, role: str, num_blocks: int, num_requests: int):
+    """This process's engine (a world of one rank) over the random model of the flags."""
+    from megatron.core import parallel_state
+    from megatron.core.inference.engines import DynamicInferenceEngine
+    from megatron.training.initialize import initialize_distributed
+
+    initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    pg = parallel_state.initialize_model_parallel()
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    model = _offline().build_random_model(args, tokenizer.vocab_size, pg)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return DynamicInferenceEngine(
+        model, tokenizer=tokenizer, pg_collection=pg, block_size=args.kv_block_size, num_blocks=num_blocks,
+        max_requests=args.max_requests or num_requests, max_tokens_per_step=args.max_tokens_per_step,
+        max_sequence_length=args.max_sequence_length, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching or role == "decode",
+        paused_block_budget=args.paused_block_budget, num_speculative_tokens=args.num_speculative_tokens,
+    )
+
+
+def prefill_process(args, num_blocks: int, num_requests: int, addresses) -> None:
+    from megatron.core.inference.handoff.prefill_side import PrefillSide
+    from megatron.core.inference.handoff.serving import HandoffChannel, PrefillWorker
+    from megatron.core.inference.handoff.transport import NixlTransport
+
+    engine = _engine(args, "prefill", num_blocks, num_requests)
+    channel = HandoffChannel("tcp://127.0.0.1:0", bind=True)
+    worker = PrefillWorker(PrefillSide(engine, NixlTransport(f"prefill-{os.getpid()}")), channel)
+    addresses.put(channel.address)
+    worker.run()
+    channel.close()
+
+
+def decode_process(args, num_blocks: int, num_requests: int, prefill_address: str, coordinator: str,
+                   results) -> None:
+    from megatron.core.inference.coordinator import EngineEndpoint
+    from megatron.core.inference.handoff.decode_side import DecodeSide
+    from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel
+    from megatron.core.inference.handoff.transport import NixlTransport
+
+    engine = _engine(args, "decode", num_blocks, num_requests)
+    channel = HandoffChannel(prefill_address, bind=False)
+    disaggregated = DisaggregatedEngine(DecodeSide(engine, NixlTransport(f"decode-{os.getpid()}")), channel)
+    EngineEndpoint(disaggregated, coordinator, engine_id="decode").run()
+    channel.send("stop")
+    results.put(disaggregated.stats)
+    channel.close()
+
+
+async def _generate(address: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+    async with InferenceClient(address) as client:
+        handles = [await client.submit(p, sp, request_id=f"request-{i}") for i, (p, sp) in
+                   enumerate(zip(prompts, params))]
+        outputs = []
+        for handle in handles:
+            merged = dict(token_ids=[], log_probs=[], prompt_log_probs=None, finish_reason=None, error=None)
+            async for output in handle:
+                merged["token_ids"] += output["new_token_ids"]
+                merged["log_probs"] += output["new_log_probs"]
+                if output.get("prompt_log_probs") is not None:
+                    merged["prompt_log_probs"] = output["prompt_log_probs"]
+                merged["finish_reason"], merged["error"] = output["finish_reason"], output["error"]
+            outputs.append(merged)
+        await client.control("stop")
+        return outputs
+
+
+def main(argv=None) -> int:
+    offline = _offline()
+    args = offline.parse_args(argv)
+    if args.load is not None:
+        print("error: --load needs checkpoint loading (megatron/training checkpointing), which is not available "
+              "yet; run without --load to use a model with random weights", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    prompts = [prompt_token_ids(p, tokenizer) for p in offline.read_prompts(args)]
+    longest = max(len(p) for p in prompts)
+    block_count = args.kv_block_count or len(prompts) * -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
+    num_blocks = max(block_count, -(-args.max_sequence_length // args.kv_block_size))
+    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                             max_tokens=args.num_tokens_to_generate, ignore_eos=True, logprobs=True,
+                             return_prompt_logprobs=True) for i in range(len(prompts))]
+    spawn = mp.get_context("spawn")
+    addresses, results = spawn.Queue(), spawn.Queue()
+    with InferenceCoordinator(engine_timeout_s=None) as coordinator:
+        prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), addresses))
+        prefill.start()
+        decode = spawn.Process(target=decode_process, args=(args, num_blocks, len(prompts), addresses.get(timeout=300),
+                                                            coordinator.address, results))
+        decode.start()
+        started = time.perf_counter()
+        outputs = asyncio.run(_generate(coordinator.address, prompts, params))
+        elapsed = time.perf_counter() - started
+        stats = results.get(timeout=300)
+        decode.join(60)
+        prefill.join(60)
+    failed = [o for o in outputs if o["finish_reason"] == "error"]
+    if failed:
+        print(f"error: {len(failed)} requests failed, first: {failed[0]['error']}", file=sys.stderr)
+        return 1
+    num_generated = sum(len(o["token_ids"]) for o in outputs)
+    gb_per_s = stats["handoff_gb_per_s"]
+    print(f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} output "
+          f"tokens/s over {stats['steps']} decode steps; {stats['handoff_imports']} imports pulled "
+          f"{stats['handoff_transferred_bytes']} KV bytes at {gb_per_s:.3f} GB/s")
+    if args.output_json:
+        report = {
+            "requests": [
+                {"prompt_tokens": p, "generated_tokens": o["token_ids"], "generated_text": tokenizer.detokenize(
+                    o["token_ids"]), "prompt_log_probs": o["prompt_log_probs"], "generated_log_probs": o["log_probs"]}
+                for p, o in zip(prompts, outputs)
+            ],
+            "stats": {key: stats[key] for key in ("steps", "pauses", "evictions", "prefix_cache_hits")}
+            | {"output_tokens_per_s": num_generated / elapsed,
+               "transferred_bytes": stats["handoff_transferred_bytes"], "transfer_gb_per_s": gb_per_s},
+        }
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
