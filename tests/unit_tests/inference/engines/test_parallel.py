@@ -1,4 +1,5 @@
-"""The engine under TP2 and PP2 (real gloo ranks) gives the outputs of one process."""
+"""The engine under TP2 and PP2 (real gloo ranks) gives the outputs of one process, with
+pauses, evictions and speculative decoding (MTP heads on the last stage) in lockstep."""
 
 import pytest
 import torch
@@ -16,26 +17,31 @@ LENGTHS = [6, 13, 3, 9]
 
 def _generate(kind: str, tp: int, pp: int):
     pg = collection(tp=tp, pp=pp)
-    if kind == "gpt":
-        model = gpt_model(pg, tp=tp, pp=pp)
+    speculative = kind == "gpt_speculative"
+    if kind.startswith("gpt"):
+        model = gpt_model(pg, tp=tp, pp=pp, mtp_depths=2 if speculative else 0)
     else:
         model = hybrid_model(pg, pattern="M*|-M" if pp > 1 else "M*-M", tensor_model_parallel_size=tp,
                              pipeline_model_parallel_size=pp)
     # A tight pool, so pauses and evictions run in lockstep on every rank too.
     engine = DynamicInferenceEngine(model, block_size=4, num_blocks=12, max_requests=4, max_tokens_per_step=8,
                                     max_sequence_length=48, enable_chunked_prefill=True, paused_block_budget=2,
-                                    pg_collection=pg)
+                                    num_speculative_tokens=2 if speculative else 0, pg_collection=pg)
     results = run(engine, prompts(LENGTHS), PARAMS)
     return results, engine.stats
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("gpt", 2, 1), ("gpt", 1, 2), ("hybrid", 2, 1), ("hybrid", 1, 2)])
+@pytest.mark.parametrize("kind,tp,pp", [("gpt", 2, 1), ("gpt", 1, 2), ("hybrid", 2, 1), ("hybrid", 1, 2),
+                                        ("gpt_speculative", 2, 1), ("gpt_speculative", 1, 2)])
 def test_tensor_and_pipeline_parallel_engines_match_one_process(kind, tp, pp):
     (single, single_stats), = run_distributed(_generate, 1, kind, 1, 1)
     ranks = run_distributed(_generate, 2, kind, tp, pp)
     assert single_stats["evictions"] > 0 or single_stats["pauses"] > 0
+    if kind == "gpt_speculative":
+        assert single_stats["drafts_accepted"] + single_stats["drafts_rejected"] > 0
     for results, stats in ranks:
-        assert stats["steps"] == single_stats["steps"] and stats["evictions"] == single_stats["evictions"]
+        for key in ("steps", "evictions", "pauses", "drafts_accepted", "drafts_rejected"):
+            assert stats[key] == single_stats[key], key
         for request_id, want in single.items():
             got = results[request_id]
             assert got["tokens"] == want["tokens"] and got["terminal"] == 1
