@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -38,29 +40,25 @@ def check_no_virtual_pipeline(vp_stage: int | None) -> None:
         raise PipelineLayoutError(f"virtual pipeline stages are not supported yet; got vp_stage={vp_stage}, pass None")
 
 
-class TransformerBlock(nn.Module):
-    """This stage's layers (global 1-based numbers; each built inside
-    ``init_rng_scope(config, f"layer{n}")``) and, on the last stage, the final norm.
+class StageLayerStack(nn.Module):
+    """Layers of one pipeline stage with their global 1-based numbers (layer ``n`` built inside
+    ``init_rng_scope(config, f"layer{n}")`` by ``build_layer(n)``) and, on the last stage, the
+    final norm.
 
     The first stage takes ``hidden_states`` from the caller; later stages read the tensor
     given to :meth:`set_input_tensor` (sent by the previous stage).
     """
 
-    def __init__(self, config: TransformerConfig, spec: ModuleSpec, pre_process: bool = True,
-                 post_process: bool = True, pg_collection: ProcessGroupCollection | None = None,
-                 vp_stage: int | None = None):
+    def __init__(self, config: TransformerConfig, layer_numbers: list[int], build_layer: Callable[[int], nn.Module],
+                 pre_process: bool = True, post_process: bool = True):
         super().__init__()
-        check_no_virtual_pipeline(vp_stage)
-        pg_collection = resolve_pg_collection(pg_collection)
-        pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
-        offset = layer_offset(config, pp_rank, pp_size)
-        self.layer_numbers = list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1))
+        self.layer_numbers = list(layer_numbers)
         layers = []
         for number in self.layer_numbers:
             with init_rng_scope(config, f"layer{number}"):
-                layers.append(build_module(spec, config=config, layer_number=number, pg_collection=pg_collection))
+                layers.append(build_layer(number))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = None
         if post_process:
@@ -89,3 +87,21 @@ class TransformerBlock(nn.Module):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+
+class TransformerBlock(StageLayerStack):
+    """This stage's transformer layers (``num_layers / pp`` of them, numbered globally) and, on
+    the last stage, the final norm."""
+
+    def __init__(self, config: TransformerConfig, spec: ModuleSpec, pre_process: bool = True,
+                 post_process: bool = True, pg_collection: ProcessGroupCollection | None = None,
+                 vp_stage: int | None = None):
+        check_no_virtual_pipeline(vp_stage)
+        pg_collection = resolve_pg_collection(pg_collection)
+        pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
+        offset = layer_offset(config, pp_rank, pp_size)
+        super().__init__(
+            config, list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1)),
+            lambda number: build_module(spec, config=config, layer_number=number, pg_collection=pg_collection),
+            pre_process, post_process,
+        )

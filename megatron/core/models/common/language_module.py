@@ -56,8 +56,8 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> t
 class LanguageModule(nn.Module):
     """Base of GPTModel and HybridModel: builds everything but the decoder.
 
-    Subclasses build ``self.decoder`` and compose :meth:`embed`, :meth:`rotary`,
-    :meth:`position_ids_for` and :meth:`postprocess` in their forward.
+    Subclasses build ``self.decoder`` (a stage's layer stack); :meth:`forward` composes
+    :meth:`embed`, :meth:`rotary`, the decoder and :meth:`postprocess`.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, *,
@@ -139,6 +139,24 @@ class LanguageModule(nn.Module):
         if tied:
             output_layer.weight = self.embedding.word_embeddings.weight
         return output_layer
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+        """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
+        hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
+        embedding on the first stage; ``inference_context`` reaches every attention and Mamba
+        layer of ``self.decoder`` (it must serve both protocols when a model mixes them)."""
+        position_ids = self.position_ids_for(input_ids, position_ids, labels)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, position_ids)
+        rotary_pos_emb = self.rotary(position_ids)
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                     inference_context=inference_context)
+        if not self.post_process:
+            return hidden_states
+        return self.postprocess(hidden_states, input_ids, position_ids, labels,
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""

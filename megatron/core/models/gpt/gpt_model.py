@@ -62,20 +62,3 @@ class GPTModel(LanguageModule):
         self.vp_stage = vp_stage
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process, post_process,
                                         pg_collection, vp_stage)
-
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                decoder_input: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
-        """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
-        hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
-        embedding on the first stage; ``inference_context`` reaches every attention layer."""
-        position_ids = self.position_ids_for(input_ids, position_ids, labels)
-        if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, position_ids)
-        rotary_pos_emb = self.rotary(position_ids)
-        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                     inference_context=inference_context)
-        if not self.post_process:
-            return hidden_states
-        return self.postprocess(hidden_states, input_ids, position_ids, labels,
-                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
