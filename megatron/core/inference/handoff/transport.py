@@ -164,7 +164,8 @@ class NixlTransport(HandoffTransport):
                         for name, t in self.regions.items()},
         }
 
-    def _remote(self, peer: dict[str, Any]) -> str:
+    def connect(self, peer: dict[str, Any]) -> str:
+        """The NIXL name of a peer, loading its metadata the first time."""
         if peer.get("transport") != self.name:
             raise TransportError(f"peer descriptor is for {peer.get('transport')!r}, this transport is {self.name!r}")
         agent = peer["agent"]
@@ -175,7 +176,7 @@ class NixlTransport(HandoffTransport):
     def post_pull(self, transfer_id: str, peer: dict[str, Any], segments: Sequence[Segment]) -> PullHandle:
         if not segments:
             raise TransportError(f"pull {transfer_id!r} has no runs")
-        remote_name = self._remote(peer)
+        remote_name = self.connect(peer)
         remote = {name: entry for name, entry in peer["regions"].items()}
         self._check_bounds({n: e[1] for n, e in remote.items()}, segments, "source")
         local = {n: t.numel() * t.element_size() for n, t in self.regions.items()}
