@@ -46,8 +46,6 @@ from megatron.core.models.mimo import (  # noqa: E402
 )
 from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict  # noqa: E402
 from megatron.core.models.mimo.roles import data_index, data_width  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig  # noqa: E402
-from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_manual_seed  # noqa: E402
 from megatron.core.tokenizers import build_tokenizer  # noqa: E402
 from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args  # noqa: E402
@@ -61,7 +59,11 @@ from megatron.training.checkpointing import (  # noqa: E402
 from megatron.training.data import microbatches  # noqa: E402
 from megatron.training.initialize import device_for, initialize_distributed  # noqa: E402
 from megatron.training.metrics import MetricsLogger  # noqa: E402
-from megatron.training.training import count_flops_per_token  # noqa: E402
+from megatron.training.training import (  # noqa: E402
+    count_flops_per_token,
+    optimizer_config_from_args,
+    scheduler_from_args,
+)
 
 IMAGES = "images"
 
@@ -198,18 +200,10 @@ class MimoTrainer:
         self.ddp = wrap_with_ddp(self.model, self.collections, DistributedDataParallelConfig(
             use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16))
         self.optimizer = get_mimo_optimizer(
-            OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                            clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                            initial_loss_scale=args.initial_loss_scale,
-                            use_distributed_optimizer=args.use_distributed_optimizer),
+            optimizer_config_from_args(args),
             self.ddp, self.collections, [LANGUAGE_MODEL, *self.roles.modality_names],
         )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
-            lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-            lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
-        )
+        self.scheduler = scheduler_from_args(self.optimizer, args)
         self.bridges = build_bridges(self.roles, args.micro_batch_size,
                                      {IMAGES: (self.num_image_tokens, args.hidden_size)},
                                      dtype=language_config.params_dtype, device=self.device)

@@ -83,6 +83,24 @@ def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, s
     return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size)
 
 
+def optimizer_config_from_args(args) -> OptimizerConfig:
+    """The optimizer settings the training flags describe."""
+    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                           clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                           initial_loss_scale=args.initial_loss_scale,
+                           use_distributed_optimizer=args.use_distributed_optimizer)
+
+
+def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
+    """The learning-rate and weight-decay schedule the training flags describe."""
+    return OptimizerParamScheduler(
+        optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+    )
+
+
 class Trainer:
     """Holds the model, optimizer, scheduler and data of one run and steps them."""
 
@@ -101,18 +119,8 @@ class Trainer:
             model, pg_collection=pgc,
         )
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                            clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                            initial_loss_scale=args.initial_loss_scale,
-                            use_distributed_optimizer=args.use_distributed_optimizer),
-            [self.model], pgc,
-        )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
-            lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-            lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
-        )
+optimizer_config_from_args(args), [self.model], pgc)
+        self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
         self.train_ds, self.valid_ds, _ = build_datasets(args, self.tokenizer, self.vocab_size)
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
