@@ -12,7 +12,7 @@ transport descriptor a peer needs to read them. Mamba state is described by
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -125,7 +125,6 @@ class HandoffRecord:
     mamba_slot: int | None = None
     prompt_log_probs: list[float] | None = None
     generator_state: bytes | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_drafts(self) -> int:
