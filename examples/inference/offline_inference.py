@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         model = model.cuda()
     prompts = read_prompts(args)
     longest = max(len(p) if isinstance(p, list) else len(tokenizer.tokenize(p)) for p in prompts)
-    block_count = args.kv_block_count or len(prompts) * -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
+    blocks_per_request = -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
+    block_count = args.kv_block_count or len(prompts) * blocks_per_request
     llm = LLM(
         model, tokenizer, pg_collection=pg, block_size=args.kv_block_size,
         num_blocks=max(block_count, -(-args.max_sequence_length // args.kv_block_size)),

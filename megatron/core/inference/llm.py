@@ -130,7 +130,8 @@ class LLM:
             partial[request_id].text = self._text(partial[request_id].token_ids, p)
         return [partial[request_id] for request_id in order]
 
-    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Prompt,
+                     sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Async generator of one prompt's partial outputs, the last one with ``finished``.
         Concurrent streams on the same event loop are batched into the same engine steps."""
         request_id, _ = self._add(prompt, sampling_params or SamplingParams())

@@ -9,3 +9,13 @@ from megatron.core.inference.engines.errors import (
     MaxSequenceLengthOverflowError,
 )
 from megatron.core.inference.engines.requests import RequestOutput, RequestStatus
+
+__all__ = [
+    "DuplicateRequestIdError",
+    "DynamicInferenceEngine",
+    "EngineConfigError",
+    "InvalidPromptError",
+    "MaxSequenceLengthOverflowError",
+    "RequestOutput",
+    "RequestStatus",
+]

@@ -160,9 +160,9 @@ class DynamicInferenceEngine:
         max_new = self.check_request(request_id, prompt, params, prefilled_import=prefilled_import)
         seed = params.seed if params.seed is not None else (self.seed * _SEED_MIX + self._num_added) % 2**63
         self._num_added += 1
+        generator = None if params.greedy else make_generator(seed, self.runner.device)
         request = EngineRequest(
-            request_id, prompt, params, max_new, make_generator(seed, self.runner.device) if not params.greedy else None,
-            prefilled_import=prefilled_import,
+            request_id, prompt, params, max_new, generator, prefilled_import=prefilled_import,
             stop_matcher=StopSequenceMatcher(params.stop) if params.stop and self.tokenizer is not None else None,
         )
         self._requests[request_id] = request
@@ -302,7 +302,8 @@ class DynamicInferenceEngine:
             self._propose_drafts(scheduled, decisions, first_rows, batch, hidden)
         return decisions
 
-    def _prompt_log_probs(self, request: EngineRequest, logits, start: int, offset: int, num_tokens: int) -> list[float]:
+    def _prompt_log_probs(self, request: EngineRequest, logits, start: int, offset: int,
+                          num_tokens: int) -> list[float]:
         # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
         first = max(offset, len(request.prompt_log_probs))
         last = min(offset + num_tokens, len(request.prompt_tokens) - 1)

@@ -47,7 +47,3 @@ class InvalidPromptError(InferenceRequestError):
 
 class EngineConfigError(ValueError):
     """The engine was configured with values it does not accept (message names them)."""
-
-
-class UnknownEngineRequestError(ValueError):
-    """An operation named a request id the engine does not hold."""

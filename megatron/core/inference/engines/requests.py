@@ -26,8 +26,6 @@ from megatron.core.inference.contexts.prefix_cache import BlockHashChain
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.stop_words import StopSequenceMatcher
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 class RequestStatus(str, enum.Enum):
     WAITING = "waiting"

@@ -1,6 +1,8 @@
 """Admission errors, aborts in every state, seeded sampling, stop conditions and the
 RequestOutput wire format."""
 
+import re
+
 import pytest
 
 from megatron.core.inference.contexts.errors import (
@@ -47,7 +49,7 @@ def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving
     ]
     for index, (prompt, params, error_type, message) in enumerate(cases):
         request_id = "ok" if error_type is DuplicateRequestIdError else f"bad{index}"
-        with pytest.raises(error_type, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as err:
+        with pytest.raises(error_type, match=re.escape(message)) as err:
             engine.add_request(request_id, prompt, params)
         assert InferenceRequestError.from_dict(err.value.to_dict()) == err.value
     # The capacity plan sizes the pool for one request of max_sequence_length, so a request that
