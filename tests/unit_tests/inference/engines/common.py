@@ -1,4 +1,5 @@
-"""Tiny models, a reference greedy decoder and an engine driver shared by the engine tests."""
+"""Tiny models (on the harness device), a reference greedy decoder and an engine driver shared
+by the engine tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from tests.unit_tests.dist_harness import device
 
 VOCAB, MAX_SEQ = 96, 128
 
@@ -31,14 +33,16 @@ def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: 
     torch.manual_seed(0)
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, MAX_SEQ, pre_process=pp_rank == 0,
                     post_process=pp_rank == pp_size - 1, position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None, pg_collection=pg).eval()
+                    mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None,
+                    pg_collection=pg).eval().to(device())
 
 
 def hybrid_model(pg, pattern: str = "M*-M", **overrides) -> HybridModel:
     config = tiny_config(num_layers=len(pattern.replace("|", "")), **overrides)
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     return HybridModel(config, get_hybrid_stack_local_spec(), VOCAB, MAX_SEQ, hybrid_layer_pattern=pattern,
-                       pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1, pg_collection=pg).eval()
+                       pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                       pg_collection=pg).eval().to(device())
 
 
 def prompts(lengths, seed: int = 0) -> list[list[int]]:
@@ -51,7 +55,7 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation by full forward passes without any cache (single process)."""
     tokens = list(prompt)
     for _ in range(num_tokens):
-        logits = model(torch.tensor([tokens]))
+        logits = model(torch.tensor([tokens], device=device()))
         tokens.append(int(logits[0, -1, :VOCAB].argmax()))
     return tokens[len(prompt):]
 

@@ -10,6 +10,7 @@ from megatron.core.models import hf_mapping
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from tests.unit_tests.dist_harness import device
 from tests.unit_tests.inference.engines.common import prompts, run
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
@@ -34,6 +35,7 @@ def _hf_greedy(hf_model, prompt):
 
 
 def _engine_greedy(model, pg):
+    model.to(device())
     engine = DynamicInferenceEngine(model, block_size=4, num_blocks=64, max_requests=8, max_tokens_per_step=24,
                                     max_sequence_length=64, enable_chunked_prefill=True, pg_collection=pg)
     results = run(engine, prompts(PROMPT_LENGTHS), SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))

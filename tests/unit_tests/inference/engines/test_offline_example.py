@@ -12,13 +12,20 @@ from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 EXAMPLE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
 FLAGS = ["--num-tokens-to-generate", "6", "--kv-block-size", "4", "--kv-block-count", "8", "--max-sequence-length",
          "32", "--max-tokens-per-step", "8", "--enable-chunked-prefill", "--paused-block-budget", "1",
          "--hidden-size", "32", "--seed", "7"]
+
+
+def _plain_env() -> dict:
+    """This environment without torchrun's variables: the example starts its own world."""
+    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
 def _example_module():
@@ -33,7 +40,7 @@ def _llm_run_of_the_example_model(token_prompts, ids_file):
     args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
     tokenizer = ByteLevelTokenizer()
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = example.build_random_model(args, tokenizer.vocab_size, pg)
+    model = example.build_random_model(args, tokenizer.vocab_size, pg).to(device())
     llm = LLM(model, tokenizer, pg_collection=pg, block_size=4, num_blocks=64, max_tokens_per_step=8,
               max_sequence_length=32, enable_chunked_prefill=True)
     return llm.generate(token_prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True,
@@ -45,7 +52,7 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
     ids_file = tmp_path / "prompts.jsonl"
     ids_file.write_text("".join(json.dumps(p) + "\n" for p in token_prompts))
     report_file = tmp_path / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = _plain_env()
     done = subprocess.run([sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json",
                            str(report_file), *FLAGS], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -65,5 +72,5 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
 
 def test_load_without_checkpoint_support_fails_with_a_message():
     done = subprocess.run([sys.executable, EXAMPLE, "--prompts", "hi", "--load", "/nonexistent"],
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+                          env=_plain_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--load needs checkpoint loading" in done.stderr

@@ -31,11 +31,16 @@ def _generate(kind: str, tp: int, pp: int):
     return results, engine.stats
 
 
+def _single_and_parallel(kind: str, tp: int, pp: int):
+    # On 2 ranks, TP1/PP1 is two data-parallel replicas: each one a single-process run.
+    return _generate(kind, 1, 1), _generate(kind, tp, pp)
+
+
 @pytest.mark.parametrize("kind,tp,pp", [("gpt", 2, 1), ("gpt", 1, 2), ("hybrid", 2, 1), ("hybrid", 1, 2),
                                         ("gpt_speculative", 2, 1), ("gpt_speculative", 1, 2)])
 def test_tensor_and_pipeline_parallel_engines_match_one_process(kind, tp, pp):
-    (single, single_stats), = run_distributed(_generate, 1, kind, 1, 1)
-    ranks = run_distributed(_generate, 2, kind, tp, pp)
+    outcomes = run_distributed(_single_and_parallel, 2, kind, tp, pp)
+    (single, single_stats), ranks = outcomes[0][0], [parallel for _, parallel in outcomes]
     assert single_stats["evictions"] > 0 or single_stats["pauses"] > 0
     if kind == "gpt_speculative":
         assert single_stats["drafts_accepted"] + single_stats["drafts_rejected"] > 0
