@@ -30,7 +30,13 @@ def test_chunked_prefill_gives_the_unchunked_outputs(pg, kind):
         schedule, **kw)
     chunked = run(chunked_engine, prompts(lengths), GREEDY)
     reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
-    assert chunked == whole
+    # Different step sizes (6 vs 32 tokens) run different GEMM shapes: tokens are equal, log-probs
+    # agree to rounding (exact equality is promised for the same step size, see test_saturation).
+    for request_id, want in whole.items():
+        assert chunked[request_id]["tokens"] == want["tokens"]
+        torch.testing.assert_close(chunked[request_id]["log_probs"], want["log_probs"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(chunked[request_id]["prompt_log_probs"], want["prompt_log_probs"], rtol=0,
+                                   atol=1e-5)
     assert [whole[str(i)]["tokens"] for i in range(len(lengths))] == reference
     # Each prompt longer than a step was split into several chunks, none of them a lone final token.
     for request_id, length in (("0", 20), ("2", 13)):
