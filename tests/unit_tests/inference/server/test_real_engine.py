@@ -6,28 +6,28 @@ import pytest
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.engines.errors import MaxSequenceLengthOverflowError
 from tests.unit_tests.inference.engines.common import gpt_model, prompts, reference_greedy
-from tests.unit_tests.transformer.single_rank import single_rank_collection
+from tests.unit_tests.transformer.single_rank import on_single_rank
 
 from .harness import TOKENIZER, openai_server
 
 
-def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_are_4xx():
-    with single_rank_collection() as pg:
-        model = gpt_model(pg)
-        engine = DynamicInferenceEngine(
-            model, max_tokens_per_step=32, block_size=4, num_blocks=64, max_requests=8, max_sequence_length=48,
-            pg_collection=pg,
-        )
-        requests = prompts([5, 9, 3])
-        reference = [reference_greedy(model, prompt, 6) for prompt in requests]
-        with openai_server([engine]) as (server, coordinator):
-            api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-            whole = api.completions.create(model="megatron", prompt=requests, max_tokens=6, temperature=0, logprobs=1)
-            streamed = api.completions.create(model="megatron", prompt=requests[0], max_tokens=6, temperature=0, stream=True)
-            streamed_text = "".join(chunk.choices[0].text for chunk in streamed)
-            with pytest.raises(openai.APIStatusError) as too_long:
-                api.completions.create(model="megatron", prompt=[1] * 40, max_tokens=20)
-            assert coordinator.router.routes == {}
+@on_single_rank
+def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_are_4xx(pg):
+    model = gpt_model(pg)
+    engine = DynamicInferenceEngine(
+        model, max_tokens_per_step=32, block_size=4, num_blocks=64, max_requests=8, max_sequence_length=48,
+        pg_collection=pg,
+    )
+    requests = prompts([5, 9, 3])
+    reference = [reference_greedy(model, prompt, 6) for prompt in requests]
+    with openai_server([engine]) as (server, coordinator):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        whole = api.completions.create(model="megatron", prompt=requests, max_tokens=6, temperature=0, logprobs=1)
+        streamed = api.completions.create(model="megatron", prompt=requests[0], max_tokens=6, temperature=0, stream=True)
+        streamed_text = "".join(chunk.choices[0].text for chunk in streamed)
+        with pytest.raises(openai.APIStatusError) as too_long:
+            api.completions.create(model="megatron", prompt=[1] * 40, max_tokens=20)
+        assert coordinator.router.routes == {}
     assert [choice.text for choice in whole.choices] == [TOKENIZER.detokenize(tokens) for tokens in reference]
     assert all(len(choice.logprobs.token_logprobs) == 6 for choice in whole.choices)
     assert whole.usage.completion_tokens == 18 and whole.usage.prompt_tokens == 17
