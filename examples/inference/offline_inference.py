@@ -7,8 +7,9 @@ Run on one process, or under torchrun with tensor / pipeline parallelism, e.g.::
         --tensor-model-parallel-size 2 --prompts "Hello" "The sky is" \\
         --num-tokens-to-generate 32 --enable-chunked-prefill --output-json out.json
 
-Without ``--load`` a model with random weights is built from the model flags (for smoke
-tests and benchmarks). Prompts come from ``--prompts``, ``--prompts-file`` (one per line) or
+With ``--load DIR`` (a training checkpoint: root or ``iter_*`` directory) the model config and
+tokenizer come from the checkpoint's record and the weights are loaded for this run's layout;
+without it a model with random weights is built from the model flags (smoke tests, benchmarks). Prompts come from ``--prompts``, ``--prompts-file`` (one per line) or
 ``--prompt-token-ids-file`` (JSON lines, each a list of token ids). ``--output-json`` gets
 ``{"requests": [...], "stats": {...}}`` with the requests in prompt order.
 """
@@ -36,6 +37,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # n
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
 from megatron.core.tokenizers.factory import DEFAULT_TOKENIZER_TYPE, build_tokenizer  # noqa: E402
+from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 
 
@@ -55,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--ffn-hidden-size", type=int, default=None)
     model.add_argument("--hybrid-layer-pattern", default=None, help="e.g. 'M*-M' (hybrid models)")
     model.add_argument("--mtp-num-layers", type=int, default=0, help="MTP depths (for speculative decoding)")
-    model.add_argument("--max-sequence-length", type=int, default=512)
+    model.add_argument("--max-sequence-length", type=int, default=None,
+                       help="default: the checkpoint's, or 512 for a random model")
     model.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE)
     model.add_argument("--tokenizer-model", default=None)
     model.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -107,25 +110,36 @@ def build_random_model(args, vocab_size: int, pg):
     stage = dict(pre_process=pg.rank("pp") == 0, post_process=pg.rank("pp") == pg.size("pp") - 1, pg_collection=pg)
     if args.model_type == "hybrid":
         pattern = args.hybrid_layer_pattern or "M*" * (num_layers // 2)
-        return HybridModel(config, get_hybrid_stack_local_spec(), vocab_size, args.max_sequence_length,
+        return HybridModel(config, get_hybrid_stack_local_spec(), vocab_size, args.max_sequence_length or 512,
                            hybrid_layer_pattern=pattern, **stage)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, args.max_sequence_length,
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, args.max_sequence_length or 512,
                     position_embedding_type="rope",
                     mtp_block_spec=get_gpt_mtp_block_spec() if args.mtp_num_layers else None, **stage)
 
 
+def load_model(args, pg):
+    """This rank's stage of the checkpoint's model (config from its record, weights loaded) and
+    the tokenizer its record names (else the one from the flags)."""
+    record = load_model_config(args.load)
+    model = model_from_record(record, pg)
+    load_model_weights(model, args.load)
+    tokenizer_type = record.get("tokenizer_type") or args.tokenizer_type
+    tokenizer_model = record.get("tokenizer_model") if record.get("tokenizer_type") else args.tokenizer_model
+    return model, build_tokenizer(tokenizer_type, tokenizer_model)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.load is not None:
-        print("error: --load needs checkpoint loading (megatron/training checkpointing), which is not available "
-              "yet; run without --load to use a model with random weights", file=sys.stderr)
-        return 2
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     initialize_distributed(backend)
     pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    model = build_random_model(args, tokenizer.vocab_size, pg)
+    if args.load is not None:
+        model, tokenizer = load_model(args, pg)
+    else:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        model = build_random_model(args, tokenizer.vocab_size, pg)
+    max_sequence_length = args.max_sequence_length or model.max_sequence_length
     if backend == "nccl":
         model = model.cuda()
     prompts = read_prompts(args)
@@ -134,9 +148,9 @@ def main(argv=None) -> int:
     block_count = args.kv_block_count or len(prompts) * blocks_per_request
     llm = LLM(
         model, tokenizer, pg_collection=pg, block_size=args.kv_block_size,
-        num_blocks=max(block_count, -(-args.max_sequence_length // args.kv_block_size)),
+        num_blocks=max(block_count, -(-max_sequence_length // args.kv_block_size)),
         max_requests=args.max_requests or len(prompts), max_tokens_per_step=args.max_tokens_per_step,
-        max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.enable_prefix_caching,
+        max_sequence_length=max_sequence_length, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, paused_block_budget=args.paused_block_budget,
         num_speculative_tokens=args.num_speculative_tokens,
     )

@@ -1,6 +1,6 @@
 """examples/inference/offline_inference.py end to end (a subprocess): the JSON report holds
 every request in prompt order with tokens and log-probs equal to an in-process LLM run of
-the same random model."""
+the same random model, and ``--load`` of that model's checkpoint reproduces the report."""
 
 import importlib.util
 import json
@@ -12,6 +12,7 @@ from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
+from megatron.training.checkpointing import model_config_record, save_model_checkpoint
 from tests.unit_tests.dist_harness import device, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
@@ -70,7 +71,26 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
         assert row["prompt_log_probs"] == output.prompt_log_probs
 
 
-def test_load_without_checkpoint_support_fails_with_a_message():
-    done = subprocess.run([sys.executable, EXAMPLE, "--prompts", "hi", "--load", "/nonexistent"],
-                          env=_plain_env(), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--load needs checkpoint loading" in done.stderr
+def _save_example_model(ids_file, root):
+    example = _example_module()
+    args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
+    pg = ProcessGroupCollection.from_layout(RankLayout())
+    model = example.build_random_model(args, ByteLevelTokenizer().vocab_size, pg)
+    record = model_config_record("gpt", model.config, {
+        "vocab_size": model.vocab_size, "max_sequence_length": model.max_sequence_length,
+        "position_embedding_type": "rope"}, "ByteLevelTokenizer")
+    save_model_checkpoint({"model": model.sharded_state_dict()}, root, 1, record)
+
+
+def test_load_reads_config_and_weights_from_a_checkpoint(tmp_path):
+    ids_file = tmp_path / "prompts.jsonl"
+    ids_file.write_text(json.dumps([5, 6, 7, 8]) + "\n" + json.dumps(list(range(30, 41))) + "\n")
+    run_distributed(_save_example_model, 1, str(ids_file), str(tmp_path / "ckpt"))
+    reports = []
+    for source in (FLAGS, ["--load", str(tmp_path / "ckpt"), *FLAGS[:-4]]):  # --load: no model flags
+        out = tmp_path / f"out{len(reports)}.json"
+        done = subprocess.run([sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json",
+                               str(out), *source], env=_plain_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        reports.append(json.loads(out.read_text())["requests"])
+    assert reports[1] == reports[0]
