@@ -9,8 +9,9 @@ Run on one process, or under torchrun with tensor / pipeline parallelism, e.g.::
 
 With ``--load DIR`` (a training checkpoint: root or ``iter_*`` directory) the model config and
 tokenizer come from the checkpoint's record and the weights are loaded for this run's layout;
-without it a model with random weights is built from the model flags (smoke tests, benchmarks). Prompts come from ``--prompts``, ``--prompts-file`` (one per line) or
-``--prompt-token-ids-file`` (JSON lines, each a list of token ids). ``--output-json`` gets
+without it a model with random weights is built from the model flags (smoke tests, benchmarks).
+Prompts come from ``--prompts``, ``--prompts-file`` (one per line) or ``--prompt-token-ids-file``
+(JSON lines, each a list of token ids). ``--output-json`` gets
 ``{"requests": [...], "stats": {...}}`` with the requests in prompt order.
 """
 
