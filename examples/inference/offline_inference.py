@@ -169,6 +169,9 @@ def main(argv=None) -> int:
     stats = llm.engine.stats
     num_generated = sum(len(o.token_ids) for o in outputs)
     if is_reporter:
+        for prompt, output in zip(prompts, outputs):
+            shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} prompt tokens>"
+            print(f"----- prompt: {shown!r}\n{output.text}")
         print(f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: "
               f"{num_generated / elapsed:.1f} output tokens/s over {stats['steps']} steps "
               f"({stats['pauses']} pauses, {stats['evictions']} evictions, "
