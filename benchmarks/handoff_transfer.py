@@ -3,7 +3,7 @@
 of the same number of bytes, in the same run, between two processes.
 
     python benchmarks/handoff_transfer.py --layers 32 --blocks 256 --block-size 16 \\
-        --kv-heads 8 --head-dim 128 --dtype bfloat16 --device cuda
+        --kv-heads 8 --head-dim 128 --dtype bfloat16 --device cuda:0 --source-device cuda:1
 
 The source process holds a KV buffer ``[2, layers, blocks + 1, block_size, kv_heads, head_dim]``
 and serves reads; this process pulls ``--blocks`` blocks of a request into its own buffer
@@ -37,13 +37,15 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--source-device", default=None,
+                        help="device of the prefill-side buffer (default: --device), e.g. cuda:1 for GPU to GPU")
     parser.add_argument("--iters", type=int, default=5)
     return parser.parse_args(argv)
 
 
-def _buffer(args) -> torch.Tensor:
+def _buffer(args, device) -> torch.Tensor:
     return torch.zeros(2, args.layers, args.blocks + 1, args.block_size, args.kv_heads, args.head_dim,
-                       dtype=dtype_from_name(args.dtype), device=args.device)
+                       dtype=dtype_from_name(args.dtype), device=device)
 
 
 def _layout(args, peer) -> SourceLayout:
@@ -52,7 +54,7 @@ def _layout(args, peer) -> SourceLayout:
 
 
 def source(args, exports, stop) -> None:
-    kv = _buffer(args)
+    kv = _buffer(args, args.source_device or args.device)
     kv.copy_(torch.rand(kv.shape, generator=torch.Generator().manual_seed(0)).to(kv))
     transport = NixlTransport(f"bench-source-{os.getpid()}")
     transport.register({"kv": kv})
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     worker.start()
     try:
         peer = exports.get(timeout=120)
-        kv = _buffer(args)
+        kv = _buffer(args, args.device)
         puller = NixlTransport(f"bench-puller-{os.getpid()}")
         puller.register({"kv": kv})
         record = HandoffRecord("bench", [0] * (args.blocks * args.block_size), args.block_size,
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
             raw.append(time.perf_counter() - started)
         ours_gbps, raw_gbps = nbytes / min(ours[1:]) / 1e9, nbytes / min(raw[1:]) / 1e9
         print(f"{nbytes / 1e6:.2f} MB in {len(segments)} runs ({args.blocks} blocks, {args.layers} layers, "
-              f"{args.device}): handoff pull {ours_gbps:.3f} GB/s, raw NIXL {raw_gbps:.3f} GB/s, "
+              f"{args.source_device or args.device} -> {args.device}): handoff pull {ours_gbps:.3f} GB/s, raw NIXL {raw_gbps:.3f} GB/s, "
               f"ratio {ours_gbps / raw_gbps:.3f}")
         puller.close()
     finally:
