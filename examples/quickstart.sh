@@ -19,5 +19,5 @@ python3 -m torch.distributed.run --standalone --nproc-per-node 4 examples/pretra
     --save "$RUN" --save-interval 300 --metrics-jsonl "$RUN/metrics.jsonl" "$@"
 
 python3 examples/inference/offline_inference.py --load "$RUN" \
-    --prompts "def __init__(self" "import " "class " --num-tokens-to-generate 96 --temperature 0 \
+    --prompts "def __init__(self" "import " "class " --num-tokens-to-generate 96 --temperature 0.7 --top-k 20 --seed 7 \
     --output-json "$RUN/generations.json"
