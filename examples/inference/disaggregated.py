@@ -5,12 +5,13 @@ KV state moved between them by NIXL, the coordinator in front.
     python examples/inference/disaggregated.py --prompts "Hello" "The sky is" \\
         --num-tokens-to-generate 32 --output-json out.json
 
-Takes the flags of ``offline_inference.py`` (model, prompts, engine, sampling,
-``--output-json``) and writes the same report; its ``stats`` add the bytes the decode engine
-pulled and the transfer rate. The prefill process prefills each prompt to its first token and
-pins its KV blocks (and Mamba state); the decode process pulls them over NIXL (UCX; on CPU
-hosts ``UCX_NET_DEVICES=lo`` is used), admits the request straight into decode and tells the
-prefill process to release the pin. This process runs the coordinator and the client.
+Takes the flags of ``offline_inference.py`` (model or ``--load DIR``, prompts, engine,
+sampling, ``--output-json``) and writes the same report; its ``stats`` add the bytes the
+decode engine pulled and the transfer rate. The prefill process prefills each prompt to its
+first token and pins its KV blocks (and Mamba state); the decode process pulls them over NIXL
+(UCX; on CPU hosts ``UCX_NET_DEVICES=lo`` is used), admits the request straight into decode
+and tells the prefill process to release the pin. This process runs the coordinator and the
+client.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from megatron.core.inference.coordinator import InferenceClient, InferenceCoordi
 from megatron.core.inference.handoff.decode_side import prompt_token_ids  # noqa: E402
 from megatron.core.inference.sampling import SamplingParams  # noqa: E402
 from megatron.core.tokenizers.factory import build_tokenizer  # noqa: E402
+from megatron.training.checkpointing import load_model_config  # noqa: E402
+from megatron.training.inference_model import default_device, load_inference_model, record_tokenizer  # noqa: E402
 
 
 def _offline():
@@ -42,17 +45,20 @@ def _offline():
 
 
 def _engine(args, role: str, num_blocks: int, num_requests: int):
-    """This process's engine (a world of one rank) over the random model of the flags."""
+    """This process's engine (a world of one rank) over the checkpoint of ``--load``, else the
+    random model of the flags."""
     from megatron.core import parallel_state
     from megatron.core.inference.engines import DynamicInferenceEngine
     from megatron.training.initialize import initialize_distributed
 
     initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel()
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    model = _offline().build_random_model(args, tokenizer.vocab_size, pg)
-    if torch.cuda.is_available():
-        model = model.cuda()
+    if args.load is not None:
+        model, tokenizer, _ = load_inference_model(args.load, pg, default_tokenizer_type=args.tokenizer_type,
+                                                   default_tokenizer_model=args.tokenizer_model)
+    else:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        model = _offline().build_random_model(args, tokenizer.vocab_size, pg).to(default_device())
     return DynamicInferenceEngine(
         model, tokenizer=tokenizer, pg_collection=pg, block_size=args.kv_block_size, num_blocks=num_blocks,
         max_requests=args.max_requests or num_requests, max_tokens_per_step=args.max_tokens_per_step,
@@ -112,17 +118,19 @@ async def _generate(address: str, prompts: list[list[int]], params: list[Samplin
 def main(argv=None) -> int:
     offline = _offline()
     args = offline.parse_args(argv)
-    if args.load is not None:
-        print("error: --load needs checkpoint loading (megatron/training checkpointing), which is not available "
-              "yet; run without --load to use a model with random weights", file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    max_sequence_length = args.max_sequence_length
+    if args.load is not None:
+        record = load_model_config(args.load)
+        tokenizer = record_tokenizer(record, args.tokenizer_type, args.tokenizer_model)
+        max_sequence_length = max_sequence_length or record["model_kwargs"]["max_sequence_length"]
+    else:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     prompts = [prompt_token_ids(p, tokenizer) for p in offline.read_prompts(args)]
     longest = max(len(p) for p in prompts)
     block_count = args.kv_block_count or len(prompts) * -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
-    num_blocks = max(block_count, -(-args.max_sequence_length // args.kv_block_size))
+    num_blocks = max(block_count, -(-max_sequence_length // args.kv_block_size))
     params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
                              max_tokens=args.num_tokens_to_generate, ignore_eos=True, logprobs=True,
                              return_prompt_logprobs=True) for i in range(len(prompts))]

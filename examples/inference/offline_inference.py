@@ -38,7 +38,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # n
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
 from megatron.core.tokenizers.factory import DEFAULT_TOKENIZER_TYPE, build_tokenizer  # noqa: E402
-from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record  # noqa: E402
+from megatron.training.inference_model import default_device, load_inference_model  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 
 
@@ -118,17 +118,6 @@ def build_random_model(args, vocab_size: int, pg):
                     mtp_block_spec=get_gpt_mtp_block_spec() if args.mtp_num_layers else None, **stage)
 
 
-def load_model(args, pg):
-    """This rank's stage of the checkpoint's model (config from its record, weights loaded) and
-    the tokenizer its record names (else the one from the flags)."""
-    record = load_model_config(args.load)
-    model = model_from_record(record, pg)
-    load_model_weights(model, args.load)
-    tokenizer_type = record.get("tokenizer_type") or args.tokenizer_type
-    tokenizer_model = record.get("tokenizer_model") if record.get("tokenizer_type") else args.tokenizer_model
-    return model, build_tokenizer(tokenizer_type, tokenizer_model)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -136,13 +125,12 @@ def main(argv=None) -> int:
     pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     if args.load is not None:
-        model, tokenizer = load_model(args, pg)
+        model, tokenizer, _ = load_inference_model(args.load, pg, default_tokenizer_type=args.tokenizer_type,
+                                                   default_tokenizer_model=args.tokenizer_model)
     else:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        model = build_random_model(args, tokenizer.vocab_size, pg)
+        model = build_random_model(args, tokenizer.vocab_size, pg).to(default_device())
     max_sequence_length = args.max_sequence_length or model.max_sequence_length
-    if backend == "nccl":
-        model = model.cuda()
     prompts = read_prompts(args)
     longest = max(len(p) if isinstance(p, list) else len(tokenizer.tokenize(p)) for p in prompts)
     blocks_per_request = -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
