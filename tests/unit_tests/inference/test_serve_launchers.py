@@ -1,0 +1,294 @@
+"""The serving launchers end to end on a checkpoint trained here (2 steps of pretraining):
+``examples/inference/serve.py`` (one process) and ``tools/run_text_generation_server.py``
+(torchrun, DP2 and TP2) answer the `openai` client with the greedy text of an offline LLM run
+of the same checkpoint and shut down cleanly on a signal; ``disaggregated.py --load`` reports
+what ``offline_inference.py --load`` reports; the shared loader builds inference models."""
+
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.inference.llm import LLM
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.server.chat_template import render_chat
+from megatron.core.process_groups import ProcessGroupCollection, RankLayout
+from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
+from megatron.training.arguments import parse_args as parse_training_args
+from megatron.training.checkpointing import MODEL_CONFIG_FILENAME, load_model_config, load_model_weights
+from megatron.training.checkpointing import model_from_record, resolve_checkpoint_dir
+from megatron.training.inference_model import load_inference_model
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SERVE = os.path.join(ROOT, "examples", "inference", "serve.py")
+LAUNCHER = os.path.join(ROOT, "tools", "run_text_generation_server.py")
+OFFLINE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
+DISAGGREGATED = os.path.join(ROOT, "examples", "inference", "disaggregated.py")
+TRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
+               "--mock-data", "--distributed-backend", "gloo", "--log-interval", "100", "--init-method-std", "0.2"]
+# The server's engine and the offline reference use the same pool geometry and step size.
+ENGINE_FLAGS = ["--kv-block-size", "8", "--max-requests", "8", "--max-tokens-per-step", "64"]
+ENGINE_KWARGS = dict(block_size=8, num_blocks=64, max_requests=8, max_tokens_per_step=64)
+MAX_TOKENS = 8
+PROMPTS = ["Hello", "The sky is", "def f(x):", "import os", "1, 2, 3,", "class A", "Once upon", "zzz"]
+CHAT = [{"role": "user", "content": "Hi there"}]
+STARTUP_TIMEOUT_S = 90
+TOKENIZER = ByteLevelTokenizer()
+
+
+def _env() -> dict:
+    """This environment without torchrun's variables (each command starts its own world)."""
+    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def _pretrain(save_dir):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pretrain(parse_training_args(TRAIN_FLAGS + ["--save", save_dir], model_family="gpt", world_size=1),
+             module.model_provider)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("serve_ckpt"))
+    run_distributed(_pretrain, 1, save_dir)
+    return save_dir
+
+
+def _offline_greedy(checkpoint_dir, token_prompts):
+    """Greedy tokens of an in-process LLM over the checkpoint, built with the checkpointing
+    functions themselves (not the loader under test)."""
+    pg = ProcessGroupCollection.from_layout(RankLayout())
+    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    load_model_weights(model, checkpoint_dir)
+    llm = LLM(model, TOKENIZER, pg_collection=pg, **ENGINE_KWARGS)
+    outputs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True))
+    return [(o.token_ids, o.log_probs) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Prompt text (completions, or the rendered chat) -> (greedy text, its tokens' log-probs).
+
+    Log-probs as well as text: the byte-level text of a barely trained model is full of
+    invalid UTF-8, where different tokens can decode to the same replacement character."""
+    texts = PROMPTS + [render_chat(TOKENIZER, CHAT)]
+    outputs = run_distributed(_offline_greedy, 1, checkpoint, [TOKENIZER.tokenize(t) for t in texts])[0]
+    assert len({tuple(tokens) for tokens, _ in outputs}) == len(texts), "every prompt should give its own output"
+    return {text: (TOKENIZER.detokenize(tokens), log_probs) for text, (tokens, log_probs) in zip(texts, outputs)}
+
+
+class _Server:
+    """A serving command in its own session; its output is collected by a reader thread."""
+
+    def __init__(self, command: list[str]):
+        self.process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_url(self) -> str:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            match = re.fullmatch(r"Serving on (http://127\.0\.0\.1:\d+)\n", line)
+            if match:
+                return match.group(1)
+        raise AssertionError(f"no 'Serving on' line; output:\n{''.join(self.output)}")
+
+    def stop(self, signum: int, timeout_s: float = 30) -> int:
+        """Send ``signum`` to the command; its exit code once it and its workers are gone."""
+        self.process.send_signal(signum)
+        code = self.process.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while _session_alive(self.process.pid):
+            assert time.monotonic() < deadline, f"workers outlived the launcher:\n{''.join(self.output)}"
+            time.sleep(0.1)
+        return code
+
+
+
+def _session_alive(session_id: int) -> bool:
+    try:
+        os.killpg(session_id, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+    """Kill a command started with ``start_new_session`` and every process it started."""
+    if _session_alive(process.pid):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
+
+
+@contextlib.contextmanager
+def _serving(command: list[str]):
+    server = _Server(command)
+    try:
+        yield server, server.wait_for_url()
+    finally:
+        _kill_session(server.process)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(api: openai.OpenAI, prompt) -> list[tuple[str, list[float]]]:
+    """Greedy (text, log-probs) of each choice."""
+    result = api.completions.create(model="megatron", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    return [(choice.text, choice.logprobs.token_logprobs) for choice in result.choices]
+
+
+def _engine_tokens(url: str) -> dict[str, float]:
+    """``tokens_generated`` per engine replica, from /metrics."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r'megatron_engine_tokens_generated\{engine="([^"]+)"\} (\S+)', text)}
+
+
+def _wait_for_engine_tokens(url: str, total: int) -> dict[str, float]:
+    """Engines report stats a few times a second: wait until they account for ``total`` tokens."""
+    deadline = time.monotonic() + 10
+    while True:
+        tokens = _engine_tokens(url)
+        if sum(tokens.values()) >= total or time.monotonic() > deadline:
+            return tokens
+        time.sleep(0.1)
+
+
+def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text(checkpoint, reference):
+    with _serving([sys.executable, SERVE, "--load", checkpoint, "--port", "0", *ENGINE_FLAGS]) as (server, url):
+        health = urllib.request.urlopen(url + "/health", timeout=10)
+        assert (health.status, json.loads(health.read())) == (200, {"status": "ok"})
+        api = _client(url)
+        assert _complete(api, PROMPTS[1]) == [reference[PROMPTS[1]]]
+        chunks = [chunk.choices[0] for chunk in api.chat.completions.create(
+            model="megatron", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True)
+            if chunk.choices]
+        streamed = "".join(choice.delta.content or "" for choice in chunks)
+        log_probs = [entry.logprob for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
+        assert (streamed, log_probs) == reference[render_chat(TOKENIZER, CHAT)]
+        assert server.stop(signal.SIGINT) == 0  # Ctrl-C
+
+
+def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
+               "--load", checkpoint, "--port", "0", *ENGINE_FLAGS]
+    with _serving(command) as (server, url):
+        api = _client(url)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = list(pool.map(lambda prompt: _complete(api, prompt)[0], PROMPTS))
+        assert outputs == [reference[p] for p in PROMPTS]
+        tokens = _wait_for_engine_tokens(url, MAX_TOKENS * len(PROMPTS))
+        assert set(tokens) == {"replica-0", "replica-1"} and all(tokens.values()), tokens  # both replicas served
+        assert sum(tokens.values()) == MAX_TOKENS * len(PROMPTS)
+        server.stop(signal.SIGTERM)
+
+
+def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(checkpoint, reference):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
+               "--load", checkpoint, "--port", "0", "--tensor-model-parallel-size", "2", *ENGINE_FLAGS]
+    with _serving(command) as (server, url):
+        outputs = _complete(_client(url), PROMPTS[:4])
+        assert [text for text, _ in outputs] == [reference[p][0] for p in PROMPTS[:4]]
+        for (_, log_probs), prompt in zip(outputs, PROMPTS[:4]):  # TP sums in another order: rounding apart
+            assert log_probs == pytest.approx(reference[prompt][1], abs=1e-5)
+        assert _wait_for_engine_tokens(url, MAX_TOKENS * 4) == {"replica-0": MAX_TOKENS * 4}  # one replica
+        server.stop(signal.SIGTERM)
+
+
+def test_disaggregated_load_reports_what_offline_load_reports(checkpoint, tmp_path):
+    ids_file = tmp_path / "prompts.jsonl"
+    ids_file.write_text("".join(json.dumps(TOKENIZER.tokenize(p)) + "\n" for p in PROMPTS[:3]))
+    flags = ["--load", checkpoint, "--prompt-token-ids-file", str(ids_file), "--num-tokens-to-generate", "6",
+             "--kv-block-size", "4", "--max-tokens-per-step", "8", "--enable-chunked-prefill"]
+    runs = {example: subprocess.Popen([sys.executable, example, *flags, "--output-json", str(tmp_path / f"{i}.json")],
+                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)
+            for i, example in enumerate((OFFLINE, DISAGGREGATED))}  # side by side: the wait is mostly start-up
+    reports = []
+    try:
+        for i, run in enumerate(runs.values()):
+            _, stderr = run.communicate(timeout=180)
+            assert run.returncode == 0, stderr
+            reports.append(json.loads((tmp_path / f"{i}.json").read_text())["requests"])
+    finally:
+        for run in runs.values():
+            _kill_session(run)
+    assert reports[1] == reports[0]
+    assert [r["prompt_tokens"] for r in reports[0]] == [TOKENIZER.tokenize(p) for p in PROMPTS[:3]]
+
+
+def _tensor_parallel_logits(checkpoint_dir, tokens):
+    pg = ProcessGroupCollection.from_layout(RankLayout.for_world(2, tp=2))
+    model, tokenizer, record = load_inference_model(checkpoint_dir, pg)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))  # this rank's vocabulary shard
+    return model.training, model.config.sequence_parallel, type(tokenizer).__name__, record, logits
+
+
+def _single_rank_logits(checkpoint_dir, tokens):
+    pg = ProcessGroupCollection.from_layout(RankLayout())
+    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    load_model_weights(model, checkpoint_dir)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([tokens]))
+
+
+def test_loader_builds_an_eval_model_without_sequence_parallelism_for_any_layout(checkpoint, tmp_path):
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(checkpoint, copy)
+    iteration = resolve_checkpoint_dir(copy)
+    record = load_model_config(iteration)
+    record["transformer_config"]["sequence_parallel"] = True  # as a sequence-parallel training run writes it
+    with open(os.path.join(iteration, MODEL_CONFIG_FILENAME), "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    tokens = TOKENIZER.tokenize(PROMPTS[2])
+    expected = run_distributed(_single_rank_logits, 1, copy, tokens)[0]
+    ranks = run_distributed(_tensor_parallel_logits, 2, copy, tokens)
+    for training, sequence_parallel, tokenizer, loaded_record, _ in ranks:
+        assert (training, sequence_parallel, tokenizer) == (False, False, "ByteLevelTokenizer")
+        assert loaded_record == record  # the record as stored
+    vocab = TOKENIZER.vocab_size
+    logits = torch.cat([rank[-1] for rank in ranks], dim=-1)[..., :vocab]
+    torch.testing.assert_close(logits, expected[..., :vocab], rtol=1e-5, atol=1e-5)
+
+
+def test_loader_names_a_directory_that_is_no_checkpoint(tmp_path):
+    with pytest.raises(CheckpointingError, match="is neither a checkpoint iteration directory"):
+        load_inference_model(str(tmp_path), None)
