@@ -121,7 +121,10 @@ def _wait_for_replicas(coordinator: InferenceCoordinator, num_replicas: int) -> 
 
 def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1) -> int:
-    """Serve ``args.load`` until SIGINT/SIGTERM (see the module doc); every rank calls this."""
+    """Serve ``args.load`` until SIGINT/SIGTERM (see the module doc); every rank calls this.
+
+    Returns the exit status: 0, or 2 when global rank 0 cannot bind ``--host``/``--port``
+    (the other ranks are then ended by torchrun)."""
     initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                                   pipeline_model_parallel_size=pipeline_model_parallel_size)
@@ -129,7 +132,12 @@ def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int =
     coordinator = server = None
     try:
         if is_frontend:
-            sock = bind_socket(args.host, args.port)  # before loading, so a taken port fails at once
+            try:  # before loading, so that a taken port fails at once
+                sock = bind_socket(args.host, args.port)
+            except OSError as exc:
+                print(f"error: cannot serve on {args.host}:{args.port} ({exc.strerror}); pick another --port, or "
+                      "--port 0 for a free one", file=sys.stderr)
+                return 2
             coordinator = InferenceCoordinator().start()
         box = [coordinator.address if is_frontend else None]
         dist.broadcast_object_list(box, src=0)

@@ -26,15 +26,21 @@ import torch
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.server import bind_socket
 from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from megatron.training.arguments import parse_args as parse_training_args
-from megatron.training.checkpointing import MODEL_CONFIG_FILENAME, load_model_config, load_model_weights
-from megatron.training.checkpointing import model_from_record, resolve_checkpoint_dir
+from megatron.training.checkpointing import (
+    MODEL_CONFIG_FILENAME,
+    load_model_config,
+    load_model_weights,
+    model_from_record,
+    resolve_checkpoint_dir,
+)
 from megatron.training.inference_model import load_inference_model
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import device, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SERVE = os.path.join(ROOT, "examples", "inference", "serve.py")
@@ -43,7 +49,7 @@ OFFLINE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
 DISAGGREGATED = os.path.join(ROOT, "examples", "inference", "disaggregated.py")
 TRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
-               "--mock-data", "--distributed-backend", "gloo", "--log-interval", "100", "--init-method-std", "0.2"]
+               "--mock-data", "--log-interval", "100", "--init-method-std", "0.2"]
 # The server's engine and the offline reference use the same pool geometry and step size.
 ENGINE_FLAGS = ["--kv-block-size", "8", "--max-requests", "8", "--max-tokens-per-step", "64"]
 ENGINE_KWARGS = dict(block_size=8, num_blocks=64, max_requests=8, max_tokens_per_step=64)
@@ -52,6 +58,7 @@ PROMPTS = ["Hello", "The sky is", "def f(x):", "import os", "1, 2, 3,", "class A
 CHAT = [{"role": "user", "content": "Hi there"}]
 STARTUP_TIMEOUT_S = 90
 TOKENIZER = ByteLevelTokenizer()
+ON_CPU = not torch.cuda.is_available()  # where launched servers run
 
 
 def _env() -> dict:
@@ -65,8 +72,10 @@ def _pretrain(save_dir):
     spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    pretrain(parse_training_args(TRAIN_FLAGS + ["--save", save_dir], model_family="gpt", world_size=1),
-             module.model_provider)
+    backend = "nccl" if device().type == "cuda" else "gloo"
+    args = parse_training_args(TRAIN_FLAGS + ["--distributed-backend", backend, "--save", save_dir],
+                               model_family="gpt", world_size=1)
+    pretrain(args, module.model_provider)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,7 @@ def _offline_greedy(checkpoint_dir, token_prompts):
     pg = ProcessGroupCollection.from_layout(RankLayout())
     model = model_from_record(load_model_config(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
-    llm = LLM(model, TOKENIZER, pg_collection=pg, **ENGINE_KWARGS)
+    llm = LLM(model.to(device()), TOKENIZER, pg_collection=pg, **ENGINE_KWARGS)
     outputs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True))
     return [(o.token_ids, o.log_probs) for o in outputs]
 
@@ -165,6 +174,26 @@ def _serving(command: list[str]):
         _kill_session(server.process)
 
 
+def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], reference, exact: bool) -> None:
+    """The reference's greedy text for every prompt, with its log-probs: bitwise when ``exact``
+    (the CPU reference kernels are batch invariant), else to rounding (CUDA kernels pick
+    reductions by shape; tensor parallelism sums in another order)."""
+    assert len(got) == len(prompts)
+    for (text, log_probs), prompt in zip(got, prompts):
+        want_text, want_log_probs = reference[prompt]
+        assert text == want_text, prompt
+        if exact:
+            assert log_probs == want_log_probs, prompt
+        else:
+            torch.testing.assert_close(log_probs, want_log_probs, rtol=0, atol=1e-5)
+
+
+def _needs_a_device_per_rank(num_ranks: int) -> None:
+    """Launched servers run on CUDA when the machine has it (one GPU per rank), else on CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs (found {torch.cuda.device_count()})")
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -196,24 +225,25 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
         health = urllib.request.urlopen(url + "/health", timeout=10)
         assert (health.status, json.loads(health.read())) == (200, {"status": "ok"})
         api = _client(url)
-        assert _complete(api, PROMPTS[1]) == [reference[PROMPTS[1]]]
+        _assert_generations(_complete(api, PROMPTS[1]), PROMPTS[1:2], reference, exact=ON_CPU)
         chunks = [chunk.choices[0] for chunk in api.chat.completions.create(
             model="megatron", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True)
             if chunk.choices]
         streamed = "".join(choice.delta.content or "" for choice in chunks)
         log_probs = [entry.logprob for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
-        assert (streamed, log_probs) == reference[render_chat(TOKENIZER, CHAT)]
+        _assert_generations([(streamed, log_probs)], [render_chat(TOKENIZER, CHAT)], reference, exact=ON_CPU)
         assert server.stop(signal.SIGINT) == 0  # Ctrl-C
 
 
 def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
+    _needs_a_device_per_rank(2)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
                "--load", checkpoint, "--port", "0", *ENGINE_FLAGS]
     with _serving(command) as (server, url):
         api = _client(url)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             outputs = list(pool.map(lambda prompt: _complete(api, prompt)[0], PROMPTS))
-        assert outputs == [reference[p] for p in PROMPTS]
+        _assert_generations(outputs, PROMPTS, reference, exact=ON_CPU)
         tokens = _wait_for_engine_tokens(url, MAX_TOKENS * len(PROMPTS))
         assert set(tokens) == {"replica-0", "replica-1"} and all(tokens.values()), tokens  # both replicas served
         assert sum(tokens.values()) == MAX_TOKENS * len(PROMPTS)
@@ -221,13 +251,11 @@ def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent
 
 
 def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(checkpoint, reference):
+    _needs_a_device_per_rank(2)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
                "--load", checkpoint, "--port", "0", "--tensor-model-parallel-size", "2", *ENGINE_FLAGS]
     with _serving(command) as (server, url):
-        outputs = _complete(_client(url), PROMPTS[:4])
-        assert [text for text, _ in outputs] == [reference[p][0] for p in PROMPTS[:4]]
-        for (_, log_probs), prompt in zip(outputs, PROMPTS[:4]):  # TP sums in another order: rounding apart
-            assert log_probs == pytest.approx(reference[prompt][1], abs=1e-5)
+        _assert_generations(_complete(_client(url), PROMPTS[:4]), PROMPTS[:4], reference, exact=False)
         assert _wait_for_engine_tokens(url, MAX_TOKENS * 4) == {"replica-0": MAX_TOKENS * 4}  # one replica
         server.stop(signal.SIGTERM)
 
@@ -258,7 +286,7 @@ def _tensor_parallel_logits(checkpoint_dir, tokens):
     pg = ProcessGroupCollection.from_layout(RankLayout.for_world(2, tp=2))
     model, tokenizer, record = load_inference_model(checkpoint_dir, pg)
     with torch.no_grad():
-        logits = model(torch.tensor([tokens]))  # this rank's vocabulary shard
+        logits = model(torch.tensor([tokens], device=device())).cpu()  # this rank's vocabulary shard
     return model.training, model.config.sequence_parallel, type(tokenizer).__name__, record, logits
 
 
@@ -267,7 +295,7 @@ def _single_rank_logits(checkpoint_dir, tokens):
     model = model_from_record(load_model_config(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
     with torch.no_grad():
-        return model.eval()(torch.tensor([tokens]))
+        return model.to(device()).eval()(torch.tensor([tokens], device=device())).cpu()
 
 
 def test_loader_builds_an_eval_model_without_sequence_parallelism_for_any_layout(checkpoint, tmp_path):
@@ -292,3 +320,31 @@ def test_loader_builds_an_eval_model_without_sequence_parallelism_for_any_layout
 def test_loader_names_a_directory_that_is_no_checkpoint(tmp_path):
     with pytest.raises(CheckpointingError, match="is neither a checkpoint iteration directory"):
         load_inference_model(str(tmp_path), None)
+
+
+def _launcher_module():
+    spec = importlib.util.spec_from_file_location("run_text_generation_server", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: --load"),
+    (["--load", "ckpt", "--reasoning-parser", "think"], "argument --reasoning-parser: invalid choice: 'think'"),
+    (["--load", "ckpt", "--tool-call-parser", "json"], "argument --tool-call-parser: invalid choice: 'json'"),
+])
+def test_launcher_flags_are_checked_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _launcher_module().parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
+    with bind_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, SERVE, "--load", checkpoint, "--port", str(port)], env=_env(),
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith(f"error: cannot serve on 127.0.0.1:{port} (Address already in use); pick "
+                                        "another --port, or --port 0 for a free one")
