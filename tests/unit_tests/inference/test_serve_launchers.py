@@ -108,12 +108,48 @@ def reference(checkpoint):
     return {text: (TOKENIZER.detokenize(tokens), log_probs) for text, (tokens, log_probs) in zip(texts, outputs)}
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process that ``pid`` started, directly or not (torchrun gives its workers
+    sessions of their own, so a process group would not hold them)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill a command and every process it started, by their ids."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait(10)
+
+
 class _Server:
-    """A serving command in its own session; its output is collected by a reader thread."""
+    """A serving command; its output is collected by a reader thread."""
 
     def __init__(self, command: list[str]):
         self.process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
+                                        text=True)
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -140,29 +176,15 @@ class _Server:
 
     def stop(self, signum: int, timeout_s: float = 30) -> int:
         """Send ``signum`` to the command; its exit code once it and its workers are gone."""
+        workers = _descendants(self.process.pid)
         self.process.send_signal(signum)
         code = self.process.wait(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while _session_alive(self.process.pid):
+        while any(map(_alive, workers)):
             assert time.monotonic() < deadline, f"workers outlived the launcher:\n{''.join(self.output)}"
             time.sleep(0.1)
         return code
 
-
-
-def _session_alive(session_id: int) -> bool:
-    try:
-        os.killpg(session_id, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _kill_session(process: subprocess.Popen) -> None:
-    """Kill a command started with ``start_new_session`` and every process it started."""
-    if _session_alive(process.pid):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(10)
 
 
 @contextlib.contextmanager
@@ -171,7 +193,7 @@ def _serving(command: list[str]):
     try:
         yield server, server.wait_for_url()
     finally:
-        _kill_session(server.process)
+        _kill_tree(server.process)
 
 
 def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], reference, exact: bool) -> None:
@@ -266,8 +288,7 @@ def test_disaggregated_load_reports_what_offline_load_reports(checkpoint, tmp_pa
     flags = ["--load", checkpoint, "--prompt-token-ids-file", str(ids_file), "--num-tokens-to-generate", "6",
              "--kv-block-size", "4", "--max-tokens-per-step", "8", "--enable-chunked-prefill"]
     runs = {example: subprocess.Popen([sys.executable, example, *flags, "--output-json", str(tmp_path / f"{i}.json")],
-                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True)
+                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for i, example in enumerate((OFFLINE, DISAGGREGATED))}  # side by side: the wait is mostly start-up
     reports = []
     try:
@@ -277,7 +298,7 @@ def test_disaggregated_load_reports_what_offline_load_reports(checkpoint, tmp_pa
             reports.append(json.loads((tmp_path / f"{i}.json").read_text())["requests"])
     finally:
         for run in runs.values():
-            _kill_session(run)
+            _kill_tree(run)
     assert reports[1] == reports[0]
     assert [r["prompt_tokens"] for r in reports[0]] == [TOKENIZER.tokenize(p) for p in PROMPTS[:3]]
 
