@@ -18,16 +18,80 @@ eviction), so pausing, eviction and chunking never change outputs. The products 
 elementwise per query (no matmul whose blocking depends on the number of queries), and the key
 axis is padded with masked keys to a multiple of :data:`KEY_TILE`, which keeps softmax on one
 kernel path for every key count.
+
+Backends: :func:`paged_attention` runs the fused Triton kernel of
+:mod:`~megatron.core.inference.contexts.paged_attention_triton` when the tensors are on CUDA and
+Triton imports, else this torch reference. ``backend="torch"|"triton"`` (or the environment
+variable :data:`BACKEND_ENV`) forces one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
 KEY_TILE = 64
 QUERY_SLICE = 128
+BACKEND_ENV = "MEGATRON_PAGED_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+
+class PagedAttentionBackendError(ValueError):
+    """An unknown paged-attention backend was asked for, or the Triton one without Triton."""
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device``: an explicit ``backend`` wins, then
+    the :data:`BACKEND_ENV` variable, then auto (Triton on CUDA when it imports)."""
+    if backend == "auto":
+        backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if backend not in BACKENDS:
+        raise PagedAttentionBackendError(f"paged attention backend {backend!r} is unknown; accepted: {BACKENDS} "
+                                         f"(argument or {BACKEND_ENV})")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if backend == "triton" and not _triton_importable():
+        raise PagedAttentionBackendError("paged attention backend 'triton' was forced but triton does not import; "
+                                         "install triton or use backend 'torch'")
+    return backend
+
+
+def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, query_lengths: torch.Tensor,
+                 kv_lengths: torch.Tensor) -> None:
+    """Raise ValueError when heads do not group, or lengths do not fit the packed queries."""
+    q_heads, kv_heads = query.shape[1], key_cache.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    if int(query_lengths.sum()) != query.shape[0]:
+        raise ValueError(f"query_lengths sum to {int(query_lengths.sum())} but query has {query.shape[0]} tokens")
+    bad = (query_lengths > kv_lengths).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise ValueError(f"request {row}: {int(query_lengths[row])} new tokens but only {int(kv_lengths[row])} "
+                         f"tokens in the cache")
+
+
+def token_requests_and_positions(query_lengths: torch.Tensor,
+                                 kv_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed query token: its request row and its position (keys ``0..position`` visible)."""
+    device = query_lengths.device
+    request_of = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)
+    first = torch.cumsum(query_lengths, 0) - query_lengths
+    token_index = torch.arange(request_of.numel(), device=device)
+    positions = (kv_lengths - query_lengths)[request_of] + token_index - first[request_of]
+    return request_of, positions
 
 
 def paged_attention(
@@ -38,8 +102,30 @@ def paged_attention(
     query_lengths: torch.Tensor,
     kv_lengths: torch.Tensor,
     softmax_scale: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Attention of packed queries over their requests' paged keys and values.
+    """Attention of packed queries over their requests' paged keys and values, on the backend
+    :func:`resolve_backend` picks (``backend``: ``"auto"``, ``"torch"`` or ``"triton"``).
+    Arguments and result as :func:`torch_paged_attention`."""
+    if resolve_backend(backend, query.device) == "triton":
+        from megatron.core.inference.contexts.paged_attention_triton import triton_paged_attention
+
+        return triton_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths,
+                                      softmax_scale)
+    return torch_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths,
+                                 softmax_scale)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lengths: torch.Tensor,
+    kv_lengths: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries over their requests' paged keys and values (torch reference).
 
     Args:
         query: ``[tokens, q_heads, head_dim]``, the requests' new tokens packed in batch order
@@ -55,24 +141,13 @@ def paged_attention(
     """
     num_tokens, q_heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    if int(query_lengths.sum()) != num_tokens:
-        raise ValueError(f"query_lengths sum to {int(query_lengths.sum())} but query has {num_tokens} tokens")
-    bad = (query_lengths > kv_lengths).nonzero()
-    if bad.numel():
-        row = int(bad[0, 0])
-        raise ValueError(f"request {row}: {int(query_lengths[row])} new tokens but only {int(kv_lengths[row])} "
-                         f"tokens in the cache")
+    check_inputs(query, key_cache, query_lengths, kv_lengths)
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     device = query.device
-    # Per query token: its request and its position (keys 0..position are visible).
-    request_of = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)
-    first = torch.cumsum(query_lengths, 0) - query_lengths
-    positions = (kv_lengths - query_lengths)[request_of] + torch.arange(num_tokens, device=device) - first[request_of]
+    request_of, positions = token_requests_and_positions(query_lengths, kv_lengths)
     flat_keys = key_cache.reshape(-1, kv_heads, head_dim)
     flat_values = value_cache.reshape(-1, kv_heads, head_dim)
     group = q_heads // kv_heads
