@@ -125,6 +125,7 @@ def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int =
 
     Returns the exit status: 0, or 2 when global rank 0 cannot bind ``--host``/``--port``
     (the other ranks are then ended by torchrun)."""
+    config = server_config(args)  # bad server options fail before anything starts
     initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                                   pipeline_model_parallel_size=pipeline_model_parallel_size)
@@ -149,7 +150,7 @@ def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int =
         if is_frontend:
             _wait_for_replicas(coordinator, dist.get_world_size() // pg.size("mp"))
             server = ServerThread(InferenceClient(coordinator.address), sock=sock, tokenizer=tokenizer,
-                                  config=server_config(args)).start()
+                                  config=config).start()
             print(f"Serving on {server.url}", flush=True)
         endpoint.run()
     finally:

@@ -26,7 +26,7 @@ import torch
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.server import bind_socket
+from megatron.core.inference.server import ServerConfigError, bind_socket
 from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
@@ -359,6 +359,13 @@ def test_launcher_flags_are_checked_before_anything_starts(argv, message, capsys
     with pytest.raises(SystemExit) as exit_info:
         _launcher_module().parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_launcher_refuses_a_server_option_out_of_range():
+    launcher = _launcher_module()
+    args = launcher.parse_args(["--load", "ckpt", "--max-prompt-tokens", "0"])
+    with pytest.raises(ServerConfigError, match="max_prompt_tokens must be a positive integer"):
+        launcher.serve_checkpoint(args)
 
 
 def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
