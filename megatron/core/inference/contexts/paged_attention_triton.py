@@ -49,8 +49,8 @@ def _paged_attention_kernel(
     slot_ok = slots < block_size
     q = tl.load(query_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
 
-    running_max = -float("inf")
-    running_sum = 0.0
+    running_max = tl.full([], -float("inf"), tl.float32)
+    running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DIM], dtype=tl.float32)
     for block_index in range(0, position // block_size + 1):
         block = tl.load(table_ptr + request * stride_tr + block_index).to(tl.int64)
@@ -94,7 +94,7 @@ def triton_paged_attention(
     num_tokens, q_heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     check_inputs(query, key_cache, query_lengths, kv_lengths)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,120 @@
+"""The fused Triton paged-attention kernel equals the torch reference on batches mixing
+prefill chunks and decode tokens, with GQA, scattered block tables and NaN in unused block
+tails and unrelated blocks; it is batch invariant; the backend switch picks it as documented.
+
+Without CUDA the kernel runs under Triton's interpreter on CPU tensors (``TRITON_INTERPRET``
+must be set before triton is imported); with CUDA it runs compiled on the GPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megatron.core.inference.contexts.paged_attention import (  # noqa: E402
+    BACKEND_ENV,
+    PagedAttentionBackendError,
+    paged_attention,
+    resolve_backend,
+    torch_paged_attention,
+)
+from megatron.core.inference.contexts.paged_attention_triton import triton_paged_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KV_HEADS, Q_HEADS = 2, 6
+# (kv_length, new tokens): a first prefill chunk, a continued chunk, decode tokens
+REQUESTS = [(7, 7), (10, 3), (5, 1), (13, 1), (1, 1)]
+
+
+def poisoned_batch(block_size: int, head_dim: int, dtype=torch.float32, seed: int = 0):
+    """Arguments of paged attention for :data:`REQUESTS` on scattered blocks of a NaN-filled
+    cache: only the requests' written slots hold numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 20
+    key_cache = torch.full((num_blocks, block_size, KV_HEADS, head_dim), float("nan"))
+    value_cache = key_cache.clone()
+    free = torch.randperm(num_blocks - 1, generator=gen).tolist()  # block num_blocks - 1 pads the tables
+    tables = []
+    for kv_len, _ in REQUESTS:
+        table = [free.pop() for _ in range(-(-kv_len // block_size))]
+        for pos in range(kv_len):
+            key_cache[table[pos // block_size], pos % block_size] = torch.randn(KV_HEADS, head_dim, generator=gen)
+            value_cache[table[pos // block_size], pos % block_size] = torch.randn(KV_HEADS, head_dim, generator=gen)
+        tables.append(table)
+    block_tables = torch.full((len(REQUESTS), max(map(len, tables)) + 1), num_blocks - 1)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table)
+    num_tokens = sum(q for _, q in REQUESTS)
+    query = torch.randn(num_tokens, Q_HEADS, head_dim, generator=gen)
+    lengths = torch.tensor([q for _, q in REQUESTS]), torch.tensor([kv for kv, _ in REQUESTS])
+    tensors = (query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, *lengths)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(4, 8), (6, 12)])
+def test_kernel_matches_torch_reference_on_mixed_batch_with_nan_tails(block_size, head_dim):
+    args = poisoned_batch(block_size, head_dim)
+    out = triton_paged_attention(*args)
+    assert out.dtype == torch.float32 and out.shape == args[0].shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch_paged_attention(*args), rtol=0, atol=1e-5)
+
+
+def test_kernel_honours_softmax_scale():
+    args = poisoned_batch(4, 8)
+    torch.testing.assert_close(triton_paged_attention(*args, 0.3), torch_paged_attention(*args, 0.3),
+                               rtol=0, atol=1e-5)
+
+
+def test_kernel_keeps_bf16_and_agrees_with_reference_to_bf16_rounding():
+    args = poisoned_batch(4, 8, dtype=torch.bfloat16)
+    out = triton_paged_attention(*args)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), torch_paged_attention(*args).float(), rtol=1.6e-2, atol=1e-2)  # one bf16 ulp
+
+
+def test_kernel_result_of_a_token_does_not_depend_on_the_rest_of_the_step():
+    query, key_cache, value_cache, block_tables, query_lengths, kv_lengths = poisoned_batch(4, 8)
+    batched = triton_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths)
+    start = 0
+    for row in range(len(REQUESTS)):
+        end = start + int(query_lengths[row])
+        alone = triton_paged_attention(query[start:end], key_cache, value_cache, block_tables[row : row + 1],
+                                       query_lengths[row : row + 1], kv_lengths[row : row + 1])
+        assert torch.equal(alone, batched[start:end]), row
+        start = end
+
+
+def test_kernel_rejects_bad_inputs_like_the_reference():
+    query, key_cache, value_cache, block_tables, query_lengths, kv_lengths = poisoned_batch(4, 8)
+    with pytest.raises(ValueError, match=r"query_lengths sum to 13 but query has 12 tokens"):
+        triton_paged_attention(query[:-1], key_cache, value_cache, block_tables, query_lengths, kv_lengths)
+    with pytest.raises(ValueError, match=r"query heads \(5\) must be a multiple of KV heads \(2\)"):
+        triton_paged_attention(query[:, :5], key_cache, value_cache, block_tables, query_lengths, kv_lengths)
+
+
+def test_backend_resolution_argument_then_environment_then_device(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert resolve_backend("auto", torch.device("cpu")) == "triton"
+    assert resolve_backend("torch", torch.device("cuda")) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(PagedAttentionBackendError,
+                       match=r"backend 'cuda' is unknown; accepted: \('auto', 'torch', 'triton'\)"):
+        resolve_backend("auto", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("forced, implementation", [("torch", torch_paged_attention),
+                                                     ("triton", triton_paged_attention)])
+def test_forced_backend_runs_that_implementation(monkeypatch, forced, implementation):
+    args = poisoned_batch(4, 8)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert torch.equal(paged_attention(*args, backend=forced), implementation(*args))
+    monkeypatch.setenv(BACKEND_ENV, forced)
+    assert torch.equal(paged_attention(*args), implementation(*args))
