@@ -79,7 +79,9 @@ def _poisoned_batch(args, dtype):
 
 def _kernel_check(args) -> bool:
     from megatron.core.inference.contexts.paged_attention import torch_paged_attention
-    from megatron.core.inference.contexts.paged_attention_triton import triton_paged_attention
+    from megatron.core.inference.contexts.paged_attention_triton import (
+        triton_paged_attention,
+    )
 
     print(f"1. kernel vs torch reference: {args.requests} requests (a third {args.prefill_chunk}-token prefill "
           f"chunks), contexts up to {args.max_context}, block {args.block_size}, heads {args.q_heads}/"
@@ -90,10 +92,10 @@ def _kernel_check(args) -> bool:
         fast, ref = triton_paged_attention(*batch).float(), torch_paged_attention(*batch).float()
         diff = (fast - ref).abs().max().item()
         finite = bool(torch.isfinite(fast).all())
-        t_fast = _timed(lambda: triton_paged_attention(*batch), args.iters)
-        t_ref = _timed(lambda: torch_paged_attention(*batch), args.iters)
+        t_fast = _timed(lambda batch=batch: triton_paged_attention(*batch), args.iters)
+        t_ref = _timed(lambda batch=batch: torch_paged_attention(*batch), args.iters)
         ok &= finite and diff <= tolerance
-        print(f"   {str(dtype):15s} max |triton - torch| = {diff:.3e} (allowed {tolerance:g}), finite {finite}; "
+        print(f"   {dtype!s:15s} max |triton - torch| = {diff:.3e} (allowed {tolerance:g}), finite {finite}; "
               f"triton {t_fast * 1e3:.2f} ms, torch {t_ref * 1e3:.2f} ms ({t_ref / t_fast:.1f}x)")
     return ok
 
@@ -103,7 +105,9 @@ def _generate(pg, backend: str, num_blocks: int, paused_block_budget: int):
     output tokens/s."""
     from megatron.core.inference.contexts.paged_attention import BACKEND_ENV
     from tests.unit_tests.inference.engines.common import gpt_model
-    from tests.unit_tests.inference.engines.test_saturation import _generate as saturation_run
+    from tests.unit_tests.inference.engines.test_saturation import (
+        _generate as saturation_run,
+    )
 
     os.environ[BACKEND_ENV] = backend
     torch.cuda.synchronize()

@@ -108,7 +108,9 @@ def paged_attention(
     :func:`resolve_backend` picks (``backend``: ``"auto"``, ``"torch"`` or ``"triton"``).
     Arguments and result as :func:`torch_paged_attention`."""
     if resolve_backend(backend, query.device) == "triton":
-        from megatron.core.inference.contexts.paged_attention_triton import triton_paged_attention
+        from megatron.core.inference.contexts.paged_attention_triton import (
+            triton_paged_attention,
+        )
 
         return triton_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths,
                                       softmax_scale)

@@ -10,8 +10,8 @@ and their values replaced by 0 before any arithmetic, so NaN left in an unused b
 reaches the output (``0 * NaN`` would). Grouped-query attention: query head ``h`` reads KV head
 ``h // (q_heads // kv_heads)``.
 
-Under ``TRITON_INTERPRET=1`` (set before triton is imported) the kernel also runs on CPU
-tensors, which is how the unit tests check it without a GPU.
+Under ``TRITON_INTERPRET=1`` (set before this module is imported, when the kernel is decorated)
+it also runs on CPU tensors, which is how the unit tests check it without a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.inference.contexts.paged_attention import check_inputs, token_requests_and_positions
+from megatron.core.inference.contexts.paged_attention import (
+    check_inputs,
+    token_requests_and_positions,
+)
 
 
 @triton.jit
@@ -52,7 +55,7 @@ def _paged_attention_kernel(
     running_max = tl.full([], -float("inf"), tl.float32)
     running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DIM], dtype=tl.float32)
-    for block_index in range(0, position // block_size + 1):
+    for block_index in range(position // block_size + 1):
         block = tl.load(table_ptr + request * stride_tr + block_index).to(tl.int64)
         visible = slot_ok & (block_index * block_size + slots <= position)
         tile_ok = slot_ok[:, None] & dim_ok[None, :]

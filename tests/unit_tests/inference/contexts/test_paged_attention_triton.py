@@ -3,7 +3,7 @@ prefill chunks and decode tokens, with GQA, scattered block tables and NaN in un
 tails and unrelated blocks; it is batch invariant; the backend switch picks it as documented.
 
 Without CUDA the kernel runs under Triton's interpreter on CPU tensors (``TRITON_INTERPRET``
-must be set before triton is imported); with CUDA it runs compiled on the GPU.
+must be set before the kernel's module is imported); with CUDA it runs compiled on the GPU.
 """
 
 import os
@@ -13,16 +13,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from megatron.core.inference.contexts.paged_attention import (  # noqa: E402
+from megatron.core.inference.contexts.paged_attention import (
     BACKEND_ENV,
     PagedAttentionBackendError,
     paged_attention,
     resolve_backend,
     torch_paged_attention,
 )
-from megatron.core.inference.contexts.paged_attention_triton import triton_paged_attention  # noqa: E402
+from megatron.core.inference.contexts.paged_attention_triton import (
+    triton_paged_attention,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KV_HEADS, Q_HEADS = 2, 6
