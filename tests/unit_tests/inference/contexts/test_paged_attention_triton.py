@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from megatron.core.inference.contexts import (
+    Capacity,
+    DynamicInferenceContext,
+    StageCacheSpec,
+)
 from megatron.core.inference.contexts.paged_attention import (
     BACKEND_ENV,
     PagedAttentionBackendError,
@@ -120,3 +125,25 @@ def test_forced_backend_runs_that_implementation(monkeypatch, forced, implementa
     assert torch.equal(paged_attention(*args, backend=forced), implementation(*args))
     monkeypatch.setenv(BACKEND_ENV, forced)
     assert torch.equal(paged_attention(*args), implementation(*args))
+
+
+def test_context_hook_uses_the_backend_forced_by_the_environment(monkeypatch):
+    """The context's attention hook over a NaN-filled pool (a prompt and a padded step) gives
+    the reference's result when the Triton backend is forced."""
+    gen = torch.Generator().manual_seed(2)
+    spec = StageCacheSpec((1,), (), num_kv_heads=KV_HEADS, head_dim=8, block_size=4)
+    ctx = DynamicInferenceContext(spec, Capacity(num_blocks=8, max_requests=2), max_sequence_length=16,
+                                  max_tokens_per_step=16, device=DEVICE)
+    ctx._skip_private_page_init_for_tests = True  # pages keep their stale NaN tails
+    ctx.kv_cache.data.fill_(float("nan"))
+    ctx.add_request("a", list(range(6)))
+    ctx.add_request("b", list(range(3)))
+    ctx.build_step([("a", 6), ("b", 3)], pad_to_tokens=12)
+    q = torch.randn(12, 1, Q_HEADS, 8, generator=gen).to(DEVICE)
+    k, v = (torch.randn(12, 1, KV_HEADS, 8, generator=gen).to(DEVICE) for _ in range(2))
+    outputs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        outputs[backend] = ctx.store_kv_and_attend(1, q, k, v)
+    assert torch.isfinite(outputs["triton"]).all()
+    torch.testing.assert_close(outputs["triton"], outputs["torch"], rtol=0, atol=1e-5)
