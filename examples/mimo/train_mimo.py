@@ -22,8 +22,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
-from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -60,8 +58,11 @@ from megatron.training.data import microbatches  # noqa: E402
 from megatron.training.initialize import device_for, initialize_distributed  # noqa: E402
 from megatron.training.metrics import MetricsLogger  # noqa: E402
 from megatron.training.training import (  # noqa: E402
+    IterationLog,
+    TrainState,
     count_flops_per_token,
     optimizer_config_from_args,
+    save_due,
     scheduler_from_args,
 )
 
@@ -159,16 +160,6 @@ def language_model_provider(args, config: TransformerConfig, vocab_size: int):
     return provide
 
 
-@dataclass
-class MimoTrainState:
-    """What a resumed run restores besides weights, optimizer and scheduler state."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
-    history: list = field(default_factory=list)
-
-
 class MimoTrainer:
     """This rank's modules, optimizer chain, scheduler and data; steps them in lockstep with
     the other ranks of the job."""
@@ -218,7 +209,7 @@ class MimoTrainer:
         if self.model.language_model is not None:
             self.flops_per_token = count_flops_per_token(self.model.language_model, self.collections[LANGUAGE_MODEL],
                                                          args.seq_length, args.hidden_size, self.device)
-        self.state = MimoTrainState()
+        self.state = TrainState()
 
     def iterators(self, start_sample: int):
         """This rank's language-model batches (or None) and per-modality batches."""
@@ -258,33 +249,14 @@ class MimoTrainer:
             self.scheduler.step(1)
         return self._job_loss(losses), update_successful, grad_norm
 
-    def train(self) -> MimoTrainState:
+    def train(self) -> TrainState:
         args, state = self.args, self.state
         language_batches, modality_batches = self.iterators(state.consumed_samples)
-        interval_start, interval_losses = time.perf_counter(), []
+        log = IterationLog(args, self.logger, self.flops_per_token, len(self.roles.layouts[LANGUAGE_MODEL].ranks))
         while state.iteration < args.train_iters:
             loss, ok, grad_norm = self.train_step(language_batches, modality_batches)
-            state.iteration += 1
-            state.consumed_samples += args.global_batch_size
-            state.skipped_iterations += 0 if ok else 1
-            state.history.append(loss)
-            interval_losses.append(loss)
-            if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-                elapsed = time.perf_counter() - interval_start
-                iters = len(interval_losses)
-                tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
-                self.logger.log_training(
-                    iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_samples,
-                    elapsed_ms=1000 * elapsed / iters,
-                    tokens_per_s=tokens_per_s,
-                    tflops=tokens_per_s * self.flops_per_token / 1e12 / len(self.roles.layouts[LANGUAGE_MODEL].ranks),
-                    lr=self.scheduler.get_lr(), loss=sum(interval_losses) / iters, grad_norm=grad_norm,
-                    skipped=state.skipped_iterations, nan=int(loss != loss),
-                )
-                interval_start, interval_losses = time.perf_counter(), []
-            if args.save and (
-                (args.save_interval and state.iteration % args.save_interval == 0) or state.iteration == args.train_iters
-            ):
+            log.record(state, loss, ok, grad_norm, self.scheduler.get_lr())
+            if save_due(args, state):
                 self.save()
         return state
 
@@ -328,7 +300,7 @@ class MimoTrainer:
         else:
             parts.append("optimizer state")
         if resume:
-            self.state = MimoTrainState(**loaded["train_state"])
+            self.state = TrainState(**loaded["train_state"])
             self.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
             parts.append(f"train state (iteration {self.state.iteration}, consumed samples "
                          f"{self.state.consumed_samples}), LR schedule")
@@ -339,7 +311,7 @@ class MimoTrainer:
             print(f"loaded checkpoint {iteration_dir(args.load, iteration)}: " + ", ".join(parts), flush=True)
 
 
-def train(args) -> MimoTrainState:
+def train(args) -> TrainState:
     """Join the job, build this rank's part (resumed from --load when given), train and close the logger."""
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = MimoTrainer(args)

@@ -8,6 +8,7 @@ coordinate 0), which holds the loss averaged over the whole global batch.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +38,48 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     history: list = field(default_factory=list)
+
+
+class IterationLog:
+    """Bookkeeping after each training iteration, shared by the trainers: advances the
+    TrainState and writes one record, averaged over the interval, every --log-interval
+    iterations (and at the last one)."""
+
+    def __init__(self, args, logger: MetricsLogger, flops_per_token: float, num_ranks: int):
+        self.args, self.logger = args, logger
+        self.flops_per_token, self.num_ranks = flops_per_token, num_ranks
+        self._losses: list[float] = []
+        self._start = time.perf_counter()
+
+    def record(self, state: TrainState, loss: float, update_successful: bool, grad_norm: float | None,
+               lr: float) -> None:
+        args = self.args
+        state.iteration += 1
+        state.consumed_samples += args.global_batch_size
+        state.skipped_iterations += 0 if update_successful else 1
+        state.nan_iterations += int(not math.isfinite(loss))
+        state.history.append(loss)
+        self._losses.append(loss)
+        if state.iteration % args.log_interval and state.iteration != args.train_iters:
+            return
+        elapsed = time.perf_counter() - self._start
+        iters = len(self._losses)
+        tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
+        self.logger.log_training(
+            iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_samples,
+            elapsed_ms=1000 * elapsed / iters, tokens_per_s=tokens_per_s,
+            tflops=tokens_per_s * self.flops_per_token / 1e12 / self.num_ranks,
+            lr=lr, loss=sum(self._losses) / iters, grad_norm=grad_norm,
+            skipped=state.skipped_iterations, nan=state.nan_iterations,
+        )
+        self._losses, self._start = [], time.perf_counter()
+
+
+def save_due(args, state: TrainState) -> bool:
+    """Whether --save/--save-interval ask for a checkpoint after this iteration."""
+    return bool(args.save) and (
+        bool(args.save_interval and state.iteration % args.save_interval == 0) or state.iteration == args.train_iters
+    )
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -174,33 +217,13 @@ optimizer_config_from_args(args), [self.model], pgc)
     def train(self) -> TrainState:
         args, state = self.args, self.state
         iterator = self.data_iterator(self.train_ds, state.consumed_samples)
-        interval_losses, interval_start = [], time.perf_counter()
+        log = IterationLog(args, self.logger, self.flops_per_token, dist.get_world_size())
         while state.iteration < args.train_iters:
             loss, ok, grad_norm = self.train_step(iterator)
-            state.iteration += 1
-            state.consumed_samples += args.global_batch_size
-            state.skipped_iterations += 0 if ok else 1
-            nan = loss != loss or loss in (float("inf"), float("-inf"))
-            state.nan_iterations += int(nan)
-            interval_losses.append(loss)
-            state.history.append(loss)
-            if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-                elapsed = time.perf_counter() - interval_start
-                iters = len(interval_losses)
-                tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
-                self.logger.log_training(
-                    iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_samples,
-                    elapsed_ms=1000 * elapsed / iters, tokens_per_s=tokens_per_s,
-                    tflops=tokens_per_s * self.flops_per_token / 1e12 / dist.get_world_size(),
-                    lr=self.scheduler.get_lr(), loss=sum(interval_losses) / iters, grad_norm=grad_norm,
-                    skipped=state.skipped_iterations, nan=state.nan_iterations,
-                )
-                interval_losses, interval_start = [], time.perf_counter()
+            log.record(state, loss, ok, grad_norm, self.scheduler.get_lr())
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
                 self.logger.log_evaluation(iteration=state.iteration, loss=self.evaluate())
-            if args.save and (
-                (args.save_interval and state.iteration % args.save_interval == 0) or state.iteration == args.train_iters
-            ):
+            if save_due(args, state):
                 self.save()
         return state
 
