@@ -14,10 +14,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.cuda_timing import cuda_timed
 
 
 def _parse_args(argv):
@@ -33,17 +34,6 @@ def _parse_args(argv):
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--iters", type=int, default=10)
     return p.parse_args(argv)
-
-
-def _timed(fn, iters):
-    """Mean seconds per call after one warm-up call (Triton compiles on the first)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 class _States:
@@ -101,15 +91,15 @@ def run(args) -> int:
                 xin = x.clone().requires_grad_(True)
                 out, _ = mixer(xin)
                 out.backward(dout)
-                fwd = _timed(lambda: mixer(x), args.iters)
+                fwd = cuda_timed(lambda: mixer(x), args.iters)
 
                 def fwd_bwd():
                     out, _ = mixer(x.clone().requires_grad_(True))
                     out.backward(dout)
 
-                step = _timed(fwd_bwd, args.iters)
+                step = cuda_timed(fwd_bwd, args.iters)
                 decode_out = _decode(mixer, x, args.seq - args.decode_steps, args.decode_steps)
-                decode_time = _timed(lambda: _decode(mixer, x, 1, 1), args.iters)
+                decode_time = cuda_timed(lambda: _decode(mixer, x, 1, 1), args.iters)
                 results[backend] = dict(out=out.detach().float(), grad=xin.grad.float(), decode=decode_out.float(),
                                         fwd=fwd, step=step, decode_time=decode_time)
                 mixer.zero_grad(set_to_none=True)

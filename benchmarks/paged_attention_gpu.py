@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.cuda_timing import cuda_timed
+
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,17 +40,6 @@ def _parse_args(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
     return p.parse_args(argv)
-
-
-def _timed(fn, iters):
-    """Mean seconds per call after one warm-up call (Triton compiles on the first)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def _poisoned_batch(args, dtype):
@@ -92,8 +83,8 @@ def _kernel_check(args) -> bool:
         fast, ref = triton_paged_attention(*batch).float(), torch_paged_attention(*batch).float()
         diff = (fast - ref).abs().max().item()
         finite = bool(torch.isfinite(fast).all())
-        t_fast = _timed(lambda batch=batch: triton_paged_attention(*batch), args.iters)
-        t_ref = _timed(lambda batch=batch: torch_paged_attention(*batch), args.iters)
+        t_fast = cuda_timed(lambda batch=batch: triton_paged_attention(*batch), args.iters)
+        t_ref = cuda_timed(lambda batch=batch: torch_paged_attention(*batch), args.iters)
         ok &= finite and diff <= tolerance
         print(f"   {dtype!s:15s} max |triton - torch| = {diff:.3e} (allowed {tolerance:g}), finite {finite}; "
               f"triton {t_fast * 1e3:.2f} ms, torch {t_ref * 1e3:.2f} ms ({t_ref / t_fast:.1f}x)")
