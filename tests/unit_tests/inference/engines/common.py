@@ -77,25 +77,36 @@ def assert_same_outputs(got: dict, want: dict) -> None:
                 torch.testing.assert_close(result[key], expected[key], rtol=0, atol=1e-5)
 
 
+def new_result() -> dict:
+    """An empty per-request record for :func:`collect`."""
+    return dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
+
+
+def collect(results: dict, outputs) -> None:
+    """Fold engine outputs into per-request records: tokens, log-probs, prompt log-probs,
+    number of terminal outputs, finish reason and error."""
+    for output in outputs:
+        result = results.setdefault(output.request_id, new_result())
+        result["tokens"] += output.new_token_ids
+        result["log_probs"] += output.new_log_probs
+        if output.prompt_log_probs is not None:
+            result["prompt_log_probs"] = output.prompt_log_probs
+        if output.finished:
+            result["terminal"] += 1
+            result["finish_reason"] = output.finish_reason
+            result["error"] = output.error
+
+
 def run(engine: DynamicInferenceEngine, requests: list[list[int]], params: SamplingParams | list[SamplingParams],
         on_step=None) -> dict:
-    """Drive ``engine`` to completion; per request id: tokens, log-probs, prompt log-probs,
-    number of terminal outputs and finish reason."""
+    """Drive ``engine`` to completion; per request id the record of :func:`collect`."""
     params = params if isinstance(params, list) else [params] * len(requests)
     results = {}
     for index, (prompt, p) in enumerate(zip(requests, params)):
         engine.add_request(str(index), prompt, p)
-        results[str(index)] = dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None)
+        results[str(index)] = new_result()
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            result = results[output.request_id]
-            result["tokens"] += output.new_token_ids
-            result["log_probs"] += output.new_log_probs
-            if output.prompt_log_probs is not None:
-                result["prompt_log_probs"] = output.prompt_log_probs
-            if output.finished:
-                result["terminal"] += 1
-                result["finish_reason"] = output.finish_reason
+        collect(results, engine.step())
         if on_step is not None:
             on_step(engine)
     return results

@@ -17,7 +17,14 @@ from megatron.core.inference.handoff.transport import (  # noqa: E402
     TransportError,
 )
 from megatron.core.inference.sampling import SamplingParams  # noqa: E402
-from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run  # noqa: E402,F401
+from tests.unit_tests.inference.engines.common import (  # noqa: E402,F401
+    collect,
+    gpt_model,
+    hybrid_model,
+    new_result,
+    prompts,
+    run,
+)
 
 ENGINE = dict(block_size=4, max_tokens_per_step=16, max_sequence_length=48)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, return_prompt_logprobs=True)
@@ -43,23 +50,6 @@ def baseline(engine) -> tuple[int, int | None, int]:
     context = engine.context
     slots = context.mamba_slots.num_free_slots if context.mamba_slots is not None else None
     return context.num_free_blocks, slots, context.num_requests
-
-
-def new_result() -> dict:
-    return dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
-
-
-def collect(results: dict, outputs) -> None:
-    for output in outputs:
-        result = results.setdefault(output.request_id, new_result())
-        result["tokens"] += output.new_token_ids
-        result["log_probs"] += output.new_log_probs
-        if output.prompt_log_probs is not None:
-            result["prompt_log_probs"] = output.prompt_log_probs
-        if output.finished:
-            result["terminal"] += 1
-            result["finish_reason"] = output.finish_reason
-            result["error"] = output.error
 
 
 def deliver_words(decode: DecodeSide, prefill: PrefillSide) -> None:
