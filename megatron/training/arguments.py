@@ -160,6 +160,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
+    _require(args.data_path is None or len(args.data_path) == 1,
+             f"--data-path takes one dataset prefix for now (no blending), got {len(args.data_path or [])}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_width
     per_step = args.micro_batch_size * args.data_parallel_width

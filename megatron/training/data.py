@@ -24,9 +24,7 @@ def resolve_data_prefix(args, tokenizer) -> str | None:
     others wait) when --data-path is absent or 'builtin'. None for --mock-data."""
     if args.mock_data:
         return None
-    paths = args.data_path or [BUILTIN_DATA_PATH]
-    if len(paths) != 1:
-        raise ValueError(f"--data-path takes one dataset prefix for now, got {len(paths)}: {paths}")
+    paths = args.data_path or [BUILTIN_DATA_PATH]  # one prefix: checked by validate_args
     if paths[0] != BUILTIN_DATA_PATH:
         return paths[0]
     prefix = None

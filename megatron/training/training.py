@@ -174,9 +174,9 @@ optimizer_config_from_args(args), [self.model], pgc)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
 
     def data_iterator(self, dataset, start_sample: int):
-        data_group_rank = self.pgc.rank("dp_cp_gtp") if self.pgc.has("dp_cp_gtp") else self.pgc.rank("dp_cp")
         return microbatches(dataset, start_sample=start_sample, micro_batch_size=self.args.micro_batch_size,
-                            data_rank=data_group_rank, data_width=self.args.data_parallel_width, device=self.device)
+                            data_rank=dist.get_rank(self.pgc.dp_cp_gtp_or_dp_cp()),
+                            data_width=self.args.data_parallel_width, device=self.device)
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> torch.Tensor:
         """Forward (and backward) over one global batch; the mean loss over it on every rank
@@ -191,8 +191,9 @@ optimizer_config_from_args(args), [self.model], pgc)
         if not metrics:
             return torch.zeros((), device=self.device)
         loss = torch.stack([m["lm loss"].float() for m in metrics]).mean()
-        dist.all_reduce(loss, group=self.pgc.dp_cp_gtp_or_dp_cp())
-        return loss / dist.get_world_size(self.pgc.dp_cp_gtp_or_dp_cp())
+        data_group = self.pgc.dp_cp_gtp_or_dp_cp()
+        dist.all_reduce(loss, group=data_group)
+        return loss / dist.get_world_size(data_group)
 
     def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
         """One iteration; returns (loss, update_successful, grad_norm)."""

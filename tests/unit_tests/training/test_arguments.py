@@ -31,6 +31,7 @@ def test_sequence_parallel_is_dropped_at_tp1():
          r"--global-batch-size \(6\) must be a multiple of --micro-batch-size \(2\) x data-parallel width \(4"),
         (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
         (["--mock-data", "--data-path", "x"], 1, "--mock-data and --data-path are mutually exclusive"),
+        (["--data-path", "a", "b"], 1, r"--data-path takes one dataset prefix for now \(no blending\), got 2"),
         (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(8\)"),
         (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers \(4\) must be divisible by --pipeline-model-parallel-size \(3\)"),
         (["--min-lr", "1"], 1, r"--min-lr \(1.0\) must not exceed --lr \(0.001\)"),
