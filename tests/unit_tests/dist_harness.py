@@ -53,6 +53,15 @@ def _cleanup_rank_state():
     parallel_state.destroy_model_parallel()
 
 
+def _wait_for_every_rank(store: dist.Store, key: str, world_size: int) -> None:
+    """Store-only barrier: gloo connects its full mesh pair by pair, and a rank that finishes
+    (and exits) while a peer is still completing its handshakes makes that peer's
+    ``init_process_group`` fail with "Connection closed by peer"."""
+    store.add(key, 1)
+    while store.add(key, 0) < world_size:
+        time.sleep(0.001)
+
+
 def _rank_main(rank, world_size, store_path, fn, args, kwargs, results, collective_timeout_s):
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -62,6 +71,7 @@ def _rank_main(rank, world_size, store_path, fn, args, kwargs, results, collecti
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
+        _wait_for_every_rank(store, "initialized", world_size)
         # Plain pickle copies tensors; the multiprocessing pickler would share them by
         # file descriptor, which dies with this process.
         value = pickle.dumps(fn(*args, **kwargs))
