@@ -40,7 +40,9 @@ def run(size_mb: int, num_tensors: int, dtype: torch.dtype, base_dir: str) -> di
         plain_path = os.path.join(work, "plain.pt")
         ours_path = os.path.join(work, "ours")
         sharded = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}
-        request = {k: ShardedTensor(k, None, v.dtype, tuple(v.shape), tuple(v.shape), (0, 0), None) for k, v in tensors.items()}
+        request = {
+            k: ShardedTensor(k, None, v.dtype, tuple(v.shape), tuple(v.shape), (0, 0), None) for k, v in tensors.items()
+        }
         seconds = {
             "plain save": _timed(lambda: torch.save(tensors, plain_path))[0],
             "ours save": _timed(lambda: save(sharded, ours_path))[0],

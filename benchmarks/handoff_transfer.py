@@ -37,20 +37,42 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--source-device", default=None,
-                        help="device of the prefill-side buffer (default: --device), e.g. cuda:1 for GPU to GPU")
+    parser.add_argument(
+        "--source-device",
+        default=None,
+        help="device of the prefill-side buffer (default: --device), e.g. cuda:1 for GPU to GPU",
+    )
     parser.add_argument("--iters", type=int, default=5)
     return parser.parse_args(argv)
 
 
 def _buffer(args, device) -> torch.Tensor:
-    return torch.zeros(2, args.layers, args.blocks + 1, args.block_size, args.kv_heads, args.head_dim,
-                       dtype=dtype_from_name(args.dtype), device=device)
+    return torch.zeros(
+        2,
+        args.layers,
+        args.blocks + 1,
+        args.block_size,
+        args.kv_heads,
+        args.head_dim,
+        dtype=dtype_from_name(args.dtype),
+        device=device,
+    )
 
 
 def _layout(args, peer) -> SourceLayout:
-    return SourceLayout(peer, tuple(range(1, args.layers + 1)), (), 0, args.kv_heads, args.head_dim, args.block_size,
-                        args.blocks + 1, args.dtype, 0, 1)
+    return SourceLayout(
+        peer,
+        tuple(range(1, args.layers + 1)),
+        (),
+        0,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.blocks + 1,
+        args.dtype,
+        0,
+        1,
+    )
 
 
 def source(args, exports, stop) -> None:
@@ -86,8 +108,17 @@ def main(argv=None) -> int:
         kv = _buffer(args, args.device)
         puller = NixlTransport(f"bench-puller-{os.getpid()}")
         puller.register({"kv": kv})
-        record = HandoffRecord("bench", [0] * (args.blocks * args.block_size), args.block_size,
-                               list(range(args.blocks)), [], [0], [0.0], [_layout(args, peer)], False)
+        record = HandoffRecord(
+            "bench",
+            [0] * (args.blocks * args.block_size),
+            args.block_size,
+            list(range(args.blocks)),
+            [],
+            [0],
+            [0.0],
+            [_layout(args, peer)],
+            False,
+        )
         destination = list(reversed(range(args.blocks)))  # scattered, as allocated blocks are
         segments = plan_kv(record, _layout(args, {}), record.block_ids, destination)
         nbytes = sum(s.nbytes for s in segments)
@@ -112,9 +143,12 @@ def main(argv=None) -> int:
                 raise RuntimeError("raw NIXL transfer failed")
             raw.append(time.perf_counter() - started)
         ours_gbps, raw_gbps = nbytes / min(ours[1:]) / 1e9, nbytes / min(raw[1:]) / 1e9
-        print(f"{nbytes / 1e6:.2f} MB in {len(segments)} runs ({args.blocks} blocks, {args.layers} layers, "
-              f"{args.source_device or args.device} -> {args.device}): handoff pull {ours_gbps:.3f} GB/s, raw NIXL {raw_gbps:.3f} GB/s, "
-              f"ratio {ours_gbps / raw_gbps:.3f}")
+        print(
+            f"{nbytes / 1e6:.2f} MB in {len(segments)} runs ({args.blocks} blocks, {args.layers} layers, "
+            f"{args.source_device or args.device} -> {args.device}): handoff pull {ours_gbps:.3f} GB/s, "
+            f"raw NIXL {raw_gbps:.3f} GB/s, "
+            f"ratio {ours_gbps / raw_gbps:.3f}"
+        )
         puller.close()
     finally:
         stop.put(None)

@@ -43,11 +43,22 @@ VOCAB = 512
 def build_models(args, pg, device):
     """A random Llama (HF) and the same weights in our GPTModel."""
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=args.hidden_size, intermediate_size=args.hidden_size * 3,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.hidden_size // 32,
-        num_key_value_heads=max(args.hidden_size // 64, 1), max_position_embeddings=args.max_sequence_length,
-        tie_word_embeddings=False)).eval().to(device)
+    hf = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=args.hidden_size,
+                intermediate_size=args.hidden_size * 3,
+                num_hidden_layers=args.num_layers,
+                num_attention_heads=args.hidden_size // 32,
+                num_key_value_heads=max(args.hidden_size // 64, 1),
+                max_position_embeddings=args.max_sequence_length,
+                tie_word_embeddings=False,
+            )
+        )
+        .eval()
+        .to(device)
+    )
     config, kwargs = hf_mapping.llama_config_from_hf(hf.config)
     ours = GPTModel(config, get_gpt_layer_local_spec(), pg_collection=pg, **kwargs)
     ours.load_state_dict(hf_mapping.llama_state_dict_from_hf(hf.state_dict(), config), strict=True)
@@ -61,8 +72,15 @@ def make_prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[in
 
 
 def make_engine(model, pg, args, **overrides) -> DynamicInferenceEngine:
-    kwargs = dict(block_size=16, num_blocks=4096, max_requests=512, max_tokens_per_step=512,
-                  max_sequence_length=args.max_sequence_length, enable_chunked_prefill=True, pg_collection=pg)
+    kwargs = dict(
+        block_size=16,
+        num_blocks=4096,
+        max_requests=512,
+        max_tokens_per_step=512,
+        max_sequence_length=args.max_sequence_length,
+        enable_chunked_prefill=True,
+        pg_collection=pg,
+    )
     return DynamicInferenceEngine(model, **(kwargs | overrides))
 
 
@@ -76,8 +94,11 @@ def drive(engine, prompts, params):
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             first.setdefault(out.request_id, time.perf_counter() - started)
-    return [tokens[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))], \
-        time.perf_counter() - started
+    return (
+        [tokens[str(i)] for i in range(len(prompts))],
+        [first[str(i)] for i in range(len(prompts))],
+        time.perf_counter() - started,
+    )
 
 
 @torch.no_grad()
@@ -86,11 +107,18 @@ def hf_generate(hf, prompts, new_tokens, device):
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):  # left padding
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
     started = time.perf_counter()
-    out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = hf.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     elapsed = time.perf_counter() - started
     return out[:, longest:].tolist(), elapsed
 
@@ -103,17 +131,25 @@ def throughput(hf, ours, pg, args, device) -> dict:
     hf_generate(hf, prompts[:2], 2, device)  # warm-up
     hf_tokens, hf_s = hf_generate(hf, prompts, args.new_tokens, device)
     total = args.requests * args.new_tokens
-    agree = sum(a == b for a, b in zip(our_tokens, hf_tokens))
-    return dict(ours_tokens_per_s=total / ours_s, hf_tokens_per_s=total / hf_s, ratio=hf_s / ours_s,
-                requests_with_identical_greedy_output=f"{agree}/{args.requests}")
+    agree = sum(a == b for a, b in zip(our_tokens, hf_tokens, strict=True))
+    return dict(
+        ours_tokens_per_s=total / ours_s,
+        hf_tokens_per_s=total / hf_s,
+        ratio=hf_s / ours_s,
+        requests_with_identical_greedy_output=f"{agree}/{args.requests}",
+    )
 
 
 def bookkeeping(model, pg, args, concurrency: int) -> dict:
     engine = make_engine(model, pg, args, max_tokens_per_step=max(512, concurrency), batch_invariant=False)
     drive(engine, make_prompts(concurrency, 4, 12, seed=concurrency), SamplingParams(temperature=0.0, max_tokens=16))
     per_step = engine.step_bookkeeping_s
-    return dict(concurrency=concurrency, steps=len(per_step), mean_ms=1e3 * statistics.mean(per_step),
-                median_ms=1e3 * statistics.median(per_step))
+    return dict(
+        concurrency=concurrency,
+        steps=len(per_step),
+        mean_ms=1e3 * statistics.mean(per_step),
+        median_ms=1e3 * statistics.median(per_step),
+    )
 
 
 def time_to_first_token(model, pg, args, device) -> dict:
@@ -150,16 +186,22 @@ def main() -> int:
 
     report = {"throughput": throughput(hf, ours, pg, args, device)}
     t = report["throughput"]
-    print(f"output tokens/s: ours {t['ours_tokens_per_s']:.1f}, HF generate {t['hf_tokens_per_s']:.1f}, "
-          f"ratio ours/HF {t['ratio']:.2f} (identical greedy outputs: {t['requests_with_identical_greedy_output']})")
+    print(
+        f"output tokens/s: ours {t['ours_tokens_per_s']:.1f}, HF generate {t['hf_tokens_per_s']:.1f}, "
+        f"ratio ours/HF {t['ratio']:.2f} (identical greedy outputs: {t['requests_with_identical_greedy_output']})"
+    )
     report["bookkeeping"] = [bookkeeping(ours, pg, args, n) for n in (64, 256)]
     for row in report["bookkeeping"]:
-        print(f"CPU bookkeeping per step at {row['concurrency']} concurrent requests: mean {row['mean_ms']:.2f} ms, "
-              f"median {row['median_ms']:.2f} ms over {row['steps']} steps")
+        print(
+            f"CPU bookkeeping per step at {row['concurrency']} concurrent requests: mean {row['mean_ms']:.2f} ms, "
+            f"median {row['median_ms']:.2f} ms over {row['steps']} steps"
+        )
     report["time_to_first_token"] = time_to_first_token(ours, pg, args, device)
     ttft = report["time_to_first_token"]
-    print(f"time to first token: {ttft['with_private_page_init_ms']:.1f} ms with private page init, "
-          f"{ttft['without_private_page_init_ms']:.1f} ms without")
+    print(
+        f"time to first token: {ttft['with_private_page_init_ms']:.1f} ms with private page init, "
+        f"{ttft['without_private_page_init_ms']:.1f} ms without"
+    )
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

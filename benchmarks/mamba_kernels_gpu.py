@@ -73,9 +73,16 @@ def run(args) -> int:
         print("mamba_ssm Triton kernels did not import (pip install mamba-ssm): nothing to compare")
         return 2
     config = TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=8, bf16=True, add_bias_linear=False,
-        mamba_num_heads=args.heads, mamba_head_dim=args.head_dim, mamba_num_groups=args.groups,
-        mamba_state_dim=args.state, mamba_chunk_size=args.chunk,
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        bf16=True,
+        add_bias_linear=False,
+        mamba_num_heads=args.heads,
+        mamba_head_dim=args.head_dim,
+        mamba_num_groups=args.groups,
+        mamba_state_dim=args.state,
+        mamba_chunk_size=args.chunk,
     )
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
@@ -100,21 +107,31 @@ def run(args) -> int:
                 step = cuda_timed(fwd_bwd, args.iters)
                 decode_out = _decode(mixer, x, args.seq - args.decode_steps, args.decode_steps)
                 decode_time = cuda_timed(lambda: _decode(mixer, x, 1, 1), args.iters)
-                results[backend] = dict(out=out.detach().float(), grad=xin.grad.float(), decode=decode_out.float(),
-                                        fwd=fwd, step=step, decode_time=decode_time)
+                results[backend] = dict(
+                    out=out.detach().float(),
+                    grad=xin.grad.float(),
+                    decode=decode_out.float(),
+                    fwd=fwd,
+                    step=step,
+                    decode_time=decode_time,
+                )
                 mixer.zero_grad(set_to_none=True)
         finally:
             dist.destroy_process_group()
     ref, fast = results["torch"], results["triton"]
-    print(f"mixer: hidden {args.hidden}, heads {args.heads}x{args.head_dim}, groups {args.groups}, "
-          f"state {args.state}, chunk {args.chunk}; batch {args.batch}, seq {args.seq}; bf16")
+    print(
+        f"mixer: hidden {args.hidden}, heads {args.heads}x{args.head_dim}, groups {args.groups}, "
+        f"state {args.state}, chunk {args.chunk}; batch {args.batch}, seq {args.seq}; bf16"
+    )
     for key in ("out", "grad", "decode"):
         diff = (fast[key] - ref[key]).abs().max().item()
         scale = ref[key].abs().max().item()
         print(f"  {key:6s}: max |triton - torch| = {diff:.3e}  (max |torch| = {scale:.3e}, rel {diff / scale:.3e})")
     for key, label in (("fwd", "forward"), ("step", "forward+backward"), ("decode_time", "prefill 1 + decode 1")):
-        print(f"  {label:22s}: torch {ref[key] * 1e3:8.2f} ms   triton {fast[key] * 1e3:8.2f} ms   "
-              f"speed-up {ref[key] / fast[key]:.1f}x")
+        print(
+            f"  {label:22s}: torch {ref[key] * 1e3:8.2f} ms   triton {fast[key] * 1e3:8.2f} ms   "
+            f"speed-up {ref[key] / fast[key]:.1f}x"
+        )
     return 0
 
 

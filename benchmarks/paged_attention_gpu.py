@@ -56,14 +56,15 @@ def _poisoned_batch(args, dtype):
     key_cache = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
     value_cache = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
     used = 0
-    for row, (length, n) in enumerate(zip(kv_lengths.tolist(), blocks_per_request.tolist())):
+    for row, (length, n) in enumerate(zip(kv_lengths.tolist(), blocks_per_request.tolist(), strict=True)):
         table = order[used : used + n]
         used += n
         block_tables[row, :n] = table
         slots = (table[:, None] * args.block_size + torch.arange(args.block_size)).flatten()[:length].cuda()
         for cache in (key_cache, value_cache):
             cache.view(-1, args.kv_heads, args.head_dim)[slots] = torch.randn(
-                length, args.kv_heads, args.head_dim, device="cuda", dtype=dtype)
+                length, args.kv_heads, args.head_dim, device="cuda", dtype=dtype
+            )
     query = torch.randn(int(query_lengths.sum()), args.q_heads, args.head_dim, device="cuda", dtype=dtype)
     return query, key_cache, value_cache, block_tables.cuda(), query_lengths.cuda(), kv_lengths.cuda()
 
@@ -74,9 +75,11 @@ def _kernel_check(args) -> bool:
         triton_paged_attention,
     )
 
-    print(f"1. kernel vs torch reference: {args.requests} requests (a third {args.prefill_chunk}-token prefill "
-          f"chunks), contexts up to {args.max_context}, block {args.block_size}, heads {args.q_heads}/"
-          f"{args.kv_heads} x {args.head_dim}, NaN in every unwritten slot")
+    print(
+        f"1. kernel vs torch reference: {args.requests} requests (a third {args.prefill_chunk}-token prefill "
+        f"chunks), contexts up to {args.max_context}, block {args.block_size}, heads {args.q_heads}/"
+        f"{args.kv_heads} x {args.head_dim}, NaN in every unwritten slot"
+    )
     ok = True
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         batch = _poisoned_batch(args, dtype)
@@ -86,8 +89,10 @@ def _kernel_check(args) -> bool:
         t_fast = cuda_timed(lambda batch=batch: triton_paged_attention(*batch), args.iters)
         t_ref = cuda_timed(lambda batch=batch: torch_paged_attention(*batch), args.iters)
         ok &= finite and diff <= tolerance
-        print(f"   {dtype!s:15s} max |triton - torch| = {diff:.3e} (allowed {tolerance:g}), finite {finite}; "
-              f"triton {t_fast * 1e3:.2f} ms, torch {t_ref * 1e3:.2f} ms ({t_ref / t_fast:.1f}x)")
+        print(
+            f"   {dtype!s:15s} max |triton - torch| = {diff:.3e} (allowed {tolerance:g}), finite {finite}; "
+            f"triton {t_fast * 1e3:.2f} ms, torch {t_ref * 1e3:.2f} ms ({t_ref / t_fast:.1f}x)"
+        )
     return ok
 
 
@@ -114,15 +119,22 @@ def _saturation_check() -> bool:
     from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    print("2. saturation on CUDA (tiny GPT, 8 prompts x 64 greedy tokens): 10-block pool + 3-block paused "
-          "budget vs 100-block pool, NaN-poisoned free pages")
+    print(
+        "2. saturation on CUDA (tiny GPT, 8 prompts x 64 greedy tokens): 10-block pool + 3-block paused "
+        "budget vs 100-block pool, NaN-poisoned free pages"
+    )
     _generate(pg, "triton", 100, 100)  # warm-up: compiles the kernel for this model's shapes
-    runs = {(backend, pool): _generate(pg, backend, *sizes)
-            for backend in ("triton", "torch") for pool, sizes in (("roomy", (100, 100)), ("tight", (10, 3)))}
+    runs = {
+        (backend, pool): _generate(pg, backend, *sizes)
+        for backend in ("triton", "torch")
+        for pool, sizes in (("roomy", (100, 100)), ("tight", (10, 3)))
+    }
     ok = True
-    for (backend, pool), (results, stats, nonfinite, tokens_per_s) in runs.items():
-        print(f"   {backend:6s} {pool:5s}: pauses {stats['pauses']}, evictions {stats['evictions']}, "
-              f"owned pages with NaN {nonfinite}, {tokens_per_s:.0f} output tokens/s")
+    for (backend, pool), (_results, stats, nonfinite, tokens_per_s) in runs.items():
+        print(
+            f"   {backend:6s} {pool:5s}: pauses {stats['pauses']}, evictions {stats['evictions']}, "
+            f"owned pages with NaN {nonfinite}, {tokens_per_s:.0f} output tokens/s"
+        )
         ok &= nonfinite == 0
     tokens = {key: {rid: r["tokens"] for rid, r in value[0].items()} for key, value in runs.items()}
     checks = {
@@ -132,8 +144,11 @@ def _saturation_check() -> bool:
         "tight pool paused and evicted": runs["triton", "tight"][1]["pauses"] > 0
         and runs["triton", "tight"][1]["evictions"] > 0,
     }
-    log_prob_diff = max(abs(a - b) for rid, r in runs["triton", "tight"][0].items()
-                        for a, b in zip(r["log_probs"], runs["torch", "roomy"][0][rid]["log_probs"]))
+    log_prob_diff = max(
+        abs(a - b)
+        for rid, r in runs["triton", "tight"][0].items()
+        for a, b in zip(r["log_probs"], runs["torch", "roomy"][0][rid]["log_probs"], strict=True)
+    )
     for name, passed in checks.items():
         print(f"   {name}: {'ok' if passed else 'FAILED'}")
     print(f"   max |log-prob triton tight - torch roomy| = {log_prob_diff:.3e}")

@@ -26,18 +26,60 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
-def llama_flags(hidden_size=64, num_layers=2, heads=4, query_groups=2, seq_length=32, micro_batch_size=2,
-                global_batch_size=8, steps=10, lr=1e-3, data=("--mock-data", "--vocab-size", "128")) -> list[str]:
+def llama_flags(
+    hidden_size=64,
+    num_layers=2,
+    heads=4,
+    query_groups=2,
+    seq_length=32,
+    micro_batch_size=2,
+    global_batch_size=8,
+    steps=10,
+    lr=1e-3,
+    data=("--mock-data", "--vocab-size", "128"),
+) -> list[str]:
     """Flags of a Llama-style GPT for examples/pretrain_gpt.py (constant LR, no warm-up)."""
     return [
-        "--num-layers", str(num_layers), "--hidden-size", str(hidden_size), "--num-attention-heads", str(heads),
-        "--num-query-groups", str(query_groups), "--ffn-hidden-size", str(4 * hidden_size),
-        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
-        "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(global_batch_size),
-        "--train-iters", str(steps), "--lr", str(lr), "--lr-decay-style", "constant", "--weight-decay", "0.01",
-        "--clip-grad", "1.0", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--distributed-backend", "gloo",
-        "--log-interval", "1000000", *data,
+        "--num-layers",
+        str(num_layers),
+        "--hidden-size",
+        str(hidden_size),
+        "--num-attention-heads",
+        str(heads),
+        "--num-query-groups",
+        str(query_groups),
+        "--ffn-hidden-size",
+        str(4 * hidden_size),
+        "--seq-length",
+        str(seq_length),
+        "--max-position-embeddings",
+        str(seq_length),
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--global-batch-size",
+        str(global_batch_size),
+        "--train-iters",
+        str(steps),
+        "--lr",
+        str(lr),
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--distributed-backend",
+        "gloo",
+        "--log-interval",
+        "1000000",
+        *data,
     ]
 
 
@@ -62,11 +104,18 @@ class PlainLoop:
 
         args, config = trainer.args, trainer.config
         hf_config = LlamaConfig(
-            vocab_size=trainer.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_query_groups, max_position_embeddings=args.max_position_embeddings,
-            rms_norm_eps=config.layernorm_epsilon, rope_theta=float(args.rotary_base), tie_word_embeddings=False,
-            attention_bias=False, mlp_bias=False,
+            vocab_size=trainer.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.ffn_hidden_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_query_groups,
+            max_position_embeddings=args.max_position_embeddings,
+            rms_norm_eps=config.layernorm_epsilon,
+            rope_theta=float(args.rotary_base),
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
         )
         self.model = LlamaForCausalLM(hf_config).float()
         ours = trainer.model.module.state_dict()
@@ -75,7 +124,9 @@ class PlainLoop:
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
         )
         self.clip_grad = args.clip_grad
 
@@ -123,8 +174,10 @@ def compare(flags: list[str], steps: int) -> dict:
         our_times.append(time.perf_counter() - start)
     plain_s, ours_s = statistics.median(plain_times[1:] or plain_times), statistics.median(our_times[1:] or our_times)
     return {
-        "ours_losses": our_losses, "plain_losses": plain_losses,
-        "ours_tokens_per_s": tokens_per_step / ours_s, "plain_tokens_per_s": tokens_per_step / plain_s,
+        "ours_losses": our_losses,
+        "plain_losses": plain_losses,
+        "ours_tokens_per_s": tokens_per_step / ours_s,
+        "plain_tokens_per_s": tokens_per_step / plain_s,
     }
 
 
@@ -137,9 +190,16 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     opts = parser.parse_args(argv)
-    flags = llama_flags(hidden_size=opts.hidden_size, num_layers=opts.num_layers, heads=8, query_groups=4,
-                        seq_length=opts.seq_length, micro_batch_size=opts.micro_batch_size,
-                        global_batch_size=opts.global_batch_size, steps=opts.steps)
+    flags = llama_flags(
+        hidden_size=opts.hidden_size,
+        num_layers=opts.num_layers,
+        heads=8,
+        query_groups=4,
+        seq_length=opts.seq_length,
+        micro_batch_size=opts.micro_batch_size,
+        global_batch_size=opts.global_batch_size,
+        steps=opts.steps,
+    )
     result = compare(flags, opts.steps)
     print(f"first losses  ours : {[round(x, 5) for x in result['ours_losses'][:5]]}")
     print(f"first losses  plain: {[round(x, 5) for x in result['plain_losses'][:5]]}")

@@ -24,10 +24,15 @@ def model_provider(args, config, vocab_size, pg_collection):
     pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
     spec = get_gpt_layer_local_spec()
     return GPTModel(
-        config, spec, vocab_size, args.max_position_embeddings,
-        pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+        config,
+        spec,
+        vocab_size,
+        args.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
         mtp_block_spec=get_gpt_mtp_block_spec(spec) if args.mtp_num_layers else None,
         pg_collection=pg_collection,

@@ -24,12 +24,18 @@ def model_provider(args, config, vocab_size, pg_collection):
     """This pipeline stage's HybridModel."""
     pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
     return HybridModel(
-        config, get_hybrid_stack_local_spec(), vocab_size, args.max_position_embeddings,
+        config,
+        get_hybrid_stack_local_spec(),
+        vocab_size,
+        args.max_position_embeddings,
         hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, pg_collection=pg_collection,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        pg_collection=pg_collection,
     )
 
 

@@ -66,4 +66,6 @@ def _no_process_group_left_in_the_pytest_process():
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-        pytest.fail("this test left torch.distributed initialized in the pytest process; run it through run_distributed")
+        pytest.fail(
+            "this test left torch.distributed initialized in the pytest process; run it through run_distributed"
+        )

@@ -27,7 +27,9 @@ def summarize(path: str, golden: list[float]) -> dict:
     steady = train[1:] or train or [{"tokens_per_s": 0.0, "tflops": 0.0}]  # iteration 1 includes start-up work
     return {
         "losses": losses,
-        "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, golden)) if losses else float("inf"),
+        "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, golden, strict=True))
+        if losses
+        else float("inf"),
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "tflops": sum(r["tflops"] for r in steady) / len(steady),
     }
@@ -47,8 +49,10 @@ def main(argv=None) -> int:
         s = summarize(path, golden)
         ok = len(s["losses"]) == len(golden) and s["max_rel_diff"] <= args.rtol
         failed |= not ok
-        print(f"{name:14s} {'ok  ' if ok else 'FAIL'} max rel diff vs CPU fp32 golden {s['max_rel_diff']:.4f}"
-              f" | tokens/s {s['tokens_per_s']:.0f} | TFLOP/s {s['tflops']:.3f}")
+        print(
+            f"{name:14s} {'ok  ' if ok else 'FAIL'} max rel diff vs CPU fp32 golden {s['max_rel_diff']:.4f}"
+            f" | tokens/s {s['tokens_per_s']:.0f} | TFLOP/s {s['tflops']:.3f}"
+        )
     return 1 if failed else 0
 
 

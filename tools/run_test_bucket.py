@@ -28,7 +28,11 @@ def load_buckets(path: str = BUCKETS_FILE) -> dict:
 
 def bucket_files(bucket: dict, root: str = ROOT) -> list[str]:
     def expand(patterns):
-        return {os.path.relpath(p, root) for pattern in patterns for p in glob.glob(os.path.join(root, pattern), recursive=True)}
+        return {
+            os.path.relpath(p, root)
+            for pattern in patterns
+            for p in glob.glob(os.path.join(root, pattern), recursive=True)
+        }
 
     return sorted(expand(bucket["globs"]) - expand(bucket.get("exclude", [])))
 
@@ -36,8 +40,13 @@ def bucket_files(bucket: dict, root: str = ROOT) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bucket")
-    parser.add_argument("--only", action="append", default=[], metavar="GLOB",
-                        help="run only the bucket's files matching GLOB (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="run only the bucket's files matching GLOB (repeatable)",
+    )
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
     buckets = load_buckets()
@@ -51,8 +60,18 @@ def main(argv=None) -> int:
         print(f"bucket {args.bucket} has no test files", file=sys.stderr)
         return 1
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={bucket['gpus']}",
-        "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *args.pytest_args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={bucket['gpus']}",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *files,
+        *args.pytest_args,
     ]
     print(" ".join(cmd), flush=True)
     try:

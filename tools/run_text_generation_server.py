@@ -47,15 +47,20 @@ class ReplicaRegistrationError(RuntimeError):
 
 def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The checkpoint, HTTP, engine and server flags shared by serve.py and this launcher."""
-    parser.add_argument("--load", required=True, help="checkpoint directory (root or iter_*); the model config is "
-                        "read from it")
+    parser.add_argument(
+        "--load", required=True, help="checkpoint directory (root or iter_*); the model config is read from it"
+    )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     http.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (see the printed URL)")
     engine = parser.add_argument_group("engine (per replica)")
     engine.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--kv-block-count", type=int, default=None,
-                        help="KV blocks (default: enough for --max-requests requests of the full sequence length)")
+    engine.add_argument(
+        "--kv-block-count",
+        type=int,
+        default=None,
+        help="KV blocks (default: enough for --max-requests requests of the full sequence length)",
+    )
     engine.add_argument("--max-requests", type=int, default=16, help="requests decoding at once")
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
@@ -63,8 +68,9 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", default="megatron", help="the model id requests must name")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
-    server.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="longer prompts get HTTP 413 before reaching an engine")
+    server.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="longer prompts get HTTP 413 before reaching an engine"
+    )
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None)
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes")
     return parser
@@ -80,18 +86,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(model_name=args.served_model_name, api_key=args.api_key,
-                        max_prompt_tokens=args.max_prompt_tokens, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser)
+    return ServerConfig(
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_prompt_tokens=args.max_prompt_tokens,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+    )
 
 
 def build_engine(args: argparse.Namespace, model, tokenizer, pg) -> DynamicInferenceEngine:
     """This rank's engine over ``model``, sized by the engine flags."""
     blocks_per_request = -(-model.max_sequence_length // args.kv_block_size)
     return DynamicInferenceEngine(
-        model, tokenizer=tokenizer, pg_collection=pg, block_size=args.kv_block_size,
-        num_blocks=args.kv_block_count or args.max_requests * blocks_per_request, max_requests=args.max_requests,
-        max_tokens_per_step=args.max_tokens_per_step, enable_prefix_caching=args.enable_prefix_caching,
+        model,
+        tokenizer=tokenizer,
+        pg_collection=pg,
+        block_size=args.kv_block_size,
+        num_blocks=args.kv_block_count or args.max_requests * blocks_per_request,
+        max_requests=args.max_requests,
+        max_tokens_per_step=args.max_tokens_per_step,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
     )
 
@@ -119,16 +134,18 @@ def _wait_for_replicas(coordinator: InferenceCoordinator, num_replicas: int) -> 
         time.sleep(0.01)
 
 
-def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int = 1,
-                     pipeline_model_parallel_size: int = 1) -> int:
+def serve_checkpoint(
+    args: argparse.Namespace, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> int:
     """Serve ``args.load`` until SIGINT/SIGTERM (see the module doc); every rank calls this.
 
     Returns the exit status: 0, or 2 when global rank 0 cannot bind ``--host``/``--port``
     (the other ranks are then ended by torchrun)."""
     config = server_config(args)  # bad server options fail before anything starts
     initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
-    pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                                  pipeline_model_parallel_size=pipeline_model_parallel_size)
+    pg = parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=pipeline_model_parallel_size
+    )
     is_frontend = dist.get_rank() == 0
     coordinator = server = None
     try:
@@ -136,8 +153,11 @@ def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int =
             try:  # before loading, so that a taken port fails at once
                 sock = bind_socket(args.host, args.port)
             except OSError as exc:
-                print(f"error: cannot serve on {args.host}:{args.port} ({exc.strerror}); pick another --port, or "
-                      "--port 0 for a free one", file=sys.stderr)
+                print(
+                    f"error: cannot serve on {args.host}:{args.port} ({exc.strerror}); pick another --port, or "
+                    "--port 0 for a free one",
+                    file=sys.stderr,
+                )
                 return 2
             coordinator = InferenceCoordinator().start()
         box = [coordinator.address if is_frontend else None]
@@ -149,8 +169,9 @@ def serve_checkpoint(args: argparse.Namespace, tensor_model_parallel_size: int =
         dist.barrier()  # every replica has sent its registration
         if is_frontend:
             _wait_for_replicas(coordinator, dist.get_world_size() // pg.size("mp"))
-            server = ServerThread(InferenceClient(coordinator.address), sock=sock, tokenizer=tokenizer,
-                                  config=config).start()
+            server = ServerThread(
+                InferenceClient(coordinator.address), sock=sock, tokenizer=tokenizer, config=config
+            ).start()
             print(f"Serving on {server.url}", flush=True)
         endpoint.run()
     finally:

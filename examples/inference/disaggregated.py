@@ -54,17 +54,25 @@ def _engine(args, role: str, num_blocks: int, num_requests: int):
     initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel()
     if args.load is not None:
-        model, tokenizer, _ = load_inference_model(args.load, pg, default_tokenizer_type=args.tokenizer_type,
-                                                   default_tokenizer_model=args.tokenizer_model)
+        model, tokenizer, _ = load_inference_model(
+            args.load, pg, default_tokenizer_type=args.tokenizer_type, default_tokenizer_model=args.tokenizer_model
+        )
     else:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         model = _offline().build_random_model(args, tokenizer.vocab_size, pg).to(default_device())
     return DynamicInferenceEngine(
-        model, tokenizer=tokenizer, pg_collection=pg, block_size=args.kv_block_size, num_blocks=num_blocks,
-        max_requests=args.max_requests or num_requests, max_tokens_per_step=args.max_tokens_per_step,
-        max_sequence_length=args.max_sequence_length, enable_chunked_prefill=args.enable_chunked_prefill,
+        model,
+        tokenizer=tokenizer,
+        pg_collection=pg,
+        block_size=args.kv_block_size,
+        num_blocks=num_blocks,
+        max_requests=args.max_requests or num_requests,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_sequence_length=args.max_sequence_length,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching or role == "decode",
-        paused_block_budget=args.paused_block_budget, num_speculative_tokens=args.num_speculative_tokens,
+        paused_block_budget=args.paused_block_budget,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 
@@ -81,8 +89,7 @@ def prefill_process(args, num_blocks: int, num_requests: int, addresses) -> None
     channel.close()
 
 
-def decode_process(args, num_blocks: int, num_requests: int, prefill_address: str, coordinator: str,
-                   results) -> None:
+def decode_process(args, num_blocks: int, num_requests: int, prefill_address: str, coordinator: str, results) -> None:
     from megatron.core.inference.coordinator import EngineEndpoint
     from megatron.core.inference.handoff.decode_side import DecodeSide
     from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel
@@ -99,8 +106,10 @@ def decode_process(args, num_blocks: int, num_requests: int, prefill_address: st
 
 async def _generate(address: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
     async with InferenceClient(address) as client:
-        handles = [await client.submit(p, sp, request_id=f"request-{i}") for i, (p, sp) in
-                   enumerate(zip(prompts, params))]
+        handles = [
+            await client.submit(p, sp, request_id=f"request-{i}")
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         outputs = []
         for handle in handles:
             merged = dict(token_ids=[], log_probs=[], prompt_log_probs=None, finish_reason=None, error=None)
@@ -129,18 +138,32 @@ def main(argv=None) -> int:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     prompts = [prompt_token_ids(p, tokenizer) for p in offline.read_prompts(args)]
     longest = max(len(p) for p in prompts)
-    block_count = args.kv_block_count or len(prompts) * -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
+    block_count = args.kv_block_count or len(prompts) * -(
+        -(longest + args.num_tokens_to_generate) // args.kv_block_size
+    )
     num_blocks = max(block_count, -(-max_sequence_length // args.kv_block_size))
-    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
-                             max_tokens=args.num_tokens_to_generate, ignore_eos=True, logprobs=True,
-                             return_prompt_logprobs=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + i,
+            max_tokens=args.num_tokens_to_generate,
+            ignore_eos=True,
+            logprobs=True,
+            return_prompt_logprobs=True,
+        )
+        for i in range(len(prompts))
+    ]
     spawn = mp.get_context("spawn")
     addresses, results = spawn.Queue(), spawn.Queue()
     with InferenceCoordinator(engine_timeout_s=None) as coordinator:
         prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), addresses))
         prefill.start()
-        decode = spawn.Process(target=decode_process, args=(args, num_blocks, len(prompts), addresses.get(timeout=300),
-                                                            coordinator.address, results))
+        decode = spawn.Process(
+            target=decode_process,
+            args=(args, num_blocks, len(prompts), addresses.get(timeout=300), coordinator.address, results),
+        )
         decode.start()
         started = time.perf_counter()
         outputs = asyncio.run(_generate(coordinator.address, prompts, params))
@@ -154,19 +177,29 @@ def main(argv=None) -> int:
         return 1
     num_generated = sum(len(o["token_ids"]) for o in outputs)
     gb_per_s = stats["handoff_gb_per_s"]
-    print(f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} output "
-          f"tokens/s over {stats['steps']} decode steps; {stats['handoff_imports']} imports pulled "
-          f"{stats['handoff_transferred_bytes']} KV bytes at {gb_per_s:.3f} GB/s")
+    print(
+        f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: {num_generated / elapsed:.1f} output "
+        f"tokens/s over {stats['steps']} decode steps; {stats['handoff_imports']} imports pulled "
+        f"{stats['handoff_transferred_bytes']} KV bytes at {gb_per_s:.3f} GB/s"
+    )
     if args.output_json:
         report = {
             "requests": [
-                {"prompt_tokens": p, "generated_tokens": o["token_ids"], "generated_text": tokenizer.detokenize(
-                    o["token_ids"]), "prompt_log_probs": o["prompt_log_probs"], "generated_log_probs": o["log_probs"]}
-                for p, o in zip(prompts, outputs)
+                {
+                    "prompt_tokens": p,
+                    "generated_tokens": o["token_ids"],
+                    "generated_text": tokenizer.detokenize(o["token_ids"]),
+                    "prompt_log_probs": o["prompt_log_probs"],
+                    "generated_log_probs": o["log_probs"],
+                }
+                for p, o in zip(prompts, outputs, strict=True)
             ],
             "stats": {key: stats[key] for key in ("steps", "pauses", "evictions", "prefix_cache_hits")}
-            | {"output_tokens_per_s": num_generated / elapsed,
-               "transferred_bytes": stats["handoff_transferred_bytes"], "transfer_gb_per_s": gb_per_s},
+            | {
+                "output_tokens_per_s": num_generated / elapsed,
+                "transferred_bytes": stats["handoff_transferred_bytes"],
+                "transfer_gb_per_s": gb_per_s,
+            },
         }
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f)

@@ -58,8 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--ffn-hidden-size", type=int, default=None)
     model.add_argument("--hybrid-layer-pattern", default=None, help="e.g. 'M*-M' (hybrid models)")
     model.add_argument("--mtp-num-layers", type=int, default=0, help="MTP depths (for speculative decoding)")
-    model.add_argument("--max-sequence-length", type=int, default=None,
-                       help="default: the checkpoint's, or 512 for a random model")
+    model.add_argument(
+        "--max-sequence-length", type=int, default=None, help="default: the checkpoint's, or 512 for a random model"
+    )
     model.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE)
     model.add_argument("--tokenizer-model", default=None)
     model.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -100,33 +101,55 @@ def build_random_model(args, vocab_size: int, pg):
     """This rank's stage of a model with random (layout-invariant) weights."""
     num_layers = len(args.hybrid_layer_pattern.replace("|", "")) if args.hybrid_layer_pattern else args.num_layers
     config = TransformerConfig(
-        num_layers=num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm",
-        add_bias_linear=False, mtp_num_layers=args.mtp_num_layers or None, init_seed=args.seed,
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        mtp_num_layers=args.mtp_num_layers or None,
+        init_seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        mamba_num_heads=max(args.hidden_size // 16, 2 * args.tensor_model_parallel_size), mamba_head_dim=16,
+        mamba_num_heads=max(args.hidden_size // 16, 2 * args.tensor_model_parallel_size),
+        mamba_head_dim=16,
         mamba_num_groups=args.tensor_model_parallel_size,
     )
     stage = dict(pre_process=pg.rank("pp") == 0, post_process=pg.rank("pp") == pg.size("pp") - 1, pg_collection=pg)
     if args.model_type == "hybrid":
         pattern = args.hybrid_layer_pattern or "M*" * (num_layers // 2)
-        return HybridModel(config, get_hybrid_stack_local_spec(), vocab_size, args.max_sequence_length or 512,
-                           hybrid_layer_pattern=pattern, **stage)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, args.max_sequence_length or 512,
-                    position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_spec() if args.mtp_num_layers else None, **stage)
+        return HybridModel(
+            config,
+            get_hybrid_stack_local_spec(),
+            vocab_size,
+            args.max_sequence_length or 512,
+            hybrid_layer_pattern=pattern,
+            **stage,
+        )
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size,
+        args.max_sequence_length or 512,
+        position_embedding_type="rope",
+        mtp_block_spec=get_gpt_mtp_block_spec() if args.mtp_num_layers else None,
+        **stage,
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     initialize_distributed(backend)
-    pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    pg = parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
     if args.load is not None:
-        model, tokenizer, _ = load_inference_model(args.load, pg, default_tokenizer_type=args.tokenizer_type,
-                                                   default_tokenizer_model=args.tokenizer_model)
+        model, tokenizer, _ = load_inference_model(
+            args.load, pg, default_tokenizer_type=args.tokenizer_type, default_tokenizer_model=args.tokenizer_model
+        )
     else:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         model = build_random_model(args, tokenizer.vocab_size, pg).to(default_device())
@@ -136,17 +159,30 @@ def main(argv=None) -> int:
     blocks_per_request = -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
     block_count = args.kv_block_count or len(prompts) * blocks_per_request
     llm = LLM(
-        model, tokenizer, pg_collection=pg, block_size=args.kv_block_size,
+        model,
+        tokenizer,
+        pg_collection=pg,
+        block_size=args.kv_block_size,
         num_blocks=max(block_count, -(-max_sequence_length // args.kv_block_size)),
-        max_requests=args.max_requests or len(prompts), max_tokens_per_step=args.max_tokens_per_step,
-        max_sequence_length=max_sequence_length, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, paused_block_budget=args.paused_block_budget,
+        max_requests=args.max_requests or len(prompts),
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_sequence_length=max_sequence_length,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        paused_block_budget=args.paused_block_budget,
         num_speculative_tokens=args.num_speculative_tokens,
     )
     params = [
-        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
-                       max_tokens=args.num_tokens_to_generate, ignore_eos=True, logprobs=True,
-                       return_prompt_logprobs=True)
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + i,
+            max_tokens=args.num_tokens_to_generate,
+            ignore_eos=True,
+            logprobs=True,
+            return_prompt_logprobs=True,
+        )
         for i in range(len(prompts))
     ]
     is_reporter = dist.get_rank() == 0
@@ -157,18 +193,25 @@ def main(argv=None) -> int:
     stats = llm.engine.stats
     num_generated = sum(len(o.token_ids) for o in outputs)
     if is_reporter:
-        for prompt, output in zip(prompts, outputs):
+        for prompt, output in zip(prompts, outputs, strict=True):
             shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} prompt tokens>"
             print(f"----- prompt: {shown!r}\n{output.text}")
-        print(f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: "
-              f"{num_generated / elapsed:.1f} output tokens/s over {stats['steps']} steps "
-              f"({stats['pauses']} pauses, {stats['evictions']} evictions, "
-              f"{stats['prefix_cache_hits']} prefix-cache block hits)")
+        print(
+            f"{len(prompts)} requests, {num_generated} tokens in {elapsed:.2f} s: "
+            f"{num_generated / elapsed:.1f} output tokens/s over {stats['steps']} steps "
+            f"({stats['pauses']} pauses, {stats['evictions']} evictions, "
+            f"{stats['prefix_cache_hits']} prefix-cache block hits)"
+        )
     if is_reporter and args.output_json:
         report = {
             "requests": [
-                {"prompt_tokens": o.prompt_token_ids, "generated_tokens": o.token_ids, "generated_text": o.text,
-                 "prompt_log_probs": o.prompt_log_probs, "generated_log_probs": o.log_probs}
+                {
+                    "prompt_tokens": o.prompt_token_ids,
+                    "generated_tokens": o.token_ids,
+                    "generated_text": o.text,
+                    "prompt_log_probs": o.prompt_log_probs,
+                    "generated_log_probs": o.log_probs,
+                }
                 for o in outputs
             ],
             "stats": {key: stats[key] for key in ("steps", "pauses", "evictions", "prefix_cache_hits")}

@@ -72,12 +72,19 @@ IMAGES = "images"
 def add_mimo_args(parser: argparse.ArgumentParser) -> None:
     """The encoder's shape, layout and placement, and the image geometry."""
     g = parser.add_argument_group("mimo encoder")
-    g.add_argument("--encoder-ranks", default="colocated",
-                   help="'colocated' (the encoder on every rank) or 'first-N' (the encoder alone on ranks 0..N-1)")
+    g.add_argument(
+        "--encoder-ranks",
+        default="colocated",
+        help="'colocated' (the encoder on every rank) or 'first-N' (the encoder alone on ranks 0..N-1)",
+    )
     g.add_argument("--encoder-tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--encoder-generalized-tensor-parallel-size", type=int, default=1)
-    g.add_argument("--encoder-data-parallel-size", type=int, default=None,
-                   help="default: whatever the encoder's ranks leave after TP x GTP")
+    g.add_argument(
+        "--encoder-data-parallel-size",
+        type=int,
+        default=None,
+        help="default: whatever the encoder's ranks leave after TP x GTP",
+    )
     g.add_argument("--encoder-num-layers", type=int, default=2)
     g.add_argument("--encoder-hidden-size", type=int, default=32)
     g.add_argument("--encoder-num-attention-heads", type=int, default=2)
@@ -93,7 +100,8 @@ def language_world_size(encoder_ranks: str, world_size: int) -> int:
     count = encoder_ranks.removeprefix("first-")
     if not encoder_ranks.startswith("first-") or not count.isdigit() or not 0 < int(count) < world_size:
         raise ArgumentError(
-            f"--encoder-ranks must be 'colocated' or 'first-N' with 0 < N < world size {world_size}, got {encoder_ranks!r}"
+            f"--encoder-ranks must be 'colocated' or 'first-N' with 0 < N < world size {world_size}, "
+            f"got {encoder_ranks!r}"
         )
     return world_size - int(count)
 
@@ -106,16 +114,24 @@ def parse_mimo_args(argv: list[str] | None = None, world_size: int | None = None
     known.add_argument("--hybrid-layer-pattern", default=None)
     pre, _ = known.parse_known_args(argv)
     family = "hybrid" if pre.hybrid_layer_pattern else "gpt"
-    args = parse_args(argv, model_family=family, world_size=language_world_size(pre.encoder_ranks, world_size),
-                      extra_args_provider=add_mimo_args)
+    args = parse_args(
+        argv,
+        model_family=family,
+        world_size=language_world_size(pre.encoder_ranks, world_size),
+        extra_args_provider=add_mimo_args,
+    )
     checks = [
         (args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (not args.calculate_per_token_loss, "--calculate-per-token-loss is not supported for MIMO models"),
-        (args.image_size % args.patch_size == 0,
-         f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})"),
-        (args.encoder_num_attention_heads % args.encoder_tensor_model_parallel_size == 0,
-         f"--encoder-num-attention-heads ({args.encoder_num_attention_heads}) must be divisible by "
-         f"--encoder-tensor-model-parallel-size ({args.encoder_tensor_model_parallel_size})"),
+        (
+            args.image_size % args.patch_size == 0,
+            f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})",
+        ),
+        (
+            args.encoder_num_attention_heads % args.encoder_tensor_model_parallel_size == 0,
+            f"--encoder-num-attention-heads ({args.encoder_num_attention_heads}) must be divisible by "
+            f"--encoder-tensor-model-parallel-size ({args.encoder_tensor_model_parallel_size})",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -128,34 +144,58 @@ def encoder_config_from_args(args) -> TransformerConfig:
     """The ViT's configuration: its own sizes and layout, the language model's numerics, and
     an init seed of its own (its layers must not copy the language model's)."""
     return TransformerConfig(
-        num_layers=args.encoder_num_layers, hidden_size=args.encoder_hidden_size,
-        num_attention_heads=args.encoder_num_attention_heads, ffn_hidden_size=args.encoder_ffn_hidden_size,
+        num_layers=args.encoder_num_layers,
+        hidden_size=args.encoder_hidden_size,
+        num_attention_heads=args.encoder_num_attention_heads,
+        ffn_hidden_size=args.encoder_ffn_hidden_size,
         tensor_model_parallel_size=args.encoder_tensor_model_parallel_size,
         generalized_tensor_parallel_size=args.encoder_generalized_tensor_parallel_size,
-        bf16=args.bf16, fp16=args.fp16, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        init_method_std=args.init_method_std, init_seed=args.seed + 1,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        init_method_std=args.init_method_std,
+        init_seed=args.seed + 1,
     )
 
 
 def language_model_provider(args, config: TransformerConfig, vocab_size: int):
     """A single-stage GPTModel or HybridModel whose embedding is not scattered (the modality
     embeddings are placed before the sequence-parallel scatter)."""
-    common = dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                  position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-                  rotary_percent=args.rotary_percent, scatter_embedding_sequence_parallel=False)
+    common = dict(
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        scatter_embedding_sequence_parallel=False,
+    )
 
     def provide(pg_collection):
         if args.model_family == "hybrid":
             from megatron.core.models.hybrid import HybridModel, get_hybrid_stack_local_spec
 
-            return HybridModel(config, get_hybrid_stack_local_spec(), vocab_size, args.max_position_embeddings,
-                               hybrid_layer_pattern=args.hybrid_layer_pattern, pg_collection=pg_collection, **common)
+            return HybridModel(
+                config,
+                get_hybrid_stack_local_spec(),
+                vocab_size,
+                args.max_position_embeddings,
+                hybrid_layer_pattern=args.hybrid_layer_pattern,
+                pg_collection=pg_collection,
+                **common,
+            )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, args.max_position_embeddings,
-                        pg_collection=pg_collection, **common)
+        return GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size,
+            args.max_position_embeddings,
+            pg_collection=pg_collection,
+            **common,
+        )
 
     return provide
 
@@ -170,9 +210,13 @@ class MimoTrainer:
         self.roles = MimoRoles.build(
             args.world_size,
             language={"tp": args.tensor_model_parallel_size, "gtp": args.generalized_tensor_parallel_size},
-            modalities={IMAGES: {"tp": args.encoder_tensor_model_parallel_size,
-                                 "gtp": args.encoder_generalized_tensor_parallel_size}
-                        | ({"dp": args.encoder_data_parallel_size} if args.encoder_data_parallel_size else {})},
+            modalities={
+                IMAGES: {
+                    "tp": args.encoder_tensor_model_parallel_size,
+                    "gtp": args.encoder_generalized_tensor_parallel_size,
+                }
+                | ({"dp": args.encoder_data_parallel_size} if args.encoder_data_parallel_size else {})
+            },
             placement=args.encoder_ranks,
         )
         self.collections = self.roles.build_collections(backend=args.distributed_backend)
@@ -184,31 +228,54 @@ class MimoTrainer:
         encoder_config = encoder_config_from_args(args)
         self.num_image_tokens = (args.image_size // args.patch_size) ** 2
         self.model = build_mimo_model(
-            self.collections, language_model_provider(args, language_config, self.tokenizer.vocab_size + 1),
+            self.collections,
+            language_model_provider(args, language_config, self.tokenizer.vocab_size + 1),
             {IMAGES: image_submodule_provider(encoder_config, args.image_size, args.patch_size, args.hidden_size)},
             {IMAGES: self.image_token_id},
         ).to(self.device)
-        self.ddp = wrap_with_ddp(self.model, self.collections, DistributedDataParallelConfig(
-            use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16))
+        self.ddp = wrap_with_ddp(
+            self.model,
+            self.collections,
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16
+            ),
+        )
         self.optimizer = get_mimo_optimizer(
             optimizer_config_from_args(args),
-            self.ddp, self.collections, [LANGUAGE_MODEL, *self.roles.modality_names],
+            self.ddp,
+            self.collections,
+            [LANGUAGE_MODEL, *self.roles.modality_names],
         )
         self.scheduler = scheduler_from_args(self.optimizer, args)
-        self.bridges = build_bridges(self.roles, args.micro_batch_size,
-                                     {IMAGES: (self.num_image_tokens, args.hidden_size)},
-                                     dtype=language_config.params_dtype, device=self.device)
+        self.bridges = build_bridges(
+            self.roles,
+            args.micro_batch_size,
+            {IMAGES: (self.num_image_tokens, args.hidden_size)},
+            dtype=language_config.params_dtype,
+            device=self.device,
+        )
         self.train_ds = SyntheticImageCaptionDataset(
-            args.train_iters * args.global_batch_size, args.seq_length, args.image_size, self.num_image_tokens,
-            self.tokenizer, self.image_token_id, args.seed)
+            args.train_iters * args.global_batch_size,
+            args.seq_length,
+            args.image_size,
+            self.num_image_tokens,
+            self.tokenizer,
+            self.image_token_id,
+            args.seed,
+        )
         language_layout = self.roles.layouts[LANGUAGE_MODEL]
         self.logging_rank = language_layout.rank_of({axis: 0 for axis in language_layout.axes})
         self.logger = MetricsLogger(dist.get_rank() == self.logging_rank, args.metrics_jsonl, args.tensorboard_dir)
         # Language-model FLOPs only (the encoder's are not counted), known on its ranks.
         self.flops_per_token = 0.0
         if self.model.language_model is not None:
-            self.flops_per_token = count_flops_per_token(self.model.language_model, self.collections[LANGUAGE_MODEL],
-                                                         args.seq_length, args.hidden_size, self.device)
+            self.flops_per_token = count_flops_per_token(
+                self.model.language_model,
+                self.collections[LANGUAGE_MODEL],
+                args.seq_length,
+                args.hidden_size,
+                self.device,
+            )
         self.state = TrainState()
 
     def iterators(self, start_sample: int):
@@ -219,9 +286,14 @@ class MimoTrainer:
             layout = self.roles.layouts[name]
             bridge = self.bridges[IMAGES]
             size = bridge.language_micro_batch_size if name == LANGUAGE_MODEL else bridge.encoder_micro_batch_size
-            batches[name] = microbatches(self.train_ds, start_sample=start_sample, micro_batch_size=size,
-                                         data_rank=data_index(layout, me), data_width=data_width(layout),
-                                         device=self.device)
+            batches[name] = microbatches(
+                self.train_ds,
+                start_sample=start_sample,
+                micro_batch_size=size,
+                data_rank=data_index(layout, me),
+                data_width=data_width(layout),
+                device=self.device,
+            )
         return batches.pop(LANGUAGE_MODEL, None), batches
 
     def _job_loss(self, losses: list[torch.Tensor]) -> float:
@@ -240,8 +312,14 @@ class MimoTrainer:
         for module in self.ddp.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = forward_backward(self.model, self.bridges, language_batches, modality_batches,
-                                  self.args.num_microbatches, grad_scale_func=self.optimizer.scale_loss)
+        losses = forward_backward(
+            self.model,
+            self.bridges,
+            language_batches,
+            modality_batches,
+            self.args.num_microbatches,
+            grad_scale_func=self.optimizer.scale_loss,
+        )
         for name, module in self.ddp.items():
             finalize_model_grads([module], self.collections[name], module.config)
         update_successful, grad_norm, _ = self.optimizer.step()
@@ -302,8 +380,10 @@ class MimoTrainer:
         if resume:
             self.state = TrainState(**loaded["train_state"])
             self.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
-            parts.append(f"train state (iteration {self.state.iteration}, consumed samples "
-                         f"{self.state.consumed_samples}), LR schedule")
+            parts.append(
+                f"train state (iteration {self.state.iteration}, consumed samples "
+                f"{self.state.consumed_samples}), LR schedule"
+            )
         if with_rng:
             set_rng_states(loaded["rng_state"])
             parts.append("RNG states")

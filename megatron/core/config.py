@@ -7,8 +7,8 @@ what would be accepted.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,21 +136,36 @@ class TransformerConfig(ModelParallelConfig):
         if self.mamba_num_heads is None:
             self.mamba_num_heads = self.mamba_expand * self.hidden_size // self.mamba_head_dim
         checks = [
-            (self.num_attention_heads % tp == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be divisible by tensor_model_parallel_size ({tp})"),
-            (self.num_query_groups % tp == 0,
-             f"num_query_groups ({self.num_query_groups}) must be divisible by tensor_model_parallel_size ({tp})"),
-            (self.num_attention_heads % self.num_query_groups == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
-             f"({self.num_query_groups})"),
-            (self.ffn_hidden_size % tp == 0,
-             f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})"),
-            (self.normalization in ("LayerNorm", "RMSNorm"),
-             f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
-            (self.recompute_granularity in (None, "full", "selective"),
-             f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
-            (self.mtp_num_layers is None or self.mtp_num_layers >= 0,
-             f"mtp_num_layers must be >= 0, got {self.mtp_num_layers!r}"),
+            (
+                self.num_attention_heads % tp == 0,
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"tensor_model_parallel_size ({tp})",
+            ),
+            (
+                self.num_query_groups % tp == 0,
+                f"num_query_groups ({self.num_query_groups}) must be divisible by tensor_model_parallel_size ({tp})",
+            ),
+            (
+                self.num_attention_heads % self.num_query_groups == 0,
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
+                f"({self.num_query_groups})",
+            ),
+            (
+                self.ffn_hidden_size % tp == 0,
+                f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})",
+            ),
+            (
+                self.normalization in ("LayerNorm", "RMSNorm"),
+                f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}",
+            ),
+            (
+                self.recompute_granularity in (None, "full", "selective"),
+                f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}",
+            ),
+            (
+                self.mtp_num_layers is None or self.mtp_num_layers >= 0,
+                f"mtp_num_layers must be >= 0, got {self.mtp_num_layers!r}",
+            ),
         ]
         errors = [message for ok, message in checks if not ok]
         if errors:
@@ -169,7 +184,7 @@ class TransformerConfig(ModelParallelConfig):
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TransformerConfig":
+    def from_dict(cls, data: dict) -> TransformerConfig:
         """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError. Fields this
         version does not know are ignored."""
         data = dict(data)

@@ -168,6 +168,6 @@ def is_pipeline_last_stage(pg_collection: ProcessGroupCollection | None = None) 
     return pgc.rank("pp") == pgc.size("pp") - 1
 
 
-__all__ = [name for name in dir() if name.startswith(("get_", "is_", "initialize", "destroy", "model_parallel", "resolve"))] + [
-    "ParallelConfigError"
-]
+__all__ = [
+    name for name in dir() if name.startswith(("get_", "is_", "initialize", "destroy", "model_parallel", "resolve"))
+] + ["ParallelConfigError"]

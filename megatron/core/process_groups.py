@@ -9,8 +9,8 @@ used anywhere comes from :meth:`RankLayout.rank_groups`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Iterable
 
 import torch.distributed as dist
 
@@ -46,9 +46,7 @@ def parse_order(order: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in order.split("-"))
     unknown = [n for n in names if n not in AXES]
     if unknown:
-        raise ParallelConfigError(
-            f"order {order!r} names unknown axis {unknown[0]!r}; known axes: {', '.join(AXES)}"
-        )
+        raise ParallelConfigError(f"order {order!r} names unknown axis {unknown[0]!r}; known axes: {', '.join(AXES)}")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ParallelConfigError(f"order {order!r} repeats axis {repeated[0]!r}")
@@ -82,7 +80,7 @@ class RankLayout:
         parse_order(self.order)
 
     @classmethod
-    def for_world(cls, world_size: int, tp=1, gtp=1, cp=1, pp=1, order=DEFAULT_ORDER) -> "RankLayout":
+    def for_world(cls, world_size: int, tp=1, gtp=1, cp=1, pp=1, order=DEFAULT_ORDER) -> RankLayout:
         """Layout filling ``world_size`` ranks: DP is whatever the other sizes leave."""
         for axis, size in (("tp", tp), ("gtp", gtp), ("cp", cp), ("pp", pp)):
             if not isinstance(size, int) or size < 1:
@@ -90,8 +88,7 @@ class RankLayout:
         model_size = tp * gtp * cp * pp
         if world_size % model_size:
             raise ParallelConfigError(
-                f"world size {world_size} is not a multiple of tp*gtp*cp*pp = "
-                f"{tp}*{gtp}*{cp}*{pp} = {model_size}"
+                f"world size {world_size} is not a multiple of tp*gtp*cp*pp = {tp}*{gtp}*{cp}*{pp} = {model_size}"
             )
         return cls(tp=tp, gtp=gtp, cp=cp, dp=world_size // model_size, pp=pp, order=order)
 
@@ -141,7 +138,7 @@ class RankLayout:
         for fixed_coords in itertools.product(*(range(self.size(a)) for a in fixed)):
             members = []
             for varying in itertools.product(*(range(self.size(a)) for a in names)):
-                coords = dict(zip(fixed, fixed_coords)) | dict(zip(names, varying))
+                coords = dict(zip(fixed, fixed_coords, strict=True)) | dict(zip(names, varying, strict=True))
                 members.append(self.rank_of(coords))
             groups.append(sorted(members))
         return sorted(groups)
@@ -257,7 +254,7 @@ class ProcessGroupCollection:
         return [f.name for f in fields(self) if f.name in GROUP_NAMES and self.has(f.name)]
 
     @classmethod
-    def from_layout(cls, layout: RankLayout, backend: str | None = None, timeout=None) -> "ProcessGroupCollection":
+    def from_layout(cls, layout: RankLayout, backend: str | None = None, timeout=None) -> ProcessGroupCollection:
         """Create every group of ``layout`` that contains this rank.
 
         Only ranks inside the layout call this (a sub-grid needs nothing of the other
@@ -270,7 +267,9 @@ class ProcessGroupCollection:
             )
         me = dist.get_rank()
         if me not in layout.ranks:
-            raise ValueError(f"rank {me} is not part of the layout on ranks {layout.ranks.start}..{layout.ranks.stop - 1}")
+            raise ValueError(
+                f"rank {me} is not part of the layout on ranks {layout.ranks.start}..{layout.ranks.stop - 1}"
+            )
         groups = {}
         for name in GROUP_NAMES:
             (mine,) = [g for g in layout.group_ranks(name) if me in g] or [None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generalized-tensor-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl when CUDA is available, else gloo")
+    g.add_argument(
+        "--distributed-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="default: nccl when CUDA is available, else gloo",
+    )
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
 
@@ -72,14 +76,22 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear")
+    g.add_argument(
+        "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear"
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--override-opt-param-scheduler", action="store_true",
-                   help="on --load, use the scheduler flags instead of the checkpoint's")
-    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
-                   help="on --load, use the checkpoint's scheduler settings")
+    g.add_argument(
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="on --load, use the scheduler flags instead of the checkpoint's",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="on --load, use the checkpoint's scheduler settings",
+    )
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -95,8 +107,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="indexed dataset prefix(es), or 'builtin' for the bundled corpus (default)")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="indexed dataset prefix(es), or 'builtin' for the bundled corpus (default)",
+    )
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
@@ -141,16 +157,27 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     Raises ArgumentError naming the flags at fault. Runs before any process group exists.
     """
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "generalized_tensor_parallel_size", "micro_batch_size"):
+    for flag in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "generalized_tensor_parallel_size",
+        "micro_batch_size",
+    ):
         _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    tp, pp, cp, gtp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       args.context_parallel_size, args.generalized_tensor_parallel_size)
+    tp, pp, cp, gtp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+        args.generalized_tensor_parallel_size,
+    )
     model_parallel = tp * pp * cp * gtp
-    _require(world_size % model_parallel == 0,
-             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) x "
-             f"--generalized-tensor-parallel-size ({gtp}) = {model_parallel}")
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) x "
+        f"--generalized-tensor-parallel-size ({gtp}) = {model_parallel}",
+    )
     _require(cp == 1, f"--context-parallel-size {cp} is not supported by the models yet; use 1")
     args.data_parallel_size = world_size // model_parallel
     # GTP peers read different micro-batches: they are part of the data-parallel width.
@@ -160,25 +187,34 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
-    _require(args.data_path is None or len(args.data_path) == 1,
-             f"--data-path takes one dataset prefix for now (no blending), got {len(args.data_path or [])}")
+    _require(
+        args.data_path is None or len(args.data_path) == 1,
+        f"--data-path takes one dataset prefix for now (no blending), got {len(args.data_path or [])}",
+    )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_width
     per_step = args.micro_batch_size * args.data_parallel_width
-    _require(args.global_batch_size % per_step == 0,
-             f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
-             f"({args.micro_batch_size}) x data-parallel width ({args.data_parallel_width} = DP "
-             f"{args.data_parallel_size} x CP {cp} x GTP {gtp})")
+    _require(
+        args.global_batch_size % per_step == 0,
+        f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
+        f"({args.micro_batch_size}) x data-parallel width ({args.data_parallel_width} = DP "
+        f"{args.data_parallel_size} x CP {cp} x GTP {gtp})",
+    )
     args.num_microbatches = args.global_batch_size // per_step
-    _require(args.num_attention_heads % tp == 0,
-             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp})")
+    _require(
+        args.num_attention_heads % tp == 0,
+        f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
     if args.num_query_groups is not None:
-        _require(args.num_query_groups % tp == 0,
-                 f"--num-query-groups ({args.num_query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
-        _require(args.num_attention_heads % args.num_query_groups == 0,
-                 f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
-                 f"({args.num_query_groups})")
+        _require(
+            args.num_query_groups % tp == 0,
+            f"--num-query-groups ({args.num_query_groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            args.num_attention_heads % args.num_query_groups == 0,
+            f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
+            f"({args.num_query_groups})",
+        )
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron's behaviour: nothing to split at TP=1
     if args.position_embedding_type is None:
@@ -186,29 +222,38 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
-        _require(args.seq_length <= args.max_position_embeddings,
-                 f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings ({args.max_position_embeddings})")
+        _require(
+            args.seq_length <= args.max_position_embeddings,
+            f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings ({args.max_position_embeddings})",
+        )
     if args.model_family == "hybrid":
         _require(args.hybrid_layer_pattern is not None, "--hybrid-layer-pattern is required for hybrid models")
     else:
         _require(args.hybrid_layer_pattern is None, "--hybrid-layer-pattern is only valid for hybrid models")
-        _require(args.num_layers % pp == 0,
-                 f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+        _require(
+            args.num_layers % pp == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})",
+        )
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    _require(args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed --lr-decay-iters ({args.lr_decay_iters})")
-    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
-             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
+    _require(
+        args.lr_warmup_iters <= args.lr_decay_iters,
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed --lr-decay-iters ({args.lr_decay_iters})",
+    )
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive",
+    )
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
-    _require(args.eval_interval is None or args.eval_iters >= 1,
-             "--eval-interval needs --eval-iters >= 1")
-    _require(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
-             f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}")
+    _require(args.eval_interval is None or args.eval_iters >= 1, "--eval-interval needs --eval-iters >= 1")
+    _require(
+        args.mtp_num_layers is None or args.mtp_num_layers >= 1,
+        f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}",
+    )
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
@@ -218,14 +263,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             from megatron.core.ssm.mamba_mixer import MambaDims
 
             MambaDims.from_config(config, tp)
-            resolve_hybrid_pattern(config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None)
+            resolve_hybrid_pattern(
+                config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None
+            )
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args
 
 
-def parse_args(argv: list[str] | None = None, model_family: str = "gpt", world_size: int | None = None,
-               extra_args_provider: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None,
+    model_family: str = "gpt",
+    world_size: int | None = None,
+    extra_args_provider: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
     parser = build_parser(model_family)
     if extra_args_provider is not None:

@@ -130,8 +130,13 @@ def model_from_record(record: dict, pg_collection: ProcessGroupCollection | None
     pg = resolve_pg_collection(pg_collection)
     config = config_from_record(record, pg)
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
-    kwargs = {"pre_process": pp_rank == 0, "post_process": pp_rank == pp_size - 1, **record["model_kwargs"],
-              "pg_collection": pg, **overrides}
+    kwargs = {
+        "pre_process": pp_rank == 0,
+        "post_process": pp_rank == pp_size - 1,
+        **record["model_kwargs"],
+        "pg_collection": pg,
+        **overrides,
+    }
     family = record["model_family"]
     if family == "gpt":
         from megatron.core.models.gpt import GPTModel

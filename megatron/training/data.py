@@ -49,12 +49,20 @@ def build_datasets(args, tokenizer, vocab_size: int):
     prefix = resolve_data_prefix(args, tokenizer)
     if prefix is None:
         return build_mock_gpt_datasets(num_samples, args.seq_length, vocab_size, args.seed)
-    return build_gpt_datasets(prefix, args.split, num_samples, args.seq_length, args.seed,
-                              eod_id=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
+    return build_gpt_datasets(
+        prefix,
+        args.split,
+        num_samples,
+        args.seq_length,
+        args.seed,
+        eod_id=tokenizer.eod,
+        eod_mask_loss=args.eod_mask_loss,
+    )
 
 
-def microbatches(dataset, *, start_sample: int, micro_batch_size: int, data_rank: int, data_width: int,
-                 device: torch.device):
+def microbatches(
+    dataset, *, start_sample: int, micro_batch_size: int, data_rank: int, data_width: int, device: torch.device
+):
     """Endless iterator of this data rank's micro-batches (dicts of [b, s] tensors), starting at
     global sample ``start_sample`` (the consumed-sample count when resuming)."""
     index = start_sample

@@ -53,16 +53,37 @@ class MetricsLogger:
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
 
-    def log_training(self, *, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                     tokens_per_s: float, tflops: float, lr: float, loss: float, grad_norm: float | None,
-                     skipped: int, nan: int, extra: dict | None = None) -> None:
+    def log_training(
+        self,
+        *,
+        iteration: int,
+        train_iters: int,
+        consumed_samples: int,
+        elapsed_ms: float,
+        tokens_per_s: float,
+        tflops: float,
+        lr: float,
+        loss: float,
+        grad_norm: float | None,
+        skipped: int,
+        nan: int,
+        extra: dict | None = None,
+    ) -> None:
         """One training record and Megatron's log line."""
         if not self.enabled:
             return
         record = {
-            "type": "train", "iteration": iteration, "consumed_samples": consumed_samples,
-            "lm loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_ms_per_iteration": elapsed_ms,
-            "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped_iterations": skipped, "nan_iterations": nan,
+            "type": "train",
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "lm loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "elapsed_ms_per_iteration": elapsed_ms,
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "skipped_iterations": skipped,
+            "nan_iterations": nan,
         }
         record.update(extra or {})
         self._record(record, iteration)

@@ -51,8 +51,9 @@ class IterationLog:
         self._losses: list[float] = []
         self._start = time.perf_counter()
 
-    def record(self, state: TrainState, loss: float, update_successful: bool, grad_norm: float | None,
-               lr: float) -> None:
+    def record(
+        self, state: TrainState, loss: float, update_successful: bool, grad_norm: float | None, lr: float
+    ) -> None:
         args = self.args
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
@@ -66,11 +67,17 @@ class IterationLog:
         iters = len(self._losses)
         tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
         self.logger.log_training(
-            iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_samples,
-            elapsed_ms=1000 * elapsed / iters, tokens_per_s=tokens_per_s,
+            iteration=state.iteration,
+            train_iters=args.train_iters,
+            consumed_samples=state.consumed_samples,
+            elapsed_ms=1000 * elapsed / iters,
+            tokens_per_s=tokens_per_s,
             tflops=tokens_per_s * self.flops_per_token / 1e12 / self.num_ranks,
-            lr=lr, loss=sum(self._losses) / iters, grad_norm=grad_norm,
-            skipped=state.skipped_iterations, nan=state.nan_iterations,
+            lr=lr,
+            loss=sum(self._losses) / iters,
+            grad_norm=grad_norm,
+            skipped=state.skipped_iterations,
+            nan=state.nan_iterations,
         )
         self._losses, self._start = [], time.perf_counter()
 
@@ -102,8 +109,9 @@ def logging_rank(pgc: ProcessGroupCollection) -> int:
     return layout.rank_of({axis: 0 for axis in layout.axes} | {"pp": layout.pp - 1})
 
 
-def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int,
-                          device: torch.device) -> float:
+def count_flops_per_token(
+    model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int, device: torch.device
+) -> float:
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
     embedding lookups excluded, the (possibly tied) output layer included."""
@@ -128,19 +136,32 @@ def count_flops_per_token(model: torch.nn.Module, pgc: ProcessGroupCollection, s
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
     """The optimizer settings the training flags describe."""
-    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                           clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                           initial_loss_scale=args.initial_loss_scale,
-                           use_distributed_optimizer=args.use_distributed_optimizer)
+    return OptimizerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
 
 
 def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
     """The learning-rate and weight-decay schedule the training flags describe."""
     return OptimizerParamScheduler(
-        optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
-        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        optimizer,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        init_lr=args.lr_warmup_init,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        weight_decay=args.weight_decay,
     )
 
 
@@ -157,12 +178,13 @@ class Trainer:
         model = model_provider(args, self.config, self.vocab_size, pgc).to(self.device)
         self.model = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                          grad_reduce_in_fp32=args.bf16 or args.fp16),
-            model, pg_collection=pgc,
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16
+            ),
+            model,
+            pg_collection=pgc,
         )
-        self.optimizer = get_megatron_optimizer(
-optimizer_config_from_args(args), [self.model], pgc)
+        self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.model], pgc)
         self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
         self.train_ds, self.valid_ds, _ = build_datasets(args, self.tokenizer, self.vocab_size)
@@ -174,17 +196,27 @@ optimizer_config_from_args(args), [self.model], pgc)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
 
     def data_iterator(self, dataset, start_sample: int):
-        return microbatches(dataset, start_sample=start_sample, micro_batch_size=self.args.micro_batch_size,
-                            data_rank=dist.get_rank(self.pgc.dp_cp_gtp_or_dp_cp()),
-                            data_width=self.args.data_parallel_width, device=self.device)
+        return microbatches(
+            dataset,
+            start_sample=start_sample,
+            micro_batch_size=self.args.micro_batch_size,
+            data_rank=dist.get_rank(self.pgc.dp_cp_gtp_or_dp_cp()),
+            data_width=self.args.data_parallel_width,
+            device=self.device,
+        )
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> torch.Tensor:
         """Forward (and backward) over one global batch; the mean loss over it on every rank
         of the last stage (averaged over the data group), zero elsewhere."""
         metrics, _ = self.forward_backward(
-            forward_step_func=forward_step, data_iterator=data_iterator, model=[self.model],
-            num_microbatches=self.args.num_microbatches, tensor_shape=self.tensor_shape,
-            dtype=self.config.params_dtype, device=self.device, forward_only=forward_only,
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=[self.model],
+            num_microbatches=self.args.num_microbatches,
+            tensor_shape=self.tensor_shape,
+            dtype=self.config.params_dtype,
+            device=self.device,
+            forward_only=forward_only,
             pg_collection=self.pgc,
             grad_scale_func=None if forward_only else self.optimizer.scale_loss,
         )

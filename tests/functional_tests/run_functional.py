@@ -33,14 +33,23 @@ def load_cases() -> dict[str, dict]:
     return cases
 
 
-def run_case(name: str, case: dict, extra_flags: list[str], nproc: int | None = None, timeout_s: int = 900) -> list[dict]:
+def run_case(
+    name: str, case: dict, extra_flags: list[str], nproc: int | None = None, timeout_s: int = 900
+) -> list[dict]:
     """Launch the case under torchrun; return its JSONL training records."""
     with tempfile.TemporaryDirectory(prefix=f"functional_{name}_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc or case['nproc']}", os.path.join(ROOT, case["entry_point"]),
-            *case["flags"], "--metrics-jsonl", metrics, *extra_flags,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc or case['nproc']}",
+            os.path.join(ROOT, case["entry_point"]),
+            *case["flags"],
+            "--metrics-jsonl",
+            metrics,
+            *extra_flags,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -59,8 +68,9 @@ def compare(name: str, losses: list[float], golden: list[float], rtol: float) ->
     if len(losses) != len(golden):
         return [f"{name}: {len(losses)} losses, golden has {len(golden)}"]
     return [
-        f"{name}: iteration {i + 1}: loss {got:.6f} vs golden {want:.6f} (rel diff {abs(got - want) / abs(want):.2e} > {rtol})"
-        for i, (got, want) in enumerate(zip(losses, golden))
+        f"{name}: iteration {i + 1}: loss {got:.6f} vs golden {want:.6f} "
+        f"(rel diff {abs(got - want) / abs(want):.2e} > {rtol})"
+        for i, (got, want) in enumerate(zip(losses, golden, strict=True))
         if abs(got - want) > rtol * abs(want)
     ]
 
@@ -78,8 +88,11 @@ def main(argv=None) -> int:
     unknown = [c for c in args.case or [] if c not in cases]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {', '.join(cases)}")
-    selected = {n: c for n, c in cases.items() if (not args.case or n in args.case)
-                and (not args.subset or args.subset in c.get("subsets", []))}
+    selected = {
+        n: c
+        for n, c in cases.items()
+        if (not args.case or n in args.case) and (not args.subset or args.subset in c.get("subsets", []))
+    }
     failures = []
     for name, case in selected.items():
         losses = training_losses(run_case(name, case, args.extra, args.nproc))
@@ -92,7 +105,7 @@ def main(argv=None) -> int:
             continue
         problems = compare(name, losses, case["golden_lm_loss"], args.rtol or case["rtol"])
         failures += problems
-        print(f"{name}: {'FAIL' if problems else 'ok'}  losses {['%.4f' % x for x in losses]}")
+        print(f"{name}: {'FAIL' if problems else 'ok'}  losses {[f'{x:.4f}' for x in losses]}")
     for line in failures:
         print(line)
     return 1 if failures else 0

@@ -32,7 +32,7 @@ def test_gpt_goldens_match_a_plain_pytorch_loop():
     flags = [f for f in case["flags"]]
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
         i = flags.index(flag)
-        del flags[i:i + 2]
+        del flags[i : i + 2]
     flags = flags + ["--distributed-backend", "gloo"]
     ((plain, ours),) = run_distributed(_plain_loop_losses, 1, flags, 3)
     assert plain == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)

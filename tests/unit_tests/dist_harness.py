@@ -53,12 +53,14 @@ def _cleanup_rank_state():
     parallel_state.destroy_model_parallel()
 
 
-def _wait_for_every_rank(store: dist.Store, key: str, world_size: int) -> None:
-    """Store-only barrier: gloo connects its full mesh pair by pair, and a rank that finishes
-    (and exits) while a peer is still completing its handshakes makes that peer's
-    ``init_process_group`` fail with "Connection closed by peer"."""
+def _wait_for_every_rank(store: dist.Store, key: str, world_size: int, timeout_s: float | None = None) -> None:
+    """Store-only barrier. Gloo connects a group's full mesh pair by pair, and a rank that
+    exits while a peer is still completing its handshakes (in ``init_process_group`` or a
+    ``new_group``) makes that peer fail with "Connection closed by peer"; so ranks meet after
+    init and again before they exit (there with a bound: a peer may be stuck or dead)."""
     store.add(key, 1)
-    while store.add(key, 0) < world_size:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size and (deadline is None or time.monotonic() < deadline):
         time.sleep(0.001)
 
 
@@ -66,6 +68,7 @@ def _rank_main(rank, world_size, store_path, fn, args, kwargs, results, collecti
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    store = None
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
@@ -82,6 +85,8 @@ def _rank_main(rank, world_size, store_path, fn, args, kwargs, results, collecti
         _cleanup_rank_state()
         results.close()
         results.join_thread()  # flush the queue's feeder thread before the hard exit
+        if store is not None:
+            _wait_for_every_rank(store, "finished", world_size, timeout_s=ERROR_GRACE_S)
     # Skip interpreter teardown: a rank whose peers died may block in backend destructors.
     os._exit(0)
 

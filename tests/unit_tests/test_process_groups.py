@@ -192,7 +192,7 @@ def _hand_built_collection():
     assert pgc.size("tp") == 2 and pgc.size("gtp") == 1 and pgc.rank("gtp") == 0
     assert pgc.provided() == ["tp"]
     with pytest.raises(MissingProcessGroupError, match="'dp_cp'"):
-        pgc.dp_cp
+        _ = pgc.dp_cp
     return pgc.rank("tp")
 
 

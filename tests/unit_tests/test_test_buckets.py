@@ -17,7 +17,9 @@ def test_every_test_file_is_in_exactly_one_bucket():
         assert bucket["gpus"] in (1, 2, 4, 8), name
         for path in bucket_files(bucket, ROOT):
             owners.setdefault(path, []).append(name)
-    test_files = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)]
+    test_files = [
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+    ]
     assert test_files
     for path in test_files:
         assert len(owners.get(path, [])) == 1, f"{path} is in buckets {owners.get(path, [])}; it needs exactly one"

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -58,19 +58,23 @@ def _pattern(kwargs: dict) -> str:
 
 HF_FAMILIES = {
     "LlamaForCausalLM": HFFamily(
-        "gpt", hf_mapping.llama_config_from_hf,
+        "gpt",
+        hf_mapping.llama_config_from_hf,
         lambda sd, c, kw: hf_mapping.llama_state_dict_from_hf(sd, c, kw["share_embeddings_and_output_weights"]),
         lambda sd, c, kw: hf_mapping.llama_state_dict_to_hf(sd, c, kw["vocab_size"]),
     ),
     "GPT2LMHeadModel": HFFamily(
-        "gpt", hf_mapping.gpt2_config_from_hf,
+        "gpt",
+        hf_mapping.gpt2_config_from_hf,
         lambda sd, c, kw: hf_mapping.gpt2_state_dict_from_hf(sd, c, kw["share_embeddings_and_output_weights"]),
         lambda sd, c, kw: hf_mapping.gpt2_state_dict_to_hf(sd, c, kw["vocab_size"]),
     ),
     "NemotronHForCausalLM": HFFamily(
-        "hybrid", hf_mapping.nemotron_h_config_from_hf,
+        "hybrid",
+        hf_mapping.nemotron_h_config_from_hf,
         lambda sd, c, kw: hf_mapping.nemotron_h_state_dict_from_hf(
-            sd, c, _pattern(kw), kw["share_embeddings_and_output_weights"]),
+            sd, c, _pattern(kw), kw["share_embeddings_and_output_weights"]
+        ),
         lambda sd, c, kw: hf_mapping.nemotron_h_state_dict_to_hf(sd, c, kw["vocab_size"], _pattern(kw)),
     ),
 }
@@ -103,8 +107,13 @@ def load_hf(load_dir: str) -> Converted:
     hf_model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32)
     state_dict = family.state_dict_from_hf(hf_model.state_dict(), config, kwargs)
     has_tokenizer = os.path.isfile(os.path.join(load_dir, "tokenizer.json"))
-    record = model_config_record(family.ours, config, kwargs, "HuggingFaceTokenizer" if has_tokenizer else None,
-                                 os.path.abspath(load_dir) if has_tokenizer else None)
+    record = model_config_record(
+        family.ours,
+        config,
+        kwargs,
+        "HuggingFaceTokenizer" if has_tokenizer else None,
+        os.path.abspath(load_dir) if has_tokenizer else None,
+    )
     record["hf_config"] = hf_config.to_dict()
     record["hf_architecture"] = architecture
     return Converted(state_dict, record, 0)
@@ -165,8 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 def convert(argv: list[str] | None = None) -> str:
     """Run a conversion (see the module docstring); returns the directory written."""
     args = build_parser().parse_args(argv)
-    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_generalized_tensor_parallel_size"):
+    for flag in (
+        "target_tensor_parallel_size",
+        "target_pipeline_parallel_size",
+        "target_generalized_tensor_parallel_size",
+    ):
         if getattr(args, flag) < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     initialize_distributed("gloo")

@@ -44,8 +44,10 @@ def describe(checkpoint_dir: str) -> str:
         nbytes = sum(cell.local_shape[0] for cell in grid.cells.values())
         shape = "x".join(map(str, grid.global_shape))
         lines.append(f"{key:<40} {shape:<18} {'object':<10} {_size(nbytes):>10} {len(grid.cells)}")
-    lines.append(f"{len(metadata.tensors)} tensors ({_size(total)}), {len(metadata.objects)} object grids, "
-                 f"common state: {'yes' if metadata.common else 'no'}")
+    lines.append(
+        f"{len(metadata.tensors)} tensors ({_size(total)}), {len(metadata.objects)} object grids, "
+        f"common state: {'yes' if metadata.common else 'no'}"
+    )
     return "\n".join(lines)
 
 

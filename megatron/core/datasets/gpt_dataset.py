@@ -10,7 +10,7 @@ same seed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -69,9 +69,7 @@ class GPTDataset(torch.utils.data.Dataset):
         tokens_needed = num_samples * sequence_length + 1
         self.num_epochs = -(-tokens_needed // tokens_per_epoch)
         document_rng = np.random.default_rng([seed, 0])
-        self.document_order = np.concatenate(
-            [document_rng.permutation(document_ids) for _ in range(self.num_epochs)]
-        )
+        self.document_order = np.concatenate([document_rng.permutation(document_ids) for _ in range(self.num_epochs)])
         order_lengths = indexed_dataset.document_lengths[self.document_order]
         self._document_starts = np.concatenate(([0], np.cumsum(order_lengths)[:-1]))
         self._document_offsets = indexed_dataset.document_token_offsets[self.document_order]
@@ -124,7 +122,7 @@ def build_gpt_datasets(
     weights = parse_split(split)
     ranges = split_document_ranges(indexed_dataset.num_documents, weights)
     datasets: list[GPTDataset | None] = []
-    for name, weight, (start, stop), count in zip(SPLIT_NAMES, weights, ranges, num_samples):
+    for name, weight, (start, stop), count in zip(SPLIT_NAMES, weights, ranges, num_samples, strict=True):
         if count == 0 or weight == 0:
             datasets.append(None)
             continue

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -145,9 +145,7 @@ class IndexedDataset:
         self._check_data(bin_path)
         total_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         # numpy cannot memory-map an empty file; an empty dataset has nothing to map.
-        self._data = (
-            np.memmap(bin_path, dtype=self.dtype, mode="r") if total_tokens else np.empty(0, dtype=self.dtype)
-        )
+        self._data = np.memmap(bin_path, dtype=self.dtype, mode="r") if total_tokens else np.empty(0, dtype=self.dtype)
 
     def _read_index(self, idx_path: str) -> None:
         index = np.memmap(idx_path, dtype=np.uint8, mode="r") if os.path.getsize(idx_path) else np.empty(0, np.uint8)
@@ -162,9 +160,7 @@ class IndexedDataset:
         if version != INDEX_VERSION:
             raise IndexedDatasetError(f"{idx_path} has index version {version}; accepted version: {INDEX_VERSION}")
         if dtype_code not in DTYPE_CODES:
-            raise IndexedDatasetError(
-                f"{idx_path} has dtype code {dtype_code}; accepted codes: {sorted(DTYPE_CODES)}"
-            )
+            raise IndexedDatasetError(f"{idx_path} has dtype code {dtype_code}; accepted codes: {sorted(DTYPE_CODES)}")
         expected_size = header_size + sequence_count * (4 + 8) + document_count * 8
         if index.size != expected_size:
             raise IndexedDatasetError(
@@ -248,4 +244,3 @@ class IndexedDataset:
 
     def __setstate__(self, state):
         self.__init__(state["path_prefix"])
-

@@ -25,8 +25,9 @@ COLORS = {
 SHAPES = ("square", "circle", "triangle")
 
 
-def draw_shape(shape: str, color: tuple[float, float, float], size: int, top: int, left: int,
-               image_size: int) -> np.ndarray:
+def draw_shape(
+    shape: str, color: tuple[float, float, float], size: int, top: int, left: int, image_size: int
+) -> np.ndarray:
     """A ``[3, image_size, image_size]`` float32 image with ``shape`` in ``color`` inside the
     box of side ``size`` at ``(top, left)``."""
     rows, cols = np.mgrid[0:image_size, 0:image_size]
@@ -57,8 +58,17 @@ class SyntheticImageCaptionDataset(torch.utils.data.Dataset):
         num_image_tokens: embeddings the encoder yields per image (its number of patches).
     """
 
-    def __init__(self, num_samples: int, sequence_length: int, image_size: int, num_image_tokens: int, tokenizer,
-                 image_token_id: int, seed: int, split_id: int = 0):
+    def __init__(
+        self,
+        num_samples: int,
+        sequence_length: int,
+        image_size: int,
+        num_image_tokens: int,
+        tokenizer,
+        image_token_id: int,
+        seed: int,
+        split_id: int = 0,
+    ):
         if num_samples < 1:
             raise DatasetConfigError(f"num_samples must be >= 1, got {num_samples}")
         if image_size < 4:

@@ -63,7 +63,9 @@ def read_latest_iteration(root: str) -> int | None:
 def write_latest_iteration(root: str, iteration: int) -> None:
     """Point the tracker at ``iteration`` (atomically); its directory must be published."""
     if not os.path.isdir(iteration_dir(root, iteration)):
-        raise CheckpointingError(f"cannot mark iteration {iteration} as latest: {iteration_dir(root, iteration)} does not exist")
+        raise CheckpointingError(
+            f"cannot mark iteration {iteration} as latest: {iteration_dir(root, iteration)} does not exist"
+        )
     write_file_atomically(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n".encode())
 
 

@@ -60,11 +60,13 @@ class Assignment:
     def to_json(self) -> dict:
         return {
             "members": list(self.members),
-            "pieces": [[p.chunk[0], p.chunk[1], list(p.chunk[2]), list(p.chunk[3]), p.dtype, p.rank] for p in self.pieces],
+            "pieces": [
+                [p.chunk[0], p.chunk[1], list(p.chunk[2]), list(p.chunk[3]), p.dtype, p.rank] for p in self.pieces
+            ],
         }
 
     @classmethod
-    def from_json(cls, raw: dict) -> "Assignment":
+    def from_json(cls, raw: dict) -> Assignment:
         return cls(
             tuple(raw["members"]),
             tuple(AssignedPiece((k, key, tuple(o), tuple(s)), d, r) for k, key, o, s, d, r in raw["pieces"]),
@@ -104,9 +106,7 @@ def compute_assignment(purpose: str, records_by_member: dict[int, list[ShardReco
     nbytes = {c: record_nbytes(meta[c]) for c in candidates}
     owner = greedy_assign(candidates, nbytes)
     ordered = sorted(owner, key=lambda c: (-nbytes[c], c))
-    return Assignment(
-        tuple(records_by_member), tuple(AssignedPiece(c, meta[c].dtype, owner[c]) for c in ordered)
-    )
+    return Assignment(tuple(records_by_member), tuple(AssignedPiece(c, meta[c].dtype, owner[c]) for c in ordered))
 
 
 def cache_key(purpose: str, members: tuple[int, ...], records: list[ShardRecord]) -> str:
@@ -166,7 +166,7 @@ def distribute(purpose: str, records: list[ShardRecord], group, cache: Assignmen
         if hit is not None:
             return hit
     GATHER_COUNTS[members] += 1
-    records_by_member = dict(zip(members, dist_utils.all_gather_object(records, group)))
+    records_by_member = dict(zip(members, dist_utils.all_gather_object(records, group), strict=True))
     assignment = compute_assignment(purpose, records_by_member)
     if cache is not None:
         me = members[dist_utils.group_rank(group)]

@@ -8,8 +8,9 @@ A sharded state dict is a nested dict/list whose leaves are :class:`ShardedTenso
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -22,7 +23,9 @@ ReplicaId = tuple[int, ...]
 def _as_replica_id(replica_id: int | tuple[int, ...]) -> ReplicaId:
     rid = (replica_id,) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)
     if not rid or any(r < 0 for r in rid):
-        raise CheckpointingError(f"replica_id must be a non-negative int or a non-empty tuple of them, got {replica_id!r}")
+        raise CheckpointingError(
+            f"replica_id must be a non-negative int or a non-empty tuple of them, got {replica_id!r}"
+        )
     return rid
 
 
@@ -74,9 +77,12 @@ class ShardedTensor:
             len(self.axis_fragmentations) != ndim or any(f < 1 for f in self.axis_fragmentations)
         ):
             raise CheckpointingError(
-                f"{where}: axis_fragmentations {self.axis_fragmentations} must give a count >= 1 for each of the {ndim} axes"
+                f"{where}: axis_fragmentations {self.axis_fragmentations} must give a count >= 1 for each of the "
+                f"{ndim} axes"
             )
-        for axis, (off, size, total) in enumerate(zip(self.global_offset, self.local_shape, self.global_shape)):
+        for axis, (off, size, total) in enumerate(
+            zip(self.global_offset, self.local_shape, self.global_shape, strict=True)
+        ):
             if off < 0 or size < 0 or off + size > total:
                 raise CheckpointingError(
                     f"{where}: axis {axis} spans [{off}, {off + size}) which is outside the global size {total}"
@@ -93,7 +99,9 @@ class ShardedTensor:
                     f"(prepend_axis_num={self.prepend_axis_num}) needs {self.data_shape}"
                 )
             if self.data.dtype != self.dtype:
-                raise CheckpointingError(f"{where}: data has dtype {self.data.dtype} but dtype {self.dtype} was declared")
+                raise CheckpointingError(
+                    f"{where}: data has dtype {self.data.dtype} but dtype {self.dtype} was declared"
+                )
 
     @property
     def data_shape(self) -> tuple[int, ...]:
@@ -117,7 +125,7 @@ class ShardedTensor:
         replica_id: int | tuple[int, ...] = 0,
         prepend_axis_num: int = 0,
         allow_shape_mismatch: bool = False,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """Piece of an evenly split tensor: each ``(axis, rank, num_fragments)`` says that the
         global ``axis`` is cut into ``num_fragments`` equal parts and ``data`` is part ``rank``.
 
@@ -172,7 +180,7 @@ class ShardedObject:
         self.global_offset = tuple(int(o) for o in self.global_offset)
         self.replica_id = _as_replica_id(self.replica_id)
         if len(self.global_shape) != len(self.global_offset) or any(
-            not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape)
+            not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape, strict=True)
         ):
             raise CheckpointingError(
                 f"ShardedObject {self.key!r}: global_offset {self.global_offset} is not a cell of a grid of "
@@ -228,7 +236,9 @@ def apply_factories(sharded_state_dict: Any) -> tuple[Any, list[tuple[TreePath, 
         if not isinstance(leaf, ShardedTensorFactory):
             return leaf
         if not path:
-            raise CheckpointingError("a ShardedTensorFactory cannot be the whole sharded state dict; put it under a key")
+            raise CheckpointingError(
+                "a ShardedTensorFactory cannot be the whole sharded state dict; put it under a key"
+            )
         built = leaf.build()
         for sub_path, sub_leaf in iter_leaves(built):
             if not isinstance(sub_leaf, SHARDED_TYPES):

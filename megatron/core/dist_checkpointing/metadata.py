@@ -95,7 +95,7 @@ class CheckpointMetadata:
         )
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "CheckpointMetadata":
+    def from_json(cls, text: str, where: str) -> CheckpointMetadata:
         try:
             raw = json.loads(text)
             if raw.get("format") != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
@@ -108,7 +108,9 @@ class CheckpointMetadata:
                 for key, t in raw["tensors"].items()
             }
             objects = {
-                key: StoredObjectGrid(tuple(o["global_shape"]), {tuple(c["cell"]): _chunk_from_json(c) for c in o["cells"]})
+                key: StoredObjectGrid(
+                    tuple(o["global_shape"]), {tuple(c["cell"]): _chunk_from_json(c) for c in o["cells"]}
+                )
                 for key, o in raw["objects"].items()
             }
             common = _chunk_from_json(raw["common"]) if raw["common"] else None

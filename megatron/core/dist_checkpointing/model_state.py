@@ -58,7 +58,7 @@ def _global_names(module: nn.Module, prefix: str = "") -> dict[str, str]:
             and all(isinstance(n, int) for n in numbers)
             and len(set(numbers)) == len(numbers)
         )
-        for (child_name, child), number in zip(children, numbers):
+        for (child_name, child), number in zip(children, numbers, strict=True):
             child_global = str(number - 1) if renumber else child_name
             child_local_path = f"{local}.{child_name}" if local else child_name
             child_global_path = f"{global_}.{child_global}" if global_ else child_global
@@ -97,7 +97,8 @@ def _local_box(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[list[in
     if dim > 0:
         if global_shape[dim] % tp_size:
             raise CheckpointingError(
-                f"dimension {dim} of global shape {tuple(global_shape)} is not divisible by the tensor-parallel size {tp_size}"
+                f"dimension {dim} of global shape {tuple(global_shape)} is not divisible by the tensor-parallel "
+                f"size {tp_size}"
             )
         size[dim] = global_shape[dim] // tp_size
         offset[dim] = tp_rank * size[dim]
@@ -141,7 +142,9 @@ def describe_tensor(
     zero)."""
     param = spec.param
     if tuple(tensor.shape) != tuple(param.shape):
-        raise CheckpointingError(f"{key}: tensor of shape {tuple(tensor.shape)} is not shaped like its parameter {tuple(param.shape)}")
+        raise CheckpointingError(
+            f"{key}: tensor of shape {tuple(tensor.shape)} is not shaped like its parameter {tuple(param.shape)}"
+        )
     global_shape, offset, size = _local_box(param, pg)
     rid = param_replica_id(param, pg)
     local_rows = tensor.shape[0] if tensor.dim() else 0
@@ -151,12 +154,22 @@ def describe_tensor(
             raise CheckpointingError(f"{key}: packed parts are supported on dim 0 without row padding only")
         gtp = _attr(param, "gtp_sharded", False)
         inner = packed_column_parallel_factory(
-            key, tensor[: size[0]], [f"part{i}" for i in range(len(parts))], parts,
-            tp_rank=pg.rank("tp"), tp_size=pg.size("tp"),
-            gtp_rank=pg.rank("gtp") if gtp else 0, gtp_size=pg.size("gtp") if gtp else 1, replica_id=rid,
+            key,
+            tensor[: size[0]],
+            [f"part{i}" for i in range(len(parts))],
+            parts,
+            tp_rank=pg.rank("tp"),
+            tp_size=pg.size("tp"),
+            gtp_rank=pg.rank("gtp") if gtp else 0,
+            gtp_size=pg.size("gtp") if gtp else 1,
+            replica_id=rid,
         )
         return ShardedTensorFactory(
-            key, inner.data, inner.build_fn, lambda loaded: _padded_to(inner.merge_fn(loaded), local_rows), replica_id=rid
+            key,
+            inner.data,
+            inner.build_fn,
+            lambda loaded: _padded_to(inner.merge_fn(loaded), local_rows),
+            replica_id=rid,
         )
     if spec.true_rows is not None:
         global_shape[0] = spec.true_rows
@@ -186,7 +199,7 @@ def vocab_rows(model: nn.Module) -> dict[int, int]:
         return {}
     rows = {}
     for module in (getattr(model, "embedding", None), getattr(model, "output_layer", None)):
-        for param in (module.parameters() if module is not None else ()):
+        for param in module.parameters() if module is not None else ():
             if tuple(_attr(param, "global_shape", param.shape))[:1] == (padded,):
                 rows[id(param)] = vocab
     return rows

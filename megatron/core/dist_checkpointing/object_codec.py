@@ -45,23 +45,34 @@ class _Encoder:
             items = []
             for k, v in value.items():
                 if not isinstance(k, _SCALARS):
-                    raise CheckpointingError(f"cannot serialize {where}: dict key {k!r} is a {type(k).__name__}; keys must be None, bool, int, float or str")
+                    raise CheckpointingError(
+                        f"cannot serialize {where}: dict key {k!r} is a {type(k).__name__}; keys must be None, bool, "
+                        "int, float or str"
+                    )
                 items.append([k, self.encode(v, f"{where}[{k!r}]")])
             return {"dict": items}
         if isinstance(value, (bytes, bytearray)):
             return {"bytes": self._blob(bytes(value), {})}
         if isinstance(value, torch.Tensor):
             if value.layout != torch.strided or value.is_quantized:
-                raise CheckpointingError(f"cannot serialize {where}: only dense tensors are accepted, got layout {value.layout}")
+                raise CheckpointingError(
+                    f"cannot serialize {where}: only dense tensors are accepted, got layout {value.layout}"
+                )
             tensor = value.detach().cpu().contiguous()
             raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-            return {"tensor": self._blob(raw, {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)})}
+            return {
+                "tensor": self._blob(
+                    raw, {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+                )
+            }
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise CheckpointingError(f"cannot serialize {where}: numpy arrays of object dtype are not accepted")
             array = np.ascontiguousarray(value)
             return {"ndarray": self._blob(array.tobytes(), {"dtype": array.dtype.str, "shape": list(array.shape)})}
-        raise CheckpointingError(f"cannot serialize {where}: type {type(value).__name__} is not accepted; accepted: {ACCEPTED}")
+        raise CheckpointingError(
+            f"cannot serialize {where}: type {type(value).__name__} is not accepted; accepted: {ACCEPTED}"
+        )
 
 
 def encode(value, name: str = "object") -> bytes:

@@ -68,12 +68,14 @@ def _param_shaped_states(member, pg: ProcessGroupCollection) -> dict[str, dict[i
         for name in names:
             value = entry.master.detach() if name == FP32_PARAM else state.get(name)
             if value is not None:
-                entry.model_view(full[name][id(entry.model_param)]).copy_(value.reshape(-1) if entry.start is not None else value)
+                entry.model_view(full[name][id(entry.model_param)]).copy_(
+                    value.reshape(-1) if entry.start is not None else value
+                )
     if _is_distributed(member) and pg.size("dp_cp") > 1:
         for name in names:
             flat = torch.cat([full[name][id(p)].reshape(-1) for p in params]) if params else torch.zeros(0)
             dist.all_reduce(flat, group=pg.dp_cp)  # the ranges are disjoint: the sum is the whole
-            for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 full[name][id(p)] = piece.view(p.shape)
     return full
 
@@ -92,7 +94,7 @@ def _group_records(member, pg: ProcessGroupCollection) -> list[dict]:
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pg.dp_cp)
     return [
         {**{k: v for k, v in group.items() if k != "params"}, "step": int(step)}
-        for group, step in zip(groups, steps.tolist())
+        for group, step in zip(groups, steps.tolist(), strict=True)
     ]
 
 
@@ -156,7 +158,7 @@ def load_optimizer_state(optimizer, loaded: dict, params: list[CheckpointParam])
             f"the checkpoint holds the state of {fmt['members']} chained optimizer(s) but this run has {len(members)}"
         )
     names_of = {id(spec.param): spec.name for spec in params}
-    for member, saved_groups in zip(members, loaded["param_groups"]):
+    for member, saved_groups in zip(members, loaded["param_groups"], strict=True):
         steps = _restore_groups(member, saved_groups)
         index = _group_index(member)
         for entry in member.master_params:
@@ -182,7 +184,8 @@ def _restore_groups(member, saved_groups: list[dict]) -> list[int]:
         saved = by_mults.get(mults)
         if saved is None:
             raise CheckpointingError(
-                f"no saved optimizer param group has (lr_mult, wd_mult) = {mults}; the checkpoint has {sorted(by_mults)}"
+                f"no saved optimizer param group has (lr_mult, wd_mult) = {mults}; the checkpoint has "
+                f"{sorted(by_mults)}"
             )
         for key, value in saved.items():
             if key in group and key != "params":

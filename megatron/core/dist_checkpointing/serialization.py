@@ -20,9 +20,9 @@ from megatron.core.dist_checkpointing import dist_utils, object_codec
 from megatron.core.dist_checkpointing.core import (
     iteration_dir,
     prepare_staging,
-    staging_dir,
     publish,
     read_latest_iteration,
+    staging_dir,
     write_latest_iteration,
 )
 from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves
@@ -128,22 +128,40 @@ def save(
         parallel_writes = fully_parallel.pieces_to_write(records, parallelization_group, assignment_cache)
     planned: list[tuple[PieceWrite, _WrittenPiece]] = []
     chunks_planned = set()
-    for (_, leaf), record in zip(leaves, records):
+    for (_, leaf), record in zip(leaves, records, strict=True):
         if isinstance(leaf, ShardedTensor):
             writes_it = record.chunk in parallel_writes if parallelization_group is not None else leaf.is_main
             if not writes_it or not leaf.numel or record.chunk in chunks_planned:
                 continue
             if leaf.data is None:
-                raise CheckpointingError(f"ShardedTensor {leaf.key!r} at offset {leaf.global_offset} has no data to save")
+                raise CheckpointingError(
+                    f"ShardedTensor {leaf.key!r} at offset {leaf.global_offset} has no data to save"
+                )
             chunks_planned.add(record.chunk)
             piece = PieceWrite(leaf.key, leaf.data.reshape(leaf.local_shape), leaf.global_offset, leaf.global_shape)
-            planned.append((piece, _WrittenPiece("tensor", leaf.key, leaf.global_offset, leaf.local_shape, leaf.global_shape, record.dtype)))
+            planned.append(
+                (
+                    piece,
+                    _WrittenPiece(
+                        "tensor", leaf.key, leaf.global_offset, leaf.local_shape, leaf.global_shape, record.dtype
+                    ),
+                )
+            )
         elif leaf.is_main:
             piece = _bytes_piece(leaf.unique_key, object_codec.encode(leaf.data, f"ShardedObject {leaf.key!r}"))
-            planned.append((piece, _WrittenPiece("object", leaf.key, leaf.global_offset, piece.global_shape, leaf.global_shape, "uint8")))
+            planned.append(
+                (
+                    piece,
+                    _WrittenPiece(
+                        "object", leaf.key, leaf.global_offset, piece.global_shape, leaf.global_shape, "uint8"
+                    ),
+                )
+            )
     if dist_utils.group_rank(process_group) == 0:
         piece = _bytes_piece(COMMON_STATE_KEY, object_codec.encode(_strip_sharded(tree), "common state"))
-        planned.append((piece, _WrittenPiece("common", COMMON_STATE_KEY, (0,), piece.global_shape, piece.global_shape, "uint8")))
+        planned.append(
+            (piece, _WrittenPiece("common", COMMON_STATE_KEY, (0,), piece.global_shape, piece.global_shape, "uint8"))
+        )
     staging = staging_dir(checkpoint_dir)
     _on_coordinator(lambda: prepare_staging(checkpoint_dir), process_group)
     landed = write_pieces(staging, [piece for piece, _ in planned], process_group, thread_count)
@@ -192,7 +210,9 @@ def _stored_tensor_for(leaf: ShardedTensor, metadata: CheckpointMetadata) -> Sto
 def _object_cell_for(leaf: ShardedObject, metadata: CheckpointMetadata) -> StoredChunk:
     grid = metadata.objects.get(leaf.key)
     if grid is None:
-        raise CheckpointingError(f"object {leaf.key!r} is not in the checkpoint; it holds objects {sorted(metadata.objects)[:8]}")
+        raise CheckpointingError(
+            f"object {leaf.key!r} is not in the checkpoint; it holds objects {sorted(metadata.objects)[:8]}"
+        )
     if tuple(grid.global_shape) != leaf.global_shape or leaf.global_offset not in grid.cells:
         raise CheckpointingError(
             f"object {leaf.key!r}: cell {leaf.global_offset} of a grid of shape {leaf.global_shape} was requested, "
@@ -235,7 +255,9 @@ def load(
     records = {record.chunk: record for record in (ShardRecord.of(leaf) for _, leaf in tensors)}
     stored = {leaf.key: _stored_tensor_for(leaf, metadata) for _, leaf in tensors}
     if parallelization_group is not None:
-        to_read, assignment = fully_parallel.pieces_to_read(list(records.values()), parallelization_group, assignment_cache)
+        to_read, assignment = fully_parallel.pieces_to_read(
+            list(records.values()), parallelization_group, assignment_cache
+        )
     else:
         to_read = set(records)
     targets, items, loaded = {}, [], {}
@@ -243,14 +265,18 @@ def load(
         record = records[chunk]
         dest = f"{len(targets)}"
         clipped = tuple(stored[record.key].global_shape) != record.global_shape
-        targets[dest] = (torch.zeros if clipped else torch.empty)(record.local_shape, dtype=getattr(torch, record.dtype))
+        targets[dest] = (torch.zeros if clipped else torch.empty)(
+            record.local_shape, dtype=getattr(torch, record.dtype)
+        )
         items += plan_box_reads(dest, record.key, record.global_offset, record.local_shape, stored[record.key])
         loaded[chunk] = targets[dest]
     objects = {}
     for path, leaf in leaves:
         if isinstance(leaf, ShardedObject):
             cell = _object_cell_for(leaf, metadata)
-            objects[path] = _read_bytes_target(object_storage_key(leaf.key, leaf.global_offset, leaf.global_shape), cell, targets, items)
+            objects[path] = _read_bytes_target(
+                object_storage_key(leaf.key, leaf.global_offset, leaf.global_shape), cell, targets, items
+            )
     if metadata.common is not None:
         common_bytes = _read_bytes_target(COMMON_STATE_KEY, metadata.common, targets, items)
     read_pieces(checkpoint_dir, items, targets, _slices(metadata))
@@ -289,7 +315,9 @@ def _merge_common(result: Any, common: Any, sharded_paths: set, path: tuple = ()
             result[key] = _merge_common(result[key], value, sharded_paths, path + (key,)) if key in result else value
         return result
     if isinstance(result, list) and isinstance(common, list) and len(result) == len(common):
-        return [_merge_common(r, c, sharded_paths, path + (i,)) for i, (r, c) in enumerate(zip(result, common))]
+        return [
+            _merge_common(r, c, sharded_paths, path + (i,)) for i, (r, c) in enumerate(zip(result, common, strict=True))
+        ]
     return common
 
 
@@ -307,5 +335,7 @@ def load_latest(sharded_state_dict: dict, root: str, **load_kwargs) -> tuple[dic
     """Load the iteration the tracker in ``root`` names; returns (state dict, iteration)."""
     iteration = read_latest_iteration(root)
     if iteration is None:
-        raise CheckpointingError(f"{root} has no latest_checkpointed_iteration.txt tracker: nothing has been saved there")
+        raise CheckpointingError(
+            f"{root} has no latest_checkpointed_iteration.txt tracker: nothing has been saved there"
+        )
     return load(sharded_state_dict, iteration_dir(root, iteration), **load_kwargs), iteration

@@ -8,7 +8,7 @@ as one global tensor per part so the checkpoint depends on neither TP, GTP nor p
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -78,10 +78,14 @@ def packed_column_parallel_factory(
     parts back into a tensor of ``data``'s shape, whatever TP/GTP layout saved them.
     """
     if len(part_names) != len(part_sizes) or len(set(part_names)) != len(part_names):
-        raise CheckpointingError(f"{key}: part_names {list(part_names)} must be distinct, one per part size {list(part_sizes)}")
-    for name, size in zip(part_names, part_sizes):
+        raise CheckpointingError(
+            f"{key}: part_names {list(part_names)} must be distinct, one per part size {list(part_sizes)}"
+        )
+    for name, size in zip(part_names, part_sizes, strict=True):
         if size % tp_size:
-            raise CheckpointingError(f"{key}: part {name!r} of {size} rows is not divisible by the tensor-parallel size {tp_size}")
+            raise CheckpointingError(
+                f"{key}: part {name!r} of {size} rows is not divisible by the tensor-parallel size {tp_size}"
+            )
     local_sizes = [size // tp_size for size in part_sizes]
     first, rows = shard_offset(sum(local_sizes), gtp_size, gtp_rank)
     if data.shape[0] != rows:
@@ -93,13 +97,19 @@ def packed_column_parallel_factory(
 
     def build(key_, shard, replica):
         pieces, part_start = {}, 0
-        for name, size, local in zip(part_names, part_sizes, local_sizes):
+        for name, size, local in zip(part_names, part_sizes, local_sizes, strict=True):
             lo, hi = max(first, part_start), min(first + rows, part_start + local)
             if lo < hi:
                 offset = tp_rank * local + lo - part_start
                 pieces[name] = ShardedTensor(
-                    f"{key_}.{name}", shard[lo - first : hi - first], shard.dtype, (hi - lo,) + rest,
-                    (size,) + rest, (offset,) + (0,) * len(rest), None, replica_id=replica,
+                    f"{key_}.{name}",
+                    shard[lo - first : hi - first],
+                    shard.dtype,
+                    (hi - lo,) + rest,
+                    (size,) + rest,
+                    (offset,) + (0,) * len(rest),
+                    None,
+                    replica_id=replica,
                 )
             part_start += local
         return pieces

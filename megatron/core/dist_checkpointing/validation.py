@@ -39,7 +39,7 @@ class ShardRecord:
     axis_fragmentations: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, sharded: ShardedTensor | ShardedObject) -> "ShardRecord":
+    def of(cls, sharded: ShardedTensor | ShardedObject) -> ShardRecord:
         if isinstance(sharded, ShardedTensor):
             return cls(
                 "tensor",
@@ -52,8 +52,13 @@ class ShardRecord:
                 sharded.axis_fragmentations,
             )
         return cls(
-            "object", sharded.key, sharded.global_offset, (1,) * len(sharded.global_shape), sharded.global_shape,
-            None, sharded.replica_id,
+            "object",
+            sharded.key,
+            sharded.global_offset,
+            (1,) * len(sharded.global_shape),
+            sharded.global_shape,
+            None,
+            sharded.replica_id,
         )
 
     @property
@@ -71,7 +76,7 @@ class ShardRecord:
 
 def gather_records(records: list[ShardRecord], group: dist.ProcessGroup | None) -> dict[int, list[ShardRecord]]:
     """Every member's records, keyed by global rank."""
-    return dict(zip(dist_utils.group_ranks(group), dist_utils.all_gather_object(records, group)))
+    return dict(zip(dist_utils.group_ranks(group), dist_utils.all_gather_object(records, group), strict=True))
 
 
 def validate_records(records_by_rank: dict[int, list[ShardRecord]]) -> None:
@@ -112,7 +117,11 @@ def _check_key(key, entries) -> list[str]:
             f"ShardedObject (ranks {sorted(set(kinds['object']))})"
         ]
     problems = []
-    for attribute, what in (("global_shape", "global shape"), ("dtype", "dtype"), ("axis_fragmentations", "axis_fragmentations")):
+    for attribute, what in (
+        ("global_shape", "global shape"),
+        ("dtype", "dtype"),
+        ("axis_fragmentations", "axis_fragmentations"),
+    ):
         groups = _ranks_by(entries, attribute)
         if len(groups) > 1:
             problems.append(f"key {key!r}: {what} differs across ranks: {_describe(groups)}")
@@ -142,7 +151,7 @@ def _check_key(key, entries) -> list[str]:
 
 
 def _boxes_overlap(a, b) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def _check_cover(key, global_shape, boxes) -> list[str]:

@@ -15,7 +15,7 @@ module adds the reductions that model parallelism needs on top:
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -28,8 +28,8 @@ its record and load the weights first (``megatron.training.checkpointing``:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
 
 from torch import nn
 
@@ -60,11 +60,11 @@ class GenerationOutput:
 class LLM:
     """Offline generation over one :class:`DynamicInferenceEngine` (see module doc)."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, *, pg_collection: ProcessGroupCollection | None = None,
-                 **engine_kwargs):
+    def __init__(
+        self, model: nn.Module, tokenizer=None, *, pg_collection: ProcessGroupCollection | None = None, **engine_kwargs
+    ):
         self.tokenizer = tokenizer
-        self.engine = DynamicInferenceEngine(model, tokenizer=tokenizer, pg_collection=pg_collection,
-                                             **engine_kwargs)
+        self.engine = DynamicInferenceEngine(model, tokenizer=tokenizer, pg_collection=pg_collection, **engine_kwargs)
         self._next_id = 0
         self._streams: dict[str, asyncio.Queue] = {}
         self._stepper: asyncio.Task | None = None
@@ -95,8 +95,13 @@ class LLM:
         check = matcher.feed(text)
         return check.text if check.stopped else check.text + matcher.finish()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, *, progress=None) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress=None,
+    ) -> list[GenerationOutput]:
         """Generate for every prompt (one, or a list); returns outputs in prompt order.
 
         ``sampling_params``: one for all prompts or one per prompt (default
@@ -105,12 +110,15 @@ class LLM:
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else \
-            [sampling_params or SamplingParams()] * len(prompt_list)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, (list, tuple))
+            else [sampling_params or SamplingParams()] * len(prompt_list)
+        )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts; give one or one each")
         order, partial = [], {}
-        for prompt, p in zip(prompt_list, params):
+        for prompt, p in zip(prompt_list, params, strict=True):
             request_id, tokens = self._add(prompt, p)
             order.append(request_id)
             partial[request_id] = GenerationOutput(tokens, [], None, [], None, None)
@@ -127,12 +135,13 @@ class LLM:
                     output.finish_reason = delta.finish_reason
                     if progress is not None:
                         progress(1)
-        for request_id, p in zip(order, params):
+        for request_id, p in zip(order, params, strict=True):
             partial[request_id].text = self._text(partial[request_id].token_ids, p)
         return [partial[request_id] for request_id in order]
 
-    async def stream(self, prompt: Prompt,
-                     sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Async generator of one prompt's partial outputs, the last one with ``finished``.
         Concurrent streams on the same event loop are batched into the same engine steps."""
         request_id, _ = self._add(prompt, sampling_params or SamplingParams())

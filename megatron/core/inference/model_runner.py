@@ -76,8 +76,9 @@ class ModelRunner:
         if self.is_first_stage:
             hidden = model.embed(ids, positions)
         else:
-            received = torch.empty(batch.num_padded_tokens, 1, self.config.hidden_size,
-                                   dtype=self.config.params_dtype, device=self.device)
+            received = torch.empty(
+                batch.num_padded_tokens, 1, self.config.hidden_size, dtype=self.config.params_dtype, device=self.device
+            )
             dist.recv(received, src=self._stage_rank(self.pp_rank - 1), group=self.pg.pp)
             model.set_input_tensor(received)
         out = model.decoder(hidden, rotary_pos_emb=model.rotary(positions), inference_context=context)

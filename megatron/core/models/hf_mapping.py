@@ -73,8 +73,10 @@ def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
             tensor = tensor[:vocab_size]
         parts = tensor.split(list(rule.sizes), dim=0) if rule.sizes else (tensor,)
         if rule.sizes and sum(rule.sizes) != tensor.shape[0]:
-            raise HFMappingError(f"{rule.ours!r} has {tensor.shape[0]} rows, the HF keys {rule.hf} need {sum(rule.sizes)}")
-        for key, part in zip(rule.hf, parts):
+            raise HFMappingError(
+                f"{rule.ours!r} has {tensor.shape[0]} rows, the HF keys {rule.hf} need {sum(rule.sizes)}"
+            )
+        for key, part in zip(rule.hf, parts, strict=True):
             out[key] = (part.t() if rule.transpose else part).contiguous().clone()
     return out
 
@@ -87,7 +89,10 @@ LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 def _llama_rope(hf_config) -> tuple[float, bool, float]:
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
-        params = {"rope_theta": getattr(hf_config, "rope_theta", 10000.0), **(getattr(hf_config, "rope_scaling", None) or {})}
+        params = {
+            "rope_theta": getattr(hf_config, "rope_theta", 10000.0),
+            **(getattr(hf_config, "rope_scaling", None) or {}),
+        }
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(params["rope_theta"]), False, 8.0
@@ -110,22 +115,24 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
         )
     rotary_base, rope_scaling, rope_scaling_factor = _llama_rope(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    config = TransformerConfig(**{
-        "num_layers": hf_config.num_hidden_layers,
-        "hidden_size": hf_config.hidden_size,
-        "num_attention_heads": hf_config.num_attention_heads,
-        "num_query_groups": hf_config.num_key_value_heads or hf_config.num_attention_heads,
-        "ffn_hidden_size": hf_config.intermediate_size,
-        "kv_channels": head_dim,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": hf_config.rms_norm_eps,
-        "gated_linear_unit": True,
-        "activation_func": F.silu,
-        "add_bias_linear": attention_bias,
-        "attention_dropout": hf_config.attention_dropout,
-        "init_method_std": hf_config.initializer_range,
-        **overrides,
-    })
+    config = TransformerConfig(
+        **{
+            "num_layers": hf_config.num_hidden_layers,
+            "hidden_size": hf_config.hidden_size,
+            "num_attention_heads": hf_config.num_attention_heads,
+            "num_query_groups": hf_config.num_key_value_heads or hf_config.num_attention_heads,
+            "ffn_hidden_size": hf_config.intermediate_size,
+            "kv_channels": head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": hf_config.rms_norm_eps,
+            "gated_linear_unit": True,
+            "activation_func": F.silu,
+            "add_bias_linear": attention_bias,
+            "attention_dropout": hf_config.attention_dropout,
+            "init_method_std": hf_config.initializer_range,
+            **overrides,
+        }
+    )
     kwargs = {
         "vocab_size": hf_config.vocab_size,
         "max_sequence_length": hf_config.max_position_embeddings,
@@ -140,8 +147,11 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
 
 def _llama_rules(config: TransformerConfig) -> list[Rule]:
     bias = ("weight", "bias") if config.add_bias_linear else ("weight",)
-    q, kv, ffn = (config.num_attention_heads * config.kv_channels, config.num_query_groups * config.kv_channels,
-                  config.ffn_hidden_size)
+    q, kv, ffn = (
+        config.num_attention_heads * config.kv_channels,
+        config.num_query_groups * config.kv_channels,
+        config.ffn_hidden_size,
+    )
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True)]
     for i in range(config.num_layers):
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -149,11 +159,17 @@ def _llama_rules(config: TransformerConfig) -> list[Rule]:
         rules.append(Rule(ours + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)))
         for kind in bias:
             rules += [
-                Rule(ours + f"self_attention.linear_qkv.{kind}",
-                     tuple(hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"), sizes=(q, kv, kv)),
+                Rule(
+                    ours + f"self_attention.linear_qkv.{kind}",
+                    tuple(hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"),
+                    sizes=(q, kv, kv),
+                ),
                 Rule(ours + f"self_attention.linear_proj.{kind}", (hf + f"self_attn.o_proj.{kind}",)),
-                Rule(ours + f"mlp.linear_fc1.{kind}", (hf + f"mlp.gate_proj.{kind}", hf + f"mlp.up_proj.{kind}"),
-                     sizes=(ffn, ffn)),
+                Rule(
+                    ours + f"mlp.linear_fc1.{kind}",
+                    (hf + f"mlp.gate_proj.{kind}", hf + f"mlp.up_proj.{kind}"),
+                    sizes=(ffn, ffn),
+                ),
                 Rule(ours + f"mlp.linear_fc2.{kind}", (hf + f"mlp.down_proj.{kind}",)),
             ]
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
@@ -197,22 +213,26 @@ def gpt2_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict
     }
     wrong = {k: got for k, (got, want) in unsupported.items() if bool(got) != want}
     if wrong:
-        raise HFMappingError(f"GPT-2 settings not supported: {wrong}; supported values: "
-                             f"{ {k: want for k, (_, want) in unsupported.items()} }")
-    config = TransformerConfig(**{
-        "num_layers": hf_config.n_layer,
-        "hidden_size": hf_config.n_embd,
-        "num_attention_heads": hf_config.n_head,
-        "ffn_hidden_size": hf_config.n_inner or 4 * hf_config.n_embd,
-        "normalization": "LayerNorm",
-        "layernorm_epsilon": hf_config.layer_norm_epsilon,
-        "activation_func": GPT2_ACTIVATIONS[hf_config.activation_function],
-        "add_bias_linear": True,
-        "hidden_dropout": hf_config.resid_pdrop,
-        "attention_dropout": hf_config.attn_pdrop,
-        "init_method_std": hf_config.initializer_range,
-        **overrides,
-    })
+        raise HFMappingError(
+            f"GPT-2 settings not supported: {wrong}; supported values: "
+            f"{ {k: want for k, (_, want) in unsupported.items()} }"
+        )
+    config = TransformerConfig(
+        **{
+            "num_layers": hf_config.n_layer,
+            "hidden_size": hf_config.n_embd,
+            "num_attention_heads": hf_config.n_head,
+            "ffn_hidden_size": hf_config.n_inner or 4 * hf_config.n_embd,
+            "normalization": "LayerNorm",
+            "layernorm_epsilon": hf_config.layer_norm_epsilon,
+            "activation_func": GPT2_ACTIVATIONS[hf_config.activation_function],
+            "add_bias_linear": True,
+            "hidden_dropout": hf_config.resid_pdrop,
+            "attention_dropout": hf_config.attn_pdrop,
+            "init_method_std": hf_config.initializer_range,
+            **overrides,
+        }
+    )
     kwargs = {
         "vocab_size": hf_config.vocab_size,
         "max_sequence_length": hf_config.n_positions,
@@ -273,12 +293,16 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
     from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 
     unsupported = [
-        (hf_config.attention_bias or hf_config.mlp_bias or hf_config.use_bias,
-         "biases in linear layers (attention_bias, mlp_bias and use_bias must be False)"),
+        (
+            hf_config.attention_bias or hf_config.mlp_bias or hf_config.use_bias,
+            "biases in linear layers (attention_bias, mlp_bias and use_bias must be False)",
+        ),
         (not hf_config.use_conv_bias, "a Mamba conv without bias (use_conv_bias must be True)"),
         (hf_config.mamba_hidden_act != "silu", f"mamba_hidden_act {hf_config.mamba_hidden_act!r} (only 'silu')"),
-        (hf_config.mlp_hidden_act not in NEMOTRON_H_ACTIVATIONS,
-         f"mlp_hidden_act {hf_config.mlp_hidden_act!r} (supported: {sorted(NEMOTRON_H_ACTIVATIONS)})"),
+        (
+            hf_config.mlp_hidden_act not in NEMOTRON_H_ACTIVATIONS,
+            f"mlp_hidden_act {hf_config.mlp_hidden_act!r} (supported: {sorted(NEMOTRON_H_ACTIVATIONS)})",
+        ),
         (hf_config.num_nextn_predict_layers, "multi-token prediction layers (num_nextn_predict_layers must be 0)"),
     ]
     problems = [what for bad, what in unsupported if bad]
@@ -286,29 +310,31 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
         raise HFMappingError("NemotronH settings not supported: " + "; ".join(problems))
     pattern = hf_config.hybrid_override_pattern
     parse_hybrid_pattern(pattern)  # MoE ('E') is rejected here, pointing at the character
-    config = TransformerConfig(**{
-        "num_layers": len(pattern),
-        "hidden_size": hf_config.hidden_size,
-        "num_attention_heads": hf_config.num_attention_heads,
-        "num_query_groups": hf_config.num_key_value_heads,
-        "kv_channels": hf_config.head_dim,
-        "ffn_hidden_size": hf_config.intermediate_size,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": hf_config.layer_norm_epsilon,
-        "activation_func": NEMOTRON_H_ACTIVATIONS[hf_config.mlp_hidden_act],
-        "gated_linear_unit": False,
-        "add_bias_linear": False,
-        "hidden_dropout": float(hf_config.hidden_dropout),
-        "attention_dropout": float(hf_config.attention_dropout),
-        "init_method_std": hf_config.initializer_range,
-        "mamba_state_dim": hf_config.ssm_state_size,
-        "mamba_head_dim": hf_config.mamba_head_dim,
-        "mamba_num_groups": hf_config.n_groups,
-        "mamba_num_heads": hf_config.mamba_num_heads,
-        "mamba_d_conv": hf_config.conv_kernel,
-        "mamba_chunk_size": hf_config.chunk_size,
-        **overrides,
-    })
+    config = TransformerConfig(
+        **{
+            "num_layers": len(pattern),
+            "hidden_size": hf_config.hidden_size,
+            "num_attention_heads": hf_config.num_attention_heads,
+            "num_query_groups": hf_config.num_key_value_heads,
+            "kv_channels": hf_config.head_dim,
+            "ffn_hidden_size": hf_config.intermediate_size,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": hf_config.layer_norm_epsilon,
+            "activation_func": NEMOTRON_H_ACTIVATIONS[hf_config.mlp_hidden_act],
+            "gated_linear_unit": False,
+            "add_bias_linear": False,
+            "hidden_dropout": float(hf_config.hidden_dropout),
+            "attention_dropout": float(hf_config.attention_dropout),
+            "init_method_std": hf_config.initializer_range,
+            "mamba_state_dim": hf_config.ssm_state_size,
+            "mamba_head_dim": hf_config.mamba_head_dim,
+            "mamba_num_groups": hf_config.n_groups,
+            "mamba_num_heads": hf_config.mamba_num_heads,
+            "mamba_d_conv": hf_config.conv_kernel,
+            "mamba_chunk_size": hf_config.chunk_size,
+            **overrides,
+        }
+    )
     kwargs = {
         "vocab_size": hf_config.vocab_size,
         "max_sequence_length": hf_config.max_position_embeddings,
@@ -328,32 +354,45 @@ def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> l
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
         rules.append(Rule(ours + "norm.weight", (hf + "norm.weight",)))
         if symbol == MAMBA:
-            rules += [Rule(ours + f"mixer.{name}", (hf + f"mixer.{name}",))
-                      for name in ("in_proj.weight", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")]
-            rules += [Rule(ours + "mixer.conv1d_weight", (hf + "mixer.conv1d.weight",)),
-                      Rule(ours + "mixer.conv1d_bias", (hf + "mixer.conv1d.bias",))]
+            rules += [
+                Rule(ours + f"mixer.{name}", (hf + f"mixer.{name}",))
+                for name in ("in_proj.weight", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")
+            ]
+            rules += [
+                Rule(ours + "mixer.conv1d_weight", (hf + "mixer.conv1d.weight",)),
+                Rule(ours + "mixer.conv1d_bias", (hf + "mixer.conv1d.bias",)),
+            ]
         elif symbol == ATTENTION:
             rules += [
-                Rule(ours + "self_attention.linear_qkv.weight", tuple(hf + f"mixer.{p}_proj.weight" for p in "qkv"),
-                     sizes=(q, kv, kv)),
+                Rule(
+                    ours + "self_attention.linear_qkv.weight",
+                    tuple(hf + f"mixer.{p}_proj.weight" for p in "qkv"),
+                    sizes=(q, kv, kv),
+                ),
                 Rule(ours + "self_attention.linear_proj.weight", (hf + "mixer.o_proj.weight",)),
             ]
         else:
-            rules += [Rule(ours + "mlp.linear_fc1.weight", (hf + "mixer.up_proj.weight",)),
-                      Rule(ours + "mlp.linear_fc2.weight", (hf + "mixer.down_proj.weight",))]
+            rules += [
+                Rule(ours + "mlp.linear_fc1.weight", (hf + "mixer.up_proj.weight",)),
+                Rule(ours + "mlp.linear_fc2.weight", (hf + "mixer.down_proj.weight",)),
+            ]
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm_f.weight",)))
     rules.append(Rule("output_layer.weight", ("lm_head.weight",), vocab=True))
     return rules
 
 
-def nemotron_h_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, hybrid_layer_pattern: str,
-                                  tied: bool = False) -> dict:
+def nemotron_h_state_dict_from_hf(
+    hf_state_dict: dict, config: TransformerConfig, hybrid_layer_pattern: str, tied: bool = False
+) -> dict:
     """Our full HybridModel state dict from a NemotronHForCausalLM state dict."""
-    return _apply_from_hf(_nemotron_h_rules(config, hybrid_layer_pattern),
-                          _fill_tied_lm_head(hf_state_dict, "model.embeddings.weight", tied))
+    return _apply_from_hf(
+        _nemotron_h_rules(config, hybrid_layer_pattern),
+        _fill_tied_lm_head(hf_state_dict, "model.embeddings.weight", tied),
+    )
 
 
-def nemotron_h_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int,
-                                hybrid_layer_pattern: str) -> dict:
+def nemotron_h_state_dict_to_hf(
+    state_dict: dict, config: TransformerConfig, vocab_size: int, hybrid_layer_pattern: str
+) -> dict:
     """A NemotronHForCausalLM state dict from our full HybridModel state dict."""
     return _apply_to_hf(_nemotron_h_rules(config, hybrid_layer_pattern), state_dict, vocab_size)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +34,9 @@ def build_grad_scaler(config: OptimizerConfig):
     return None
 
 
-def get_param_groups(model_chunks: list[torch.nn.Module], no_weight_decay_cond: Callable = default_no_weight_decay) -> list[dict]:
+def get_param_groups(
+    model_chunks: list[torch.nn.Module], no_weight_decay_cond: Callable = default_no_weight_decay
+) -> list[dict]:
     """Trainable parameters (each once) split into a decayed (``wd_mult`` 1) and a
     non-decayed (``wd_mult`` 0) group; empty groups are left out."""
     decay, no_decay, seen = [], [], set()

@@ -69,5 +69,5 @@ class ChainedOptimizer:
                 f"chained optimizer state has {len(state_dict)} members but this chain has "
                 f"{len(self.chained_optimizers)}; load a state saved from a chain of the same optimizers"
             )
-        for opt, member_state in zip(self.chained_optimizers, state_dict):
+        for opt, member_state in zip(self.chained_optimizers, state_dict, strict=True):
             opt.load_state_dict(member_state)

@@ -36,7 +36,9 @@ class DynamicGradScaler(ConstantGradScaler):
     multiplied by ``growth_factor`` and the hysteresis budget is refilled.
     """
 
-    def __init__(self, initial_scale, min_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2):
+    def __init__(
+        self, initial_scale, min_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2
+    ):
         super().__init__(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)

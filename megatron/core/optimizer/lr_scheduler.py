@@ -72,9 +72,7 @@ class OptimizerParamScheduler:
             if not math.isfinite(value) or value < 0:
                 raise LRSchedulerConfigError(f"{_flag(name, value)} must be a finite number >= 0")
         if self.min_lr > self.max_lr:
-            raise LRSchedulerConfigError(
-                f"{_flag('min_lr', self.min_lr)} must be <= {_flag('max_lr', self.max_lr)}"
-            )
+            raise LRSchedulerConfigError(f"{_flag('min_lr', self.min_lr)} must be <= {_flag('max_lr', self.max_lr)}")
         if self.lr_warmup_iters < 0:
             raise LRSchedulerConfigError(f"{_flag('lr_warmup_iters', self.lr_warmup_iters)} must be >= 0")
         if self.lr_decay_iters < 1:

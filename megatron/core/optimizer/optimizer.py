@@ -60,7 +60,10 @@ def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 def _build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
         return torch.optim.AdamW(
-            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
             weight_decay=config.weight_decay,
         )
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
@@ -217,7 +220,7 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict["grad_scaler"] is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        for entry, saved in zip(self.master_params, state_dict["master_params"]):
+        for entry, saved in zip(self.master_params, state_dict["master_params"], strict=True):
             if saved is not None:
                 entry.master.copy_(saved)
 

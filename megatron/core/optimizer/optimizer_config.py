@@ -53,13 +53,20 @@ class OptimizerConfig:
             (self.sgd_momentum >= 0, f"sgd_momentum must be >= 0, got {self.sgd_momentum!r}"),
             (self.clip_grad >= 0, f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad!r}"),
             (not (self.bf16 and self.fp16), "bf16 and fp16 are both set; choose one"),
-            (self.loss_scale is None or self.loss_scale > 0, f"loss_scale must be None (dynamic for fp16) or > 0, got {self.loss_scale!r}"),
+            (
+                self.loss_scale is None or self.loss_scale > 0,
+                f"loss_scale must be None (dynamic for fp16) or > 0, got {self.loss_scale!r}",
+            ),
             (self.initial_loss_scale > 0, f"initial_loss_scale must be > 0, got {self.initial_loss_scale!r}"),
             (self.min_loss_scale > 0, f"min_loss_scale must be > 0, got {self.min_loss_scale!r}"),
-            (isinstance(self.loss_scale_window, int) and self.loss_scale_window >= 1,
-             f"loss_scale_window must be an integer >= 1, got {self.loss_scale_window!r}"),
-            (isinstance(self.hysteresis, int) and self.hysteresis >= 1,
-             f"hysteresis must be an integer >= 1, got {self.hysteresis!r}"),
+            (
+                isinstance(self.loss_scale_window, int) and self.loss_scale_window >= 1,
+                f"loss_scale_window must be an integer >= 1, got {self.loss_scale_window!r}",
+            ),
+            (
+                isinstance(self.hysteresis, int) and self.hysteresis >= 1,
+                f"hysteresis must be an integer >= 1, got {self.hysteresis!r}",
+            ),
         ]
         errors = [message for ok, message in checks if not ok]
         if errors:

@@ -14,7 +14,7 @@ back-propagated, not to the reported metrics.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -50,8 +50,16 @@ def _set_input_tensor(model, tensor) -> None:
 class _MicrobatchRunner:
     """Runs one micro-batch forward (with the loss on the last stage) and its backward."""
 
-    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, is_last_stage, forward_only,
-                 grad_scale_func=None):
+    def __init__(
+        self,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        is_last_stage,
+        forward_only,
+        grad_scale_func=None,
+    ):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
@@ -77,7 +85,9 @@ class _MicrobatchRunner:
             (loss, metrics), num_tokens = result, None
             loss = loss / self.num_microbatches
         else:
-            raise ScheduleError(f"loss_func must return (loss, metrics) or (loss, num_tokens, metrics), got {len(result)} values")
+            raise ScheduleError(
+                f"loss_func must return (loss, metrics) or (loss, num_tokens, metrics), got {len(result)} values"
+            )
         self.metrics.append(metrics)
         return self.grad_scale_func(loss) if self.grad_scale_func is not None else loss
 
@@ -110,8 +120,9 @@ def forward_backward_no_pipelining(
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if no_sync_func is None:
         no_sync_func = getattr(model, "no_sync", contextlib.nullcontext)
-    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, True, forward_only,
-                               grad_scale_func)
+    runner = _MicrobatchRunner(
+        forward_step_func, data_iterator, model, num_microbatches, True, forward_only, grad_scale_func
+    )
     with no_sync_func():
         for _ in range(num_microbatches - 1):
             loss = runner.forward(None)
@@ -149,8 +160,9 @@ def forward_backward_pipelining_without_interleaving(
     pgc = resolve_pg_collection(pg_collection)
     device = device or next(model.parameters()).device
     comm = P2PCommunicator(pgc.pp, tuple(tensor_shape), dtype, device)
-    runner = _MicrobatchRunner(forward_step_func, data_iterator, model, num_microbatches, comm.is_last_stage,
-                               forward_only, grad_scale_func)
+    runner = _MicrobatchRunner(
+        forward_step_func, data_iterator, model, num_microbatches, comm.is_last_stage, forward_only, grad_scale_func
+    )
 
     num_warmup = min(comm.num_stages - comm.stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
@@ -191,7 +203,9 @@ def forward_backward_pipelining_without_interleaving(
     return runner.metrics, runner.num_tokens
 
 
-def get_forward_backward_func(pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: int | None = None):
+def get_forward_backward_func(
+    pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: int | None = None
+):
     """The schedule for a layout: no pipelining at PP=1, 1F1B otherwise."""
     if virtual_pipeline_model_parallel_size not in (None, 1):
         raise ScheduleError("interleaved (virtual) pipeline schedules are not implemented yet")

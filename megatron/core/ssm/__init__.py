@@ -6,6 +6,13 @@ from megatron.core.ssm.mamba_mixer import MambaDims, MambaInferenceContext, Mamb
 from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
 
 __all__ = [
-    "SSMBackendError", "get_ssm_backend", "MambaLayer", "MambaLayerSubmodules", "MambaDims",
-    "MambaInferenceContext", "MambaMixer", "ssd_chunked_scan", "ssd_step",
+    "SSMBackendError",
+    "get_ssm_backend",
+    "MambaLayer",
+    "MambaLayerSubmodules",
+    "MambaDims",
+    "MambaInferenceContext",
+    "MambaMixer",
+    "ssd_chunked_scan",
+    "ssd_step",
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,18 @@ class TritonSSMBackend:
 
     def chunk_scan(self, x, dt, A, B, C, chunk_size, D, dt_bias, initial_state=None):
         return self._kernels.chunk_scan_combined(
-            x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias,
-            initial_states=initial_state, dt_softplus=True, return_final_states=True,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            z=None,
+            dt_bias=dt_bias,
+            initial_states=initial_state,
+            dt_softplus=True,
+            return_final_states=True,
         )
 
     def state_update(self, ssm_state, x, dt, A, B, C, D, dt_bias):

@@ -27,8 +27,13 @@ class MambaLayerSubmodules:
 class MambaLayer(nn.Module):
     """``h + dropout(mixer(norm(h)))`` on ``[s, b, h]``; ``layer_number`` is global and 1-based."""
 
-    def __init__(self, config: TransformerConfig, submodules: MambaLayerSubmodules | None = None,
-                 layer_number: int = 1, pg_collection=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MambaLayerSubmodules | None = None,
+        layer_number: int = 1,
+        pg_collection=None,
+    ):
         super().__init__()
         submodules = submodules or MambaLayerSubmodules()
         self.config = config

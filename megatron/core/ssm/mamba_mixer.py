@@ -64,23 +64,33 @@ class MambaDims:
     tp_size: int
 
     @classmethod
-    def from_config(cls, config: TransformerConfig, tp_size: int) -> "MambaDims":
+    def from_config(cls, config: TransformerConfig, tp_size: int) -> MambaDims:
         """Read the mamba_* fields and check they split over ``tp_size``; ConfigError names them."""
         nheads, ngroups = config.mamba_num_heads, config.mamba_num_groups
         checks = [
-            (nheads % tp_size == 0,
-             f"mamba_num_heads ({nheads}) must be divisible by tensor_model_parallel_size ({tp_size})"),
-            (ngroups % tp_size == 0,
-             f"mamba_num_groups ({ngroups}) must be divisible by tensor_model_parallel_size ({tp_size})"),
-            (nheads % ngroups == 0,
-             f"mamba_num_heads ({nheads}) must be divisible by mamba_num_groups ({ngroups})"),
+            (
+                nheads % tp_size == 0,
+                f"mamba_num_heads ({nheads}) must be divisible by tensor_model_parallel_size ({tp_size})",
+            ),
+            (
+                ngroups % tp_size == 0,
+                f"mamba_num_groups ({ngroups}) must be divisible by tensor_model_parallel_size ({tp_size})",
+            ),
+            (nheads % ngroups == 0, f"mamba_num_heads ({nheads}) must be divisible by mamba_num_groups ({ngroups})"),
             (config.mamba_d_conv >= 2, f"mamba_d_conv must be >= 2, got {config.mamba_d_conv}"),
         ]
         errors = [message for ok, message in checks if not ok]
         if errors:
             raise ConfigError("; ".join(errors))
-        return cls(config.hidden_size, nheads, config.mamba_head_dim, ngroups, config.mamba_state_dim,
-                   config.mamba_d_conv, tp_size)
+        return cls(
+            config.hidden_size,
+            nheads,
+            config.mamba_head_dim,
+            ngroups,
+            config.mamba_state_dim,
+            config.mamba_d_conv,
+            tp_size,
+        )
 
     @property
     def d_inner(self) -> int:
@@ -162,19 +172,31 @@ class MambaMixer(nn.Module):
         pg = self.pg_collection
 
         self.in_proj = ColumnParallelLinear(
-            dims.hidden_size, sum(dims.in_proj_sizes), config=config,
-            init_method=init_method(config), bias=config.add_bias_linear,
-            output_partition_sizes=dims.in_proj_sizes, pg_collection=pg,
+            dims.hidden_size,
+            sum(dims.in_proj_sizes),
+            config=config,
+            init_method=init_method(config),
+            bias=config.add_bias_linear,
+            output_partition_sizes=dims.in_proj_sizes,
+            pg_collection=pg,
         )
         conv_channels = sum(dims.conv_sizes)
         conv_bound = 1.0 / math.sqrt(dims.d_conv)  # torch's Conv1d default (fan_in = d_conv)
         self.conv1d_weight = create_parallel_parameter(
-            config, (conv_channels, 1, dims.d_conv), _uniform_init(conv_bound), pg,
-            partition_dim=0, partition_sizes=dims.conv_sizes,
+            config,
+            (conv_channels, 1, dims.d_conv),
+            _uniform_init(conv_bound),
+            pg,
+            partition_dim=0,
+            partition_sizes=dims.conv_sizes,
         )
         self.conv1d_bias = create_parallel_parameter(
-            config, (conv_channels,), _uniform_init(conv_bound), pg,
-            partition_dim=0, partition_sizes=dims.conv_sizes,
+            config,
+            (conv_channels,),
+            _uniform_init(conv_bound),
+            pg,
+            partition_dim=0,
+            partition_sizes=dims.conv_sizes,
         )
         self.A_log = create_parallel_parameter(config, (dims.nheads,), _init_A_log, pg, partition_dim=0)
         self.dt_bias = create_parallel_parameter(config, (dims.nheads,), _init_dt_bias, pg, partition_dim=0)
@@ -182,8 +204,13 @@ class MambaMixer(nn.Module):
         norm_weight = create_parallel_parameter(config, (dims.d_inner,), nn.init.ones_, pg, partition_dim=0)
         self.norm = GatedRMSNorm(norm_weight, dims.d_inner // dims.ngroups, config.layernorm_epsilon)
         self.out_proj = RowParallelLinear(
-            dims.d_inner, dims.hidden_size, config=config, init_method=output_layer_init_method(config),
-            bias=config.add_bias_linear, input_is_parallel=True, pg_collection=pg,
+            dims.d_inner,
+            dims.hidden_size,
+            config=config,
+            init_method=output_layer_init_method(config),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            pg_collection=pg,
         )
 
     def forward(self, hidden_states: torch.Tensor, inference_context: MambaInferenceContext | None = None):
@@ -221,13 +248,11 @@ class MambaMixer(nn.Module):
         """Whole-sequence path (training, and prefill continuing from the given states)."""
         batch, seq_len, channels = xBC.shape
         history = (
-            conv_state.to(xBC.dtype)
-            if conv_state is not None
-            else xBC.new_zeros(batch, channels, self.dims.d_conv - 1)
+            conv_state.to(xBC.dtype) if conv_state is not None else xBC.new_zeros(batch, channels, self.dims.d_conv - 1)
         )
         window = torch.cat([history, xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv - 1 + s]
         if conv_state is not None:
-            conv_state.copy_(window[..., window.shape[-1] - (self.dims.d_conv - 1):])
+            conv_state.copy_(window[..., window.shape[-1] - (self.dims.d_conv - 1) :])
         conv_out = F.conv1d(window, self.conv1d_weight, self.conv1d_bias, groups=channels)
         x, B, C = self._ssm_inputs(F.silu(conv_out).transpose(1, 2))
         A = -torch.exp(self.A_log.float())

@@ -47,7 +47,9 @@ def reduce_scatter_along_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return tensor
     if tensor.shape[0] % world:
-        raise TensorParallelError(f"reduce-scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size ({world})")
+        raise TensorParallelError(
+            f"reduce-scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size ({world})"
+        )
     rank = dist.get_rank(group)
     chunk = tensor.shape[0] // world
     if _is_gloo(group):

@@ -8,7 +8,7 @@ with the sharding attributes that DDP, optimizers and checkpointing read.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,20 +95,31 @@ class ColumnParallelLinear(torch.nn.Module):
                 divide(part, tp, f"part of output_partition_sizes {parts}")
         divide(output_size, tp, "ColumnParallelLinear output_size")
         if gather_output and config.sequence_parallel:
-            raise TensorParallelError("ColumnParallelLinear: gather_output=True is not supported with sequence_parallel")
+            raise TensorParallelError(
+                "ColumnParallelLinear: gather_output=True is not supported with sequence_parallel"
+            )
         self.input_size, self.output_size = input_size, output_size
         self.output_partition_sizes = list(output_partition_sizes) if output_partition_sizes else None
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = config.sequence_parallel
         self.weight = create_parallel_parameter(
-            config, (output_size, input_size), init_method, self.pg_collection,
-            partition_dim=0, partition_sizes=self.output_partition_sizes, gtp_shard=True,
+            config,
+            (output_size, input_size),
+            init_method,
+            self.pg_collection,
+            partition_dim=0,
+            partition_sizes=self.output_partition_sizes,
+            gtp_shard=True,
         )
         self.bias = None
         if bias:
             self.bias = create_parallel_parameter(
-                config, (output_size,), None, self.pg_collection,
-                partition_dim=0, partition_sizes=self.output_partition_sizes,
+                config,
+                (output_size,),
+                None,
+                self.pg_collection,
+                partition_dim=0,
+                partition_sizes=self.output_partition_sizes,
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -162,8 +173,12 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = None
         if bias:
             self.bias = create_parallel_parameter(
-                config, (output_size,), None, self.pg_collection,
-                partition_dim=-1, sequence_parallel=config.sequence_parallel,
+                config,
+                (output_size,),
+                None,
+                self.pg_collection,
+                partition_dim=-1,
+                sequence_parallel=config.sequence_parallel,
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

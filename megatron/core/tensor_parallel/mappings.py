@@ -128,7 +128,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToRegion.apply(x, group, 0)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """Forward: all-gather of dim 0. Backward: reduce-scatter of dim 0 when the output feeds
     tensor-parallel compute (each rank holds a partial gradient), else a plain split."""
     return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -144,7 +144,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         args = list(ctx.args)
-        for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
+        for i, t in zip(ctx.tensor_idx, ctx.saved_tensors, strict=True):
             args[i] = t.detach().requires_grad_(t.requires_grad)
         outer_states, outer_tracker = _get_states(), _TRACKER.get_states()
         _set_states(ctx.rng_states)
@@ -156,7 +156,7 @@ class _CheckpointFunction(torch.autograd.Function):
             _set_states(outer_states)
             _TRACKER.set_states(outer_tracker)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         arg_grads = [a.grad if torch.is_tensor(a) else None for a in args]
         return (None, *arg_grads)

@@ -12,7 +12,7 @@ sharding truth for initialization, DDP, grad clipping, optimizers and checkpoint
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,7 +57,9 @@ def tp_local_shape(global_shape: Sequence[int], partition_dim: int, tp_size: int
     """Shape of one TP rank's slice of a tensor split on ``partition_dim`` (-1: not split)."""
     shape = list(global_shape)
     if partition_dim >= 0:
-        shape[partition_dim] = divide(shape[partition_dim], tp_size, f"dimension {partition_dim} of shape {tuple(global_shape)}")
+        shape[partition_dim] = divide(
+            shape[partition_dim], tp_size, f"dimension {partition_dim} of shape {tuple(global_shape)}"
+        )
     return tuple(shape)
 
 
@@ -86,7 +88,9 @@ def create_parallel_parameter(
     if do_init and config.layout_invariant_init:
         master = torch.empty(tuple(global_shape), dtype=torch.float32)
         init_method(master)
-        local = pack_tp_slice(master, partition_dim, partition_sizes, tp_rank, tp_size) if partition_dim >= 0 else master
+        local = (
+            pack_tp_slice(master, partition_dim, partition_sizes, tp_rank, tp_size) if partition_dim >= 0 else master
+        )
     else:
         if partition_sizes and partition_dim >= 0:
             for size in partition_sizes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,14 +47,18 @@ def split_along_dim(tensor: torch.Tensor, dim: int, num_parts: int, index: int) 
     return tensor.narrow(dim, index * size, size).contiguous()
 
 
-def pack_tp_slice(full: torch.Tensor, dim: int, part_sizes: Sequence[int] | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+def pack_tp_slice(
+    full: torch.Tensor, dim: int, part_sizes: Sequence[int] | None, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """This TP rank's slice of ``full`` along ``dim``: each packed part is split separately and
     the parts' slices are concatenated (Q,K,V or Mamba z,x,B,C,dt keep their order per rank)."""
     parts = _split_parts(full, dim, part_sizes)
     return torch.cat([split_along_dim(p, dim, tp_size, tp_rank) for p in parts], dim=dim)
 
 
-def unpack_tp_gathered(gathered: torch.Tensor, dim: int, part_sizes: Sequence[int] | None, tp_size: int) -> torch.Tensor:
+def unpack_tp_gathered(
+    gathered: torch.Tensor, dim: int, part_sizes: Sequence[int] | None, tp_size: int
+) -> torch.Tensor:
     """Inverse of :func:`pack_tp_slice` over all ranks: ``gathered`` is the concatenation of the
     ranks' packed slices along ``dim``; returns the full tensor with the parts in global order."""
     if not part_sizes or tp_size == 1:

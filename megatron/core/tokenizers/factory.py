@@ -30,6 +30,5 @@ def build_tokenizer(
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     raise TokenizerError(
-        f"unknown tokenizer type {tokenizer_type!r}; accepted --tokenizer-type values: "
-        f"{', '.join(TOKENIZER_TYPES)}"
+        f"unknown tokenizer type {tokenizer_type!r}; accepted --tokenizer-type values: {', '.join(TOKENIZER_TYPES)}"
     )

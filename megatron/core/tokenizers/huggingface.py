@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megatron.core.tokenizers.base import MegatronTokenizer, TokenizerError
 
@@ -52,9 +53,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         try:
             self._tokenizer = Tokenizer.from_file(str(self.tokenizer_file))
         except Exception as exc:  # the library raises a bare Exception on a malformed file
-            raise TokenizerError(
-                f"{self.tokenizer_file} is not a valid HuggingFace tokenizer.json: {exc}"
-            ) from exc
+            raise TokenizerError(f"{self.tokenizer_file} is not a valid HuggingFace tokenizer.json: {exc}") from exc
         config_path = self.tokenizer_file.parent / CONFIG_FILE
         self._config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self._vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1

@@ -60,16 +60,22 @@ class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [s, b, heads, d] inputs with torch SDPA; GQA by sharing
     each key/value group among ``heads / groups`` consecutive query heads."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: str = "causal",
-                 softmax_scale: float | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: str = "causal",
+        softmax_scale: float | None = None,
+    ):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Context [s, b, heads * d]. ``attention_mask`` (bool, True = masked out, broadcastable
         to [b, heads, s_q, s_k]) replaces the causal mask when given."""
         s, b, heads, d = q.shape
@@ -100,8 +106,14 @@ class SelfAttention(nn.Module):
     rotary_pos_emb=None, inference_context=None) -> (out [s, b, h], bias or None)``; the
     output bias is returned unadded for the layer's bias-dropout-add."""
 
-    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, layer_number: int,
-                 pg_collection: ProcessGroupCollection | None = None, attn_mask_type: str = "causal"):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        pg_collection: ProcessGroupCollection | None = None,
+        attn_mask_type: str = "causal",
+    ):
         super().__init__()
         pg_collection = resolve_pg_collection(pg_collection)
         check_no_context_parallel(config, pg_collection)
@@ -116,20 +128,36 @@ class SelfAttention(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_query_groups * self.head_dim
         self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, q_size + 2 * kv_size, config=config,
-            init_method=init_method(config), bias=config.add_bias_linear or config.add_qkv_bias,
-            gather_output=False, output_partition_sizes=[q_size, kv_size, kv_size], pg_collection=pg_collection,
+            submodules.linear_qkv,
+            config.hidden_size,
+            q_size + 2 * kv_size,
+            config=config,
+            init_method=init_method(config),
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            output_partition_sizes=[q_size, kv_size, kv_size],
+            pg_collection=pg_collection,
         )
         self.core_attention = build_module(submodules.core_attention, config, layer_number, attn_mask_type)
         self.linear_proj = build_module(
-            submodules.linear_proj, q_size, config.hidden_size, config=config,
-            init_method=output_layer_init_method(config), bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True, pg_collection=pg_collection,
+            submodules.linear_proj,
+            q_size,
+            config.hidden_size,
+            config=config,
+            init_method=output_layer_init_method(config),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            pg_collection=pg_collection,
         )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None,
-                inference_context: AttentionInferenceContext | None = None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        inference_context: AttentionInferenceContext | None = None,
+    ):
         qkv, _ = self.linear_qkv(hidden_states)
         s, b, _ = qkv.shape
         d = self.head_dim

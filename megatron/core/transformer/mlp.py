@@ -28,8 +28,13 @@ class MLP(nn.Module):
     hidden is ``act(gate) * up`` (SwiGLU when the activation is silu).
     ``forward(hidden [s, b, h]) -> (out [s, b, h], fc2 bias or None)``."""
 
-    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules | None = None,
-                 pg_collection: ProcessGroupCollection | None = None, ffn_hidden_size: int | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        ffn_hidden_size: int | None = None,
+    ):
         super().__init__()
         submodules = submodules or MLPSubmodules()
         pg_collection = resolve_pg_collection(pg_collection)
@@ -38,14 +43,26 @@ class MLP(nn.Module):
         self.gated = config.gated_linear_unit
         self.activation_func = config.activation_func
         self.linear_fc1 = build_module(
-            submodules.linear_fc1, config.hidden_size, 2 * ffn if self.gated else ffn, config=config,
-            init_method=init_method(config), bias=config.add_bias_linear, gather_output=False,
-            output_partition_sizes=[ffn, ffn] if self.gated else None, pg_collection=pg_collection,
+            submodules.linear_fc1,
+            config.hidden_size,
+            2 * ffn if self.gated else ffn,
+            config=config,
+            init_method=init_method(config),
+            bias=config.add_bias_linear,
+            gather_output=False,
+            output_partition_sizes=[ffn, ffn] if self.gated else None,
+            pg_collection=pg_collection,
         )
         self.linear_fc2 = build_module(
-            submodules.linear_fc2, ffn, config.hidden_size, config=config,
-            init_method=output_layer_init_method(config), bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True, pg_collection=pg_collection,
+            submodules.linear_fc2,
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=output_layer_init_method(config),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            pg_collection=pg_collection,
         )
 
     def forward(self, hidden_states: torch.Tensor):

@@ -11,8 +11,9 @@ have no target and contribute nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,11 +62,13 @@ def roll_left(tokens: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
 def shifted_target_mask(labels: torch.Tensor, shift: int) -> torch.Tensor:
     """[b, s] float mask: 1 where position t has a depth-``shift`` target (t + shift < s)."""
     mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
-    mask[:, max(labels.shape[1] - shift, 0):] = 0.0
+    mask[:, max(labels.shape[1] - shift, 0) :] = 0.0
     return mask
 
 
-def combine_mtp_losses(main_loss: torch.Tensor, depth_losses: list[torch.Tensor], scaling_factor: float) -> torch.Tensor:
+def combine_mtp_losses(
+    main_loss: torch.Tensor, depth_losses: list[torch.Tensor], scaling_factor: float
+) -> torch.Tensor:
     """Per-token ``main + scaling_factor * mean_k(depth_loss_k)`` ([b, s]); each depth loss is
     already zero where it has no target."""
     if not depth_losses:
@@ -77,8 +80,13 @@ class MultiTokenPredictionLayer(nn.Module):
     """One MTP depth: ``forward(embedded [s, b, h], hidden [s, b, h], attention_mask=None,
     rotary_pos_emb=None) -> hidden [s, b, h]`` (sequence-sharded under sequence parallelism)."""
 
-    def __init__(self, config: TransformerConfig, submodules: MultiTokenPredictionLayerSubmodules, depth: int,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MultiTokenPredictionLayerSubmodules,
+        depth: int,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         self.pg_collection = resolve_pg_collection(pg_collection)
         self.config = config
@@ -87,17 +95,30 @@ class MultiTokenPredictionLayer(nn.Module):
         self.enorm = build_module(submodules.enorm, config, h)
         self.hnorm = build_module(submodules.hnorm, config, h)
         self.eh_proj = build_module(
-            submodules.eh_proj, 2 * h, h, config=config, init_method=init_method(config), bias=False,
-            gather_output=False, pg_collection=self.pg_collection,
+            submodules.eh_proj,
+            2 * h,
+            h,
+            config=config,
+            init_method=init_method(config),
+            bias=False,
+            gather_output=False,
+            pg_collection=self.pg_collection,
         )
         self.transformer_layer = build_module(
-            submodules.transformer_layer, config=config, layer_number=config.num_layers + depth,
+            submodules.transformer_layer,
+            config=config,
+            layer_number=config.num_layers + depth,
             pg_collection=self.pg_collection,
         )
         self.final_layernorm = build_module(submodules.layer_norm, config, h)
 
-    def forward(self, embedded: torch.Tensor, hidden_states: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, rotary_pos_emb: torch.Tensor | None = None):
+    def forward(
+        self,
+        embedded: torch.Tensor,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ):
         combined = torch.cat((self.enorm(embedded), self.hnorm(hidden_states)), dim=-1)
         projected, _ = self.eh_proj(combined)
         projected = gather_from_tensor_model_parallel_region(projected, self.pg_collection.tp)
@@ -111,8 +132,12 @@ class MultiTokenPredictionBlock(nn.Module):
     """``config.mtp_num_layers`` depths, depth k built in ``init_rng_scope(config, f"mtp{k}")``.
     Lives on the last pipeline stage."""
 
-    def __init__(self, config: TransformerConfig, submodules: MultiTokenPredictionLayerSubmodules,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MultiTokenPredictionLayerSubmodules,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         if not config.mtp_num_layers:
             raise ConfigError(f"an MTP block needs config.mtp_num_layers >= 1, got {config.mtp_num_layers!r}")
@@ -122,10 +147,15 @@ class MultiTokenPredictionBlock(nn.Module):
                 layers.append(MultiTokenPredictionLayer(config, submodules, depth, pg_collection))
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, hidden_states: torch.Tensor,
-                embedding: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-                attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+        embedding: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Hidden states [s, b, h] of every depth, in order. ``embedding(ids [b, s],
         position_ids)`` is the model's (shared) input embedding; positions are not shifted, so
         slot t of every depth keeps position t."""

@@ -18,7 +18,10 @@ from megatron.core.tensor_parallel import set_parallel_attributes
 def mark_replicated(param: nn.Parameter, sequence_parallel: bool = False) -> nn.Parameter:
     """Set the sharding attributes of a parameter that every TP/GTP rank holds whole."""
     set_parallel_attributes(
-        param, tensor_model_parallel=False, partition_dim=-1, global_shape=param.shape,
+        param,
+        tensor_model_parallel=False,
+        partition_dim=-1,
+        global_shape=param.shape,
         sequence_parallel=sequence_parallel,
     )
     return param

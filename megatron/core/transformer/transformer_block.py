@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -49,8 +49,14 @@ class StageLayerStack(nn.Module):
     given to :meth:`set_input_tensor` (sent by the previous stage).
     """
 
-    def __init__(self, config: TransformerConfig, layer_numbers: list[int], build_layer: Callable[[int], nn.Module],
-                 pre_process: bool = True, post_process: bool = True):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_numbers: list[int],
+        build_layer: Callable[[int], nn.Module],
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
         super().__init__()
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
@@ -70,20 +76,31 @@ class StageLayerStack(nn.Module):
         """Hidden states [s, b, h] received from the previous pipeline stage."""
         self.input_tensor = input_tensor
 
-    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        inference_context=None,
+    ) -> torch.Tensor:
         if not self.pre_process:
             if self.input_tensor is None:
-                raise ValueError("this pipeline stage has no input: call set_input_tensor() with the previous "
-                                 "stage's hidden states before forward")
+                raise ValueError(
+                    "this pipeline stage has no input: call set_input_tensor() with the previous "
+                    "stage's hidden states before forward"
+                )
             hidden_states = self.input_tensor
         full_recompute = self.config.recompute_granularity == "full" and self.training and inference_context is None
         for layer in self.layers:
             if full_recompute:
                 hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb)
             else:
-                hidden_states = layer(hidden_states, attention_mask=attention_mask,
-                                      rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    inference_context=inference_context,
+                )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -93,15 +110,23 @@ class TransformerBlock(StageLayerStack):
     """This stage's transformer layers (``num_layers / pp`` of them, numbered globally) and, on
     the last stage, the final norm."""
 
-    def __init__(self, config: TransformerConfig, spec: ModuleSpec, pre_process: bool = True,
-                 post_process: bool = True, pg_collection: ProcessGroupCollection | None = None,
-                 vp_stage: int | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: ModuleSpec,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+    ):
         check_no_virtual_pipeline(vp_stage)
         pg_collection = resolve_pg_collection(pg_collection)
         pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
         offset = layer_offset(config, pp_rank, pp_size)
         super().__init__(
-            config, list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1)),
+            config,
+            list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1)),
             lambda number: build_module(spec, config=config, layer_number=number, pg_collection=pg_collection),
-            pre_process, post_process,
+            pre_process,
+            post_process,
         )

@@ -36,8 +36,13 @@ class TransformerLayer(nn.Module):
     sequence parallelism).
     """
 
-    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         pg_collection = resolve_pg_collection(pg_collection)
         self.config = config
@@ -55,11 +60,18 @@ class TransformerLayer(nn.Module):
         out = dropout(out, self.config.hidden_dropout, self.training, sharded_over_tp=self.config.sequence_parallel)
         return residual + out
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        inference_context=None,
+    ) -> torch.Tensor:
         attn_out, attn_bias = self.self_attention(
-            self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
         )
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
         mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))

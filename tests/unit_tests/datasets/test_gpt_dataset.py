@@ -94,7 +94,7 @@ def test_split_ranges_cover_every_document_once_in_proportion(num_documents, raw
     ranges = split_document_ranges(num_documents, weights)
     assert ranges[0][0] == 0 and ranges[-1][1] == num_documents
     assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    for (start, stop), weight in zip(ranges, weights):
+    for (start, stop), weight in zip(ranges, weights, strict=True):
         assert abs((stop - start) - weight * num_documents) <= 1
 
 
@@ -102,7 +102,7 @@ def test_build_gpt_datasets_divides_documents_by_split(tmp_path):
     documents = [[d, d + 1000] for d in range(100)]
     prefix = write_corpus(tmp_path / "c", documents)
     train, valid, test = build_gpt_datasets(prefix, "70,20,10", [50, 5, 5], 4, seed=1)
-    for dataset, (start, stop) in zip((train, valid, test), [(0, 70), (70, 90), (90, 100)]):
+    for dataset, (start, stop) in zip((train, valid, test), [(0, 70), (70, 90), (90, 100)], strict=True):
         assert sorted(set(dataset.document_order.tolist())) == list(range(start, stop))
         first_tokens = {t for w in all_windows(dataset) for t in w if t < 1000}
         assert first_tokens <= set(range(start, stop))

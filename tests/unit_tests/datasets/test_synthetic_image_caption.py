@@ -49,5 +49,7 @@ def test_sample_text_layout_and_loss_mask():
 
 
 def test_too_short_sequence_names_what_is_needed():
-    with pytest.raises(DatasetConfigError, match=r"--seq-length 12 is too short: 4 image tokens \+ the longest caption"):
+    with pytest.raises(
+        DatasetConfigError, match=r"--seq-length 12 is too short: 4 image tokens \+ the longest caption"
+    ):
         make(seq=12)

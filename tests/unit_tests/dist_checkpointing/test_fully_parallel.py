@@ -7,13 +7,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import AssignmentCache, ShardedTensor, load, save
-from megatron.core.dist_checkpointing import exchange_utils
+from megatron.core.dist_checkpointing import AssignmentCache, ShardedTensor, exchange_utils, load, save
 from megatron.core.dist_checkpointing.exchange_utils import distribute, greedy_assign
 from megatron.core.dist_checkpointing.validation import ShardRecord
 from tests.unit_tests.dist_harness import run_distributed
 
-FULL = {f"t{i}": torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 1000 * i for i, rows in enumerate([8, 6, 4, 2])}
+FULL = {
+    f"t{i}": torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 1000 * i
+    for i, rows in enumerate([8, 6, 4, 2])
+}
 
 
 def test_greedy_assignment_by_hand():
@@ -59,9 +61,20 @@ def _cache_per_group(cache_dir):
     cache.clear_memory()
     from_disk = {"world": distribute("save", records, world, cache), "pair": distribute("save", records, mine, cache)}
     gathers_total = dict(exchange_utils.GATHER_COUNTS)
-    keys = {name: exchange_utils.cache_key("save", tuple(dist.get_process_group_ranks(g)), records)
-            for name, g in (("world", world), ("pair", mine))}
-    return uncached, first, again, from_disk, gathers_on_miss, gathers_total, keys, dict(exchange_utils.CACHE_FILE_WRITES)
+    keys = {
+        name: exchange_utils.cache_key("save", tuple(dist.get_process_group_ranks(g)), records)
+        for name, g in (("world", world), ("pair", mine))
+    }
+    return (
+        uncached,
+        first,
+        again,
+        from_disk,
+        gathers_on_miss,
+        gathers_total,
+        keys,
+        dict(exchange_utils.CACHE_FILE_WRITES),
+    )
 
 
 def test_cache_is_keyed_by_complete_group_membership(tmp_path):
@@ -102,8 +115,10 @@ def _round_trip_with_cached_assignments(root, cache_dir):
         for step in (1, 2):
             path = os.path.join(root, f"{name}_{step}")
             save(make_state(), path, parallelization_group=group, assignment_cache=cache, validate=True)
-            request = {k: ShardedTensor(v.key, None, v.dtype, v.local_shape, v.global_shape, v.global_offset, None)
-                       for k, v in make_state().items()}
+            request = {
+                k: ShardedTensor(v.key, None, v.dtype, v.local_shape, v.global_shape, v.global_offset, None)
+                for k, v in make_state().items()
+            }
             loaded = load(request, path, parallelization_group=group, assignment_cache=cache)
             expected = {k: v.data for k, v in make_state().items()}
             assert all(torch.equal(loaded[k], expected[k]) for k in expected), f"{name} step {step} differs"

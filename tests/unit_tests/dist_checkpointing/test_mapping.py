@@ -11,9 +11,9 @@ from megatron.core.dist_checkpointing import (
     ShardedObject,
     ShardedTensor,
     gtp_row_range,
+    object_codec,
     packed_column_parallel_factory,
 )
-from megatron.core.dist_checkpointing import object_codec
 from megatron.core.dist_checkpointing.mapping import apply_factories
 
 
@@ -30,11 +30,23 @@ def test_from_rank_offsets_places_the_piece_in_the_global_grid():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(3, 0)), "axis 0 spans [3, 6) which is outside the global size 5"),
+        (
+            dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(3, 0)),
+            "axis 0 spans [3, 6) which is outside the global size 5",
+        ),
         (dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(0,)), "must have the same number of axes"),
-        (dict(local_shape=(2, 4), global_shape=(5, 4), global_offset=(0, 0)), "data has shape (3, 4) but local_shape (2, 4)"),
-        (dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(0, 0), dtype=torch.float16), "data has dtype torch.float32 but dtype torch.float16"),
-        (dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(0, 0), replica_id=(0, -1)), "replica_id must be a non-negative"),
+        (
+            dict(local_shape=(2, 4), global_shape=(5, 4), global_offset=(0, 0)),
+            "data has shape (3, 4) but local_shape (2, 4)",
+        ),
+        (
+            dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(0, 0), dtype=torch.float16),
+            "data has dtype torch.float32 but dtype torch.float16",
+        ),
+        (
+            dict(local_shape=(3, 4), global_shape=(5, 4), global_offset=(0, 0), replica_id=(0, -1)),
+            "replica_id must be a non-negative",
+        ),
     ],
 )
 def test_inconsistent_sharded_tensor_is_rejected(kwargs, message):
@@ -79,10 +91,15 @@ def test_gtp_row_range_rejects_rows_not_divisible_by_tp():
 def test_packed_factory_stores_one_global_tensor_per_part():
     # Parts z:4, x:6, d:2 rows, TP=2 -> TP-local rows [z 2 | x 3 | d 1] = 6; G=4 -> 2,2,2,0 rows.
     names, sizes, tp, gtp = list("zxd"), [4, 6, 2], 2, 4
-    full = {n: torch.arange(s * 3, dtype=torch.float32).reshape(s, 3) + 100 * i for i, (n, s) in enumerate(zip(names, sizes))}
+    full = {
+        n: torch.arange(s * 3, dtype=torch.float32).reshape(s, 3) + 100 * i
+        for i, (n, s) in enumerate(zip(names, sizes, strict=True))
+    }
     rows_seen = {n: [] for n in names}
     for tp_rank in range(tp):
-        tp_local = torch.cat([full[n][tp_rank * s // tp : (tp_rank + 1) * s // tp] for n, s in zip(names, sizes)])
+        tp_local = torch.cat(
+            [full[n][tp_rank * s // tp : (tp_rank + 1) * s // tp] for n, s in zip(names, sizes, strict=True)]
+        )
         for gtp_rank in range(gtp):
             shard = tp_local[2 * gtp_rank : 2 * gtp_rank + 2]
             factory = packed_column_parallel_factory(
@@ -96,16 +113,24 @@ def test_packed_factory_stores_one_global_tensor_per_part():
                 rows_seen[name] += range(row, row + sh.local_shape[0])
             merged = factories[0][1].merge_fn({n: sh.data for n, sh in built["f"].items()})
             torch.testing.assert_close(merged, shard)
-    assert {n: sorted(r) for n, r in rows_seen.items()} == {n: list(range(s)) for n, s in zip(names, sizes)}
+    assert {n: sorted(r) for n, r in rows_seen.items()} == {
+        n: list(range(s)) for n, s in zip(names, sizes, strict=True)
+    }
     # Spot check by hand: tp 1, gtp 1 holds TP-local rows 2..3 = global x rows 3 and 4.
     shard = torch.cat([full["z"][2:], full["x"][3:], full["d"][1:]])[2:4]
-    built, _ = apply_factories({"f": packed_column_parallel_factory("p", shard, names, sizes, tp_rank=1, tp_size=2, gtp_rank=1, gtp_size=4)})
+    built, _ = apply_factories(
+        {"f": packed_column_parallel_factory("p", shard, names, sizes, tp_rank=1, tp_size=2, gtp_rank=1, gtp_size=4)}
+    )
     assert list(built["f"]) == ["x"] and built["f"]["x"].global_offset == (3, 0)
 
 
 def test_packed_factory_rejects_padded_shard():
-    with pytest.raises(CheckpointingError, match="the GTP shard has 2 rows but gtp rank 1 of 2 owns 1 of the 3 TP-local rows"):
-        packed_column_parallel_factory("p", torch.zeros(2, 3), ["a", "b"], [4, 2], tp_rank=0, tp_size=2, gtp_rank=1, gtp_size=2)
+    with pytest.raises(
+        CheckpointingError, match="the GTP shard has 2 rows but gtp rank 1 of 2 owns 1 of the 3 TP-local rows"
+    ):
+        packed_column_parallel_factory(
+            "p", torch.zeros(2, 3), ["a", "b"], [4, 2], tp_rank=0, tp_size=2, gtp_rank=1, gtp_size=2
+        )
 
 
 def test_object_codec_round_trips_exactly_without_pickle():

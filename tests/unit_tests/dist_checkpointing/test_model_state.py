@@ -47,8 +47,9 @@ def _records_of_every_family(sizes):
     out = {}
     for family, build in (("gpt", gpt_model), ("hybrid", hybrid_model)):
         model = build(pg)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                      model, pg_collection=pg)
+        ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model, pg_collection=pg
+        )
         optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp], pg)
         params = checkpoint_params(model, "", vocab_rows(model))
         tree = {"model": model.sharded_state_dict(), "optimizer": optimizer_sharded_state_dict(optimizer, params, pg)}
@@ -76,11 +77,14 @@ def _check_one_main_writer_per_chunk(records_by_rank):
     validate_records(records_by_rank)  # also: no overlap, consistent shapes
 
 
-@pytest.mark.parametrize("name, world, sizes", [
-    ("TP2xGTP2xDP2", 8, dict(tp=2, gtp=2)),
-    ("TP2xPP2xDP2", 8, dict(tp=2, pp=2)),
-    ("TP2xGTP2", 4, dict(tp=2, gtp=2)),
-])
+@pytest.mark.parametrize(
+    "name, world, sizes",
+    [
+        ("TP2xGTP2xDP2", 8, dict(tp=2, gtp=2)),
+        ("TP2xPP2xDP2", 8, dict(tp=2, pp=2)),
+        ("TP2xGTP2", 4, dict(tp=2, gtp=2)),
+    ],
+)
 def test_every_chunk_of_gpt_hybrid_and_optimizer_has_one_main_writer(single_rank_keys, name, world, sizes):
     per_rank = run_distributed(_records_of_every_family, world, sizes)
     for family in ("gpt", "hybrid"):
@@ -150,8 +154,10 @@ def test_gtp_peers_get_exact_rows_and_distinct_replica_ids(world, layout_kwargs)
             assert len({p[key][0] for p in peers}) == len(peers)  # distinct offsets
         for key in ("column.bias", "row.bias", "norm.weight"):
             assert len({p[key][3] for p in peers}) == len(peers)  # distinct replica ids
-    records = {rank: [ShardRecord("tensor", k, v[0], v[1], v[2], "float32", v[3]) for k, v in pieces.items()]
-               for rank, (_, pieces) in enumerate(results)}
+    records = {
+        rank: [ShardRecord("tensor", k, v[0], v[1], v[2], "float32", v[3]) for k, v in pieces.items()]
+        for rank, (_, pieces) in enumerate(results)
+    }
     validate_records(records)
 
 
@@ -160,7 +166,7 @@ def test_gtp_pieces_hold_the_rows_of_the_full_weight():
     for _, pieces in run_distributed(_toy_pieces, 4, dict(tp=2, gtp=2)):
         for key, (offset, shape, global_shape, _, data) in pieces.items():
             assert global_shape == tuple(full[key].shape)
-            assert torch.equal(data, full[key][tuple(slice(o, o + s) for o, s in zip(offset, shape))]), key
+            assert torch.equal(data, full[key][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]), key
 
 
 BUILDERS = {"gpt": gpt_model, "hybrid": hybrid_model}
@@ -182,12 +188,16 @@ def _load_with_logits(family, sizes, path):
     return before, logits(model, pg, tokens())
 
 
-@pytest.mark.parametrize("family, saved, loaded", [
-    ("gpt", (4, dict(tp=2, pp=2)), (1, {})),
-    ("gpt", (1, {}), (4, dict(tp=2, gtp=2))),
-    ("gpt", (4, dict(gtp=2)), (4, dict(pp=2))),
-    ("hybrid", (2, dict(pp=2)), (1, {})),
-], ids=["TP2xPP2->TP1", "TP1->TP2xGTP2", "GTP2xDP2->PP2xDP2", "hybrid-PP2->PP1"])
+@pytest.mark.parametrize(
+    "family, saved, loaded",
+    [
+        ("gpt", (4, dict(tp=2, pp=2)), (1, {})),
+        ("gpt", (1, {}), (4, dict(tp=2, gtp=2))),
+        ("gpt", (4, dict(gtp=2)), (4, dict(pp=2))),
+        ("hybrid", (2, dict(pp=2)), (1, {})),
+    ],
+    ids=["TP2xPP2->TP1", "TP1->TP2xGTP2", "GTP2xDP2->PP2xDP2", "hybrid-PP2->PP1"],
+)
 def test_save_at_one_layout_load_at_another_gives_identical_logits(tmp_path, family, saved, loaded):
     path = str(tmp_path / "ckpt")
     expected = [r for r in run_distributed(_save_with_logits, saved[0], family, saved[1], path) if r is not None][0]

@@ -21,8 +21,9 @@ from tests.unit_tests.training.test_checkpointing import _provider
 
 def _trained(distributed: bool, pg):
     model = gpt_model(pg)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                  model, pg_collection=pg)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model, pg_collection=pg
+    )
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=distributed), [ddp], pg)
     for step in range(2):
         ddp.zero_grad_buffer()
@@ -37,10 +38,12 @@ def _trained(distributed: bool, pg):
 def _param_shaped_state(distributed: bool):
     pg = layout()
     model, optimizer = _trained(distributed, pg)
-    tree, _ = apply_factories(optimizer_sharded_state_dict(optimizer, checkpoint_params(model, "", vocab_rows(model)), pg))
+    tree, _ = apply_factories(
+        optimizer_sharded_state_dict(optimizer, checkpoint_params(model, "", vocab_rows(model)), pg)
+    )
     flat = {}
-    for name, by_param in tree["state"].items():
-        for param_name, piece in by_param.items():
+    for by_param in tree["state"].values():
+        for piece in by_param.values():
             leaves = piece.values() if isinstance(piece, dict) else [piece]
             for leaf in leaves:
                 flat[(leaf.key, leaf.global_offset)] = leaf.data.clone()
@@ -50,7 +53,7 @@ def _param_shaped_state(distributed: bool):
 def test_distributed_optimizer_saves_the_state_a_plain_optimizer_holds():
     distributed = run_distributed(_param_shaped_state, 2, True)
     plain = run_distributed(_param_shaped_state, 2, False)
-    for (d_state, d_groups), (p_state, p_groups) in zip(distributed, plain):
+    for (d_state, d_groups), (p_state, p_groups) in zip(distributed, plain, strict=True):
         assert d_state.keys() == p_state.keys()
         assert any(k[0].startswith("optimizer.state.exp_avg_sq.") for k in d_state)
         for key in d_state:
@@ -77,17 +80,42 @@ def test_loading_a_chain_of_another_length_is_refused():
     assert message == "the checkpoint holds the state of 2 chained optimizer(s) but this run has 1"
 
 
-COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-decay-iters", "4",
-          "--mock-data", "--vocab-size", "64", "--distributed-backend", "gloo", "--use-distributed-optimizer",
-          "--log-interval", "100", "--train-iters", "4"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-decay-iters",
+    "4",
+    "--mock-data",
+    "--vocab-size",
+    "64",
+    "--distributed-backend",
+    "gloo",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "100",
+    "--train-iters",
+    "4",
+]
 
 
 def _history(flags):
     args = parse_args(COMMON + flags, model_family="gpt", world_size=4)
+    import torch.distributed as dist
+
     from megatron.core import parallel_state
     from megatron.training.training import logging_rank
-    import torch.distributed as dist
 
     state = pretrain(args, _provider())
     return state.history if dist.get_rank() == logging_rank(parallel_state.get_process_group_collection()) else None

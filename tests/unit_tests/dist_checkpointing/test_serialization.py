@@ -43,17 +43,39 @@ def _tp_gtp_state(tp, tp_rank, gtp, gtp_rank):
     tp_local_packed = torch.cat([p[tp_rank * len(p) // tp : (tp_rank + 1) * len(p) // tp] for p in PARTS.values()])
     packed_off, packed_rows = gtp_row_range(len(tp_local_packed), 0, 1, gtp_rank, gtp)
     return {
-        "col": ShardedTensor("col", COLUMN[col_off : col_off + col_rows].clone(), torch.float32, (col_rows, 6), (10, 6),
-                             (col_off, 0), None),
-        "row": ShardedTensor("row", ROW[row_off : row_off + row_rows, tp_rank * cols : (tp_rank + 1) * cols].clone(),
-                             torch.float32, (row_rows, cols), (4, 8), (row_off, tp_rank * cols), None),
+        "col": ShardedTensor(
+            "col",
+            COLUMN[col_off : col_off + col_rows].clone(),
+            torch.float32,
+            (col_rows, 6),
+            (10, 6),
+            (col_off, 0),
+            None,
+        ),
+        "row": ShardedTensor(
+            "row",
+            ROW[row_off : row_off + row_rows, tp_rank * cols : (tp_rank + 1) * cols].clone(),
+            torch.float32,
+            (row_rows, cols),
+            (4, 8),
+            (row_off, tp_rank * cols),
+            None,
+        ),
         "norm": ShardedTensor.from_rank_offsets("norm", NORM.clone(), replica_id=(tp_rank, gtp_rank)),
         "packed": packed_column_parallel_factory(
-            "packed", tp_local_packed[packed_off : packed_off + packed_rows].clone(), ["z", "x"], [8, 4],
-            tp_rank=tp_rank, tp_size=tp, gtp_rank=gtp_rank, gtp_size=gtp, replica_id=(0,),
+            "packed",
+            tp_local_packed[packed_off : packed_off + packed_rows].clone(),
+            ["z", "x"],
+            [8, 4],
+            tp_rank=tp_rank,
+            tp_size=tp,
+            gtp_rank=gtp_rank,
+            gtp_size=gtp,
+            replica_id=(0,),
         ),
-        "rng": ShardedObject("rng", {"tp": tp_rank, "state": torch.full((2,), float(tp_rank))}, (tp,), (tp_rank,),
-                             replica_id=gtp_rank),
+        "rng": ShardedObject(
+            "rng", {"tp": tp_rank, "state": torch.full((2,), float(tp_rank))}, (tp,), (tp_rank,), replica_id=gtp_rank
+        ),
         "iteration": 7,
         "args": {"lr": 0.5, "layers": [1, 2]},
     }
@@ -61,7 +83,9 @@ def _tp_gtp_state(tp, tp_rank, gtp, gtp_rank):
 
 def _packed_request(tp_rank, tp):
     rows = sum(len(p) for p in PARTS.values()) // tp
-    return packed_column_parallel_factory("packed", torch.zeros(rows, 3), ["z", "x"], [8, 4], tp_rank=tp_rank, tp_size=tp)
+    return packed_column_parallel_factory(
+        "packed", torch.zeros(rows, 3), ["z", "x"], [8, 4], tp_rank=tp_rank, tp_size=tp
+    )
 
 
 def _save_tp2_gtp2(path):
@@ -97,7 +121,9 @@ def test_tp2_gtp2_uneven_save_loads_as_tp2_on_dim1_and_whole(tmp_path):
     on_two = run_distributed(_load_tp2_on_dim1, 2, path)
     for tp_rank, (col, packed, rng, iteration, args) in enumerate(on_two):
         torch.testing.assert_close(col, COLUMN[:, 3 * tp_rank : 3 * tp_rank + 3], rtol=0, atol=0)
-        expected_packed = torch.cat([PARTS["z"][4 * tp_rank : 4 * tp_rank + 4], PARTS["x"][2 * tp_rank : 2 * tp_rank + 2]])
+        expected_packed = torch.cat(
+            [PARTS["z"][4 * tp_rank : 4 * tp_rank + 4], PARTS["x"][2 * tp_rank : 2 * tp_rank + 2]]
+        )
         torch.testing.assert_close(packed, expected_packed, rtol=0, atol=0)
         assert rng["tp"] == tp_rank and torch.equal(rng["state"], torch.full((2,), float(tp_rank)))
         assert iteration == 7 and args == {"lr": 0.5, "layers": [1, 2]}
@@ -110,7 +136,11 @@ def test_tp2_gtp2_uneven_save_loads_as_tp2_on_dim1_and_whole(tmp_path):
     meta = json.load(open(os.path.join(path, "metadata.json")))
     assert len(meta["tensors"]["col"]["chunks"]) == 4 and len(meta["tensors"]["norm"]["chunks"]) == 1
     assert sorted((c["global_offset"], c["local_shape"]) for c in meta["tensors"]["col"]["chunks"]) == [
-        ([0, 0], [3, 6]), ([3, 0], [2, 6]), ([5, 0], [3, 6]), ([8, 0], [2, 6])]
+        ([0, 0], [3, 6]),
+        ([3, 0], [2, 6]),
+        ([5, 0], [3, 6]),
+        ([8, 0], [2, 6]),
+    ]
     dcp_to_torch_save(path, str(tmp_path / "plain.pt"))
     plain = torch.load(str(tmp_path / "plain.pt"), weights_only=True)
     torch.testing.assert_close(plain["col"], COLUMN, rtol=0, atol=0)
@@ -122,7 +152,9 @@ def test_allow_shape_mismatch_reads_the_overlap(tmp_path):
     path = str(tmp_path / "ckpt")
     save({"emb": ShardedTensor.from_rank_offsets("emb", COLUMN.clone())}, path)
     padded = ShardedTensor("emb", None, torch.float32, (12, 6), (12, 6), (0, 0), None)
-    with pytest.raises(CheckpointingError, match=r"the checkpoint holds global shape \(10, 6\) but global shape \(12, 6\)"):
+    with pytest.raises(
+        CheckpointingError, match=r"the checkpoint holds global shape \(10, 6\) but global shape \(12, 6\)"
+    ):
         load({"emb": padded}, path)
     padded.allow_shape_mismatch = True
     out = load({"emb": padded}, path)["emb"]
@@ -132,7 +164,13 @@ def test_allow_shape_mismatch_reads_the_overlap(tmp_path):
 
 def _fail_after_writing_on_rank1(root):
     rank = dist.get_rank()
-    state = lambda value: {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), value + rank), (0, rank, 2)), "step": value}  # noqa: E731
+
+    def state(value):
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), value + rank), (0, rank, 2)),
+            "step": value,
+        }  # noqa: E731
+
     save_iteration(state(1.0), root, 1)
     original = torch_dcp.ChecksummingFileSystemWriter.write_data
 
@@ -177,10 +215,16 @@ def test_corrupted_or_truncated_shard_fails_with_a_clear_error(tmp_path):
     blob = bytearray(open(shard, "rb").read())
     blob[chunk["offset"] + chunk["length"] - 9] ^= 0xFF
     open(shard, "wb").write(bytes(blob))
-    with pytest.raises(CorruptCheckpointError, match=rf"{shard} is corrupted: item 'w' \({chunk['length']} bytes at offset {chunk['offset']}\) has CRC32"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"{shard} is corrupted: item 'w' \({chunk['length']} bytes at offset {chunk['offset']}\) has CRC32",
+    ):
         load(request, path)
     open(shard, "wb").write(bytes(blob[: chunk["offset"] + 10]))
-    with pytest.raises(CorruptCheckpointError, match=rf"{shard} is truncated: item 'w' needs {chunk['length']} bytes at offset {chunk['offset']}, found 10"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"{shard} is truncated: item 'w' needs {chunk['length']} bytes at offset {chunk['offset']}, found 10",
+    ):
         load(request, path)
 
 
@@ -188,10 +232,19 @@ def test_load_errors_name_what_is_missing(tmp_path):
     path = str(tmp_path / "ckpt")
     with pytest.raises(CheckpointingError, match="is not a complete checkpoint: metadata.json is missing"):
         load({}, path)
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", np.ones(2), (1,), (0,))}, path)
-    with pytest.raises(CheckpointingError, match=r"tensor 'v' is not in the checkpoint; it holds 1 tensors, e.g. \['w'\]"):
+    save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", np.ones(2), (1,), (0,))},
+        path,
+    )
+    with pytest.raises(
+        CheckpointingError, match=r"tensor 'v' is not in the checkpoint; it holds 1 tensors, e.g. \['w'\]"
+    ):
         load({"v": ShardedTensor.from_rank_offsets("v", torch.ones(2))}, path)
-    with pytest.raises(CheckpointingError, match=r"object 'o': cell \(1,\) of a grid of shape \(2,\) was requested, the checkpoint holds a grid of shape \(1,\)"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"object 'o': cell \(1,\) of a grid of shape \(2,\) was requested, "
+        r"the checkpoint holds a grid of shape \(1,\)",
+    ):
         load({"o": ShardedObject("o", None, (2,), (1,))}, path)
     with pytest.raises(CheckpointingError, match="already exists; a published checkpoint is never overwritten"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, path)

@@ -45,7 +45,9 @@ def test_two_main_replicas_for_one_chunk():
 def test_chunk_without_main_replica():
     layout = good_layout()
     layout[1] = [piece((3, 0), (3, 4), replica=2)]
-    assert "key 'w': no main replica for the chunk at offset (3, 0) shape (3, 4) held by ranks [1, 3]" in failure(layout)
+    assert "key 'w': no main replica for the chunk at offset (3, 0) shape (3, 4) held by ranks [1, 3]" in failure(
+        layout
+    )
 
 
 def test_gap_names_the_uncovered_rows():
@@ -88,8 +90,10 @@ def test_key_used_as_tensor_and_object():
 def _save_with_two_mains(path):
     rank = torch.distributed.get_rank()
     # Both ranks claim the main copy of the same rows: an overlap-free but duplicated layout.
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 2), (0, 0, 2)),
-          "v": ShardedTensor.from_rank_offsets("v", torch.ones(2, 2), (0, rank, 2))}
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 2), (0, 0, 2)),
+        "v": ShardedTensor.from_rank_offsets("v", torch.ones(2, 2), (0, rank, 2)),
+    }
     with pytest.raises(CheckpointingError) as err:
         save(sd, path)
     return str(err.value)

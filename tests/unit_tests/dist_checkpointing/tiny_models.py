@@ -26,35 +26,71 @@ def layout(tp=1, pp=1, gtp=1):
 
 def gpt_config(pg, seed=1234, **extra) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
-        tensor_model_parallel_size=pg.size("tp"), pipeline_model_parallel_size=pg.size("pp"),
-        generalized_tensor_parallel_size=pg.size("gtp"), init_seed=seed, **extra,
+        num_layers=4,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=True,
+        tensor_model_parallel_size=pg.size("tp"),
+        pipeline_model_parallel_size=pg.size("pp"),
+        generalized_tensor_parallel_size=pg.size("gtp"),
+        init_seed=seed,
+        **extra,
     )
 
 
 def gpt_model(pg, seed=1234, tied=True) -> GPTModel:
     """4 layers, GQA, SwiGLU, biases, learned positions, vocabulary 100 (padded for TP)."""
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
-    return GPTModel(gpt_config(pg, seed), get_gpt_layer_local_spec(), VOCAB, SEQ, pp_rank == 0, pp_rank == pp_size - 1,
-                    parallel_output=False, share_embeddings_and_output_weights=tied, pg_collection=pg)
+    return GPTModel(
+        gpt_config(pg, seed),
+        get_gpt_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        pp_rank == 0,
+        pp_rank == pp_size - 1,
+        parallel_output=False,
+        share_embeddings_and_output_weights=tied,
+        pg_collection=pg,
+    )
 
 
 def hybrid_config(pg, seed=1234) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=64, normalization="RMSNorm",
-        add_bias_linear=False, mamba_head_dim=8, mamba_state_dim=8, mamba_num_groups=2,
-        tensor_model_parallel_size=pg.size("tp"), pipeline_model_parallel_size=pg.size("pp"),
-        generalized_tensor_parallel_size=pg.size("gtp"), init_seed=seed,
+        num_layers=4,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        mamba_head_dim=8,
+        mamba_state_dim=8,
+        mamba_num_groups=2,
+        tensor_model_parallel_size=pg.size("tp"),
+        pipeline_model_parallel_size=pg.size("pp"),
+        generalized_tensor_parallel_size=pg.size("gtp"),
+        init_seed=seed,
     )
 
 
 def hybrid_model(pg, seed=1234) -> HybridModel:
     """Pattern ``M*|M-`` (Mamba, attention | Mamba, MLP), untied, vocabulary 100."""
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
-    return HybridModel(hybrid_config(pg, seed), get_hybrid_stack_local_spec(), VOCAB, SEQ,
-                       hybrid_layer_pattern=HYBRID_PATTERN, pre_process=pp_rank == 0,
-                       post_process=pp_rank == pp_size - 1, parallel_output=False, pg_collection=pg)
+    return HybridModel(
+        hybrid_config(pg, seed),
+        get_hybrid_stack_local_spec(),
+        VOCAB,
+        SEQ,
+        hybrid_layer_pattern=HYBRID_PATTERN,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        parallel_output=False,
+        pg_collection=pg,
+    )
 
 
 def tokens(seed=0) -> torch.Tensor:

@@ -146,7 +146,9 @@ def _dp2_gtp2_grads_match():
     ddp.finish_grad_sync()
 
     gtp_rank = pgc.rank("gtp")
-    torch.testing.assert_close(model.weight.main_grad, full.weight.grad[3 * gtp_rank : 3 * gtp_rank + 3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        model.weight.main_grad, full.weight.grad[3 * gtp_rank : 3 * gtp_rank + 3], rtol=1e-5, atol=1e-6
+    )
     torch.testing.assert_close(model.bias.main_grad, full.bias.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.head.main_grad, full.head.grad, rtol=1e-5, atol=1e-6)
     return pgc.size("dp_cp")
@@ -251,7 +253,9 @@ def test_bf16_params_with_fp32_grad_buffer_and_param_buffer_views():
 
 
 def test_bad_bucket_size_is_rejected():
-    with pytest.raises(DistributedConfigError, match=r"bucket_size must be None \(one bucket\) or an integer >= 1, got 0"):
+    with pytest.raises(
+        DistributedConfigError, match=r"bucket_size must be None \(one bucket\) or an integer >= 1, got 0"
+    ):
         DistributedDataParallelConfig(bucket_size=0)
 
 
@@ -263,8 +267,11 @@ def _late_gradient_is_rejected():
     )
     x, y = batch(2)
     mse(ddp, x, y).backward()  # every bucket launched: the next backward is outside no_sync
-    with pytest.raises(GradSyncOrderError, match=r"a gradient of shape \(3,\) arrived after its bucket's reduction "
-                       r"was launched: run every micro-batch but the last inside no_sync\(\)"):
+    with pytest.raises(
+        GradSyncOrderError,
+        match=r"a gradient of shape \(3,\) arrived after its bucket's reduction "
+        r"was launched: run every micro-batch but the last inside no_sync\(\)",
+    ):
         mse(ddp, x, y).backward()
 
 

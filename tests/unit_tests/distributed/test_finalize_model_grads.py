@@ -27,11 +27,17 @@ class Chunk(torch.nn.Module):
         self.replicated = torch.nn.Parameter(torch.zeros(3))  # norm weight / bias: gtp_sharded False
         set_parallel_attributes(self.replicated, tensor_model_parallel=False, partition_dim=-1, global_shape=(3,))
         self.sequence_parallel = torch.nn.Parameter(torch.zeros(2))
-        set_parallel_attributes(self.sequence_parallel, tensor_model_parallel=False, partition_dim=-1,
-                                global_shape=(2,), sequence_parallel=True)
+        set_parallel_attributes(
+            self.sequence_parallel,
+            tensor_model_parallel=False,
+            partition_dim=-1,
+            global_shape=(2,),
+            sequence_parallel=True,
+        )
         self.sharded = torch.nn.Parameter(torch.zeros(2, 2))
-        set_parallel_attributes(self.sharded, tensor_model_parallel=True, partition_dim=0, global_shape=(8, 2),
-                                gtp_sharded=True, gtp_rows=4)
+        set_parallel_attributes(
+            self.sharded, tensor_model_parallel=True, partition_dim=0, global_shape=(8, 2), gtp_sharded=True, gtp_rows=4
+        )
         self.untagged = torch.nn.Parameter(torch.zeros(1))  # a plain torch parameter counts as replicated
         self.frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
         if shared_embedding:
@@ -50,8 +56,9 @@ def group_values(group):
 def _finalize(tp, g, pp, per_token, sequence_parallel):
     pg = collection(tp=tp, gtp=g, pp=pp)
     chunk = Chunk(shared_embedding=pp > 1)
-    config = tp_config(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-                       calculate_per_token_loss=per_token)
+    config = tp_config(
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, calculate_per_token_loss=per_token
+    )
     finalize_model_grads([chunk], pg, config)
     me = dist.get_rank() + 1.0
     gtp_peers = group_values(pg.gtp) if g > 1 else [me]
@@ -62,8 +69,11 @@ def _finalize(tp, g, pp, per_token, sequence_parallel):
         "sharded": me,
         "frozen": None,
     }
+
     # sequence-parallel: summed over tp (tp is the fastest axis) and reduced over gtp, in either order
-    tp_sum = lambda rank: sum(rank - rank % tp + i + 1.0 for i in range(tp))
+    def tp_sum(rank):
+        return sum(rank - rank % tp + i + 1.0 for i in range(tp))
+
     gtp_ranks = dist.get_process_group_ranks(pg.gtp) if g > 1 else [dist.get_rank()]
     expected["sequence_parallel"] = gtp_reduce([tp_sum(r) for r in gtp_ranks])
     if pp > 1:

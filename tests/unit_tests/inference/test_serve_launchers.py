@@ -47,9 +47,29 @@ SERVE = os.path.join(ROOT, "examples", "inference", "serve.py")
 LAUNCHER = os.path.join(ROOT, "tools", "run_text_generation_server.py")
 OFFLINE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
 DISAGGREGATED = os.path.join(ROOT, "examples", "inference", "disaggregated.py")
-TRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
-               "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
-               "--mock-data", "--log-interval", "100", "--init-method-std", "0.2"]
+TRAIN_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-2",
+    "--mock-data",
+    "--log-interval",
+    "100",
+    "--init-method-std",
+    "0.2",
+]
 # The server's engine and the offline reference use the same pool geometry and step size.
 ENGINE_FLAGS = ["--kv-block-size", "8", "--max-requests", "8", "--max-tokens-per-step", "64"]
 ENGINE_KWARGS = dict(block_size=8, num_blocks=64, max_requests=8, max_tokens_per_step=64)
@@ -73,8 +93,9 @@ def _pretrain(save_dir):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     backend = "nccl" if device().type == "cuda" else "gloo"
-    args = parse_training_args(TRAIN_FLAGS + ["--distributed-backend", backend, "--save", save_dir],
-                               model_family="gpt", world_size=1)
+    args = parse_training_args(
+        TRAIN_FLAGS + ["--distributed-backend", backend, "--save", save_dir], model_family="gpt", world_size=1
+    )
     pretrain(args, module.model_provider)
 
 
@@ -105,7 +126,10 @@ def reference(checkpoint):
     texts = PROMPTS + [render_chat(TOKENIZER, CHAT)]
     outputs = run_distributed(_offline_greedy, 1, checkpoint, [TOKENIZER.tokenize(t) for t in texts])[0]
     assert len({tuple(tokens) for tokens, _ in outputs}) == len(texts), "every prompt should give its own output"
-    return {text: (TOKENIZER.detokenize(tokens), log_probs) for text, (tokens, log_probs) in zip(texts, outputs)}
+    return {
+        text: (TOKENIZER.detokenize(tokens), log_probs)
+        for text, (tokens, log_probs) in zip(texts, outputs, strict=True)
+    }
 
 
 def _descendants(pid: int) -> list[int]:
@@ -148,8 +172,9 @@ class _Server:
     """A serving command; its output is collected by a reader thread."""
 
     def __init__(self, command: list[str]):
-        self.process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+        self.process = subprocess.Popen(
+            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -186,7 +211,6 @@ class _Server:
         return code
 
 
-
 @contextlib.contextmanager
 def _serving(command: list[str]):
     server = _Server(command)
@@ -201,7 +225,7 @@ def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], 
     (the CPU reference kernels are batch invariant), else to rounding (CUDA kernels pick
     reductions by shape; tensor parallelism sums in another order)."""
     assert len(got) == len(prompts)
-    for (text, log_probs), prompt in zip(got, prompts):
+    for (text, log_probs), prompt in zip(got, prompts, strict=True):
         want_text, want_log_probs = reference[prompt]
         assert text == want_text, prompt
         if exact:
@@ -248,9 +272,13 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
         assert (health.status, json.loads(health.read())) == (200, {"status": "ok"})
         api = _client(url)
         _assert_generations(_complete(api, PROMPTS[1]), PROMPTS[1:2], reference, exact=ON_CPU)
-        chunks = [chunk.choices[0] for chunk in api.chat.completions.create(
-            model="megatron", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True)
-            if chunk.choices]
+        chunks = [
+            chunk.choices[0]
+            for chunk in api.chat.completions.create(
+                model="megatron", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True
+            )
+            if chunk.choices
+        ]
         streamed = "".join(choice.delta.content or "" for choice in chunks)
         log_probs = [entry.logprob for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
         _assert_generations([(streamed, log_probs)], [render_chat(TOKENIZER, CHAT)], reference, exact=ON_CPU)
@@ -259,8 +287,20 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
 
 def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
     _needs_a_device_per_rank(2)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
-               "--load", checkpoint, "--port", "0", *ENGINE_FLAGS]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        LAUNCHER,
+        "--load",
+        checkpoint,
+        "--port",
+        "0",
+        *ENGINE_FLAGS,
+    ]
     with _serving(command) as (server, url):
         api = _client(url)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -274,8 +314,22 @@ def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent
 
 def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(checkpoint, reference):
     _needs_a_device_per_rank(2)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", LAUNCHER,
-               "--load", checkpoint, "--port", "0", "--tensor-model-parallel-size", "2", *ENGINE_FLAGS]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        LAUNCHER,
+        "--load",
+        checkpoint,
+        "--port",
+        "0",
+        "--tensor-model-parallel-size",
+        "2",
+        *ENGINE_FLAGS,
+    ]
     with _serving(command) as (server, url):
         _assert_generations(_complete(_client(url), PROMPTS[:4]), PROMPTS[:4], reference, exact=False)
         assert _wait_for_engine_tokens(url, MAX_TOKENS * 4) == {"replica-0": MAX_TOKENS * 4}  # one replica
@@ -285,11 +339,29 @@ def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(chec
 def test_disaggregated_load_reports_what_offline_load_reports(checkpoint, tmp_path):
     ids_file = tmp_path / "prompts.jsonl"
     ids_file.write_text("".join(json.dumps(TOKENIZER.tokenize(p)) + "\n" for p in PROMPTS[:3]))
-    flags = ["--load", checkpoint, "--prompt-token-ids-file", str(ids_file), "--num-tokens-to-generate", "6",
-             "--kv-block-size", "4", "--max-tokens-per-step", "8", "--enable-chunked-prefill"]
-    runs = {example: subprocess.Popen([sys.executable, example, *flags, "--output-json", str(tmp_path / f"{i}.json")],
-                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for i, example in enumerate((OFFLINE, DISAGGREGATED))}  # side by side: the wait is mostly start-up
+    flags = [
+        "--load",
+        checkpoint,
+        "--prompt-token-ids-file",
+        str(ids_file),
+        "--num-tokens-to-generate",
+        "6",
+        "--kv-block-size",
+        "4",
+        "--max-tokens-per-step",
+        "8",
+        "--enable-chunked-prefill",
+    ]
+    runs = {
+        example: subprocess.Popen(
+            [sys.executable, example, *flags, "--output-json", str(tmp_path / f"{i}.json")],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, example in enumerate((OFFLINE, DISAGGREGATED))
+    }  # side by side: the wait is mostly start-up
     reports = []
     try:
         for i, run in enumerate(runs.values()):
@@ -350,11 +422,14 @@ def _launcher_module():
     return module
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "the following arguments are required: --load"),
-    (["--load", "ckpt", "--reasoning-parser", "think"], "argument --reasoning-parser: invalid choice: 'think'"),
-    (["--load", "ckpt", "--tool-call-parser", "json"], "argument --tool-call-parser: invalid choice: 'json'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "the following arguments are required: --load"),
+        (["--load", "ckpt", "--reasoning-parser", "think"], "argument --reasoning-parser: invalid choice: 'think'"),
+        (["--load", "ckpt", "--tool-call-parser", "json"], "argument --tool-call-parser: invalid choice: 'json'"),
+    ],
+)
 def test_launcher_flags_are_checked_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _launcher_module().parse_args(argv)
@@ -371,8 +446,15 @@ def test_launcher_refuses_a_server_option_out_of_range():
 def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
     with bind_socket("127.0.0.1", 0) as taken:
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, SERVE, "--load", checkpoint, "--port", str(port)], env=_env(),
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, SERVE, "--load", checkpoint, "--port", str(port)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 2
-    assert done.stderr.strip().endswith(f"error: cannot serve on 127.0.0.1:{port} (Address already in use); pick "
-                                        "another --port, or --port 0 for a free one")
+    assert done.stderr.strip().endswith(
+        f"error: cannot serve on 127.0.0.1:{port} (Address already in use); pick "
+        "another --port, or --port 0 for a free one"
+    )

@@ -28,10 +28,12 @@ def _chain_agrees_on_norm_and_skip():
     ref_opts = [torch_adamw(ref_body.parameters(), **ADAM), torch_adamw(ref_top.parameters(), **ADAM_B)]
     ddps = [wrap_ddp(body, pgc), wrap_ddp(top, pgc)]
     scaled = dict(fp16=True, initial_loss_scale=4.0, hysteresis=1, clip_grad=CLIP)
-    chain = ChainedOptimizer([
-        get_megatron_optimizer(OptimizerConfig(**ADAM, **scaled), ddps[0], pgc),
-        get_megatron_optimizer(OptimizerConfig(**ADAM_B, **scaled), ddps[1], pgc),
-    ])
+    chain = ChainedOptimizer(
+        [
+            get_megatron_optimizer(OptimizerConfig(**ADAM, **scaled), ddps[0], pgc),
+            get_megatron_optimizer(OptimizerConfig(**ADAM_B, **scaled), ddps[1], pgc),
+        ]
+    )
     assert [g["lr"] for g in chain.param_groups] == [0.01, 0.01, 0.02, 0.02]
     rank, outcomes = pgc.rank("dp_cp"), []
     for step in range(3):
@@ -46,7 +48,7 @@ def _chain_agrees_on_norm_and_skip():
         before = [p.detach().clone() for p in [*body.parameters(), *top.parameters()]]
         outcomes.append(chain.step())
         if step == 2:
-            assert all(torch.equal(b, p) for b, p in zip(before, [*body.parameters(), *top.parameters()]))
+            assert all(torch.equal(b, p) for b, p in zip(before, [*body.parameters(), *top.parameters()], strict=True))
             break
         for opt in ref_opts:
             opt.zero_grad()
@@ -55,7 +57,9 @@ def _chain_agrees_on_norm_and_skip():
         for opt in ref_opts:
             opt.step()
         assert outcomes[-1][1] == pytest.approx(float(ref_norm), rel=1e-5)
-        for param, ref_param in zip([*body.parameters(), *top.parameters()], [*ref_body.parameters(), *ref_top.parameters()]):
+        for param, ref_param in zip(
+            [*body.parameters(), *top.parameters()], [*ref_body.parameters(), *ref_top.parameters()], strict=True
+        ):
             torch.testing.assert_close(param, ref_param, rtol=1e-5, atol=1e-6)
     return [ok for ok, _, _ in outcomes], chain.get_loss_scale(), len(chain.state_dict())
 
@@ -69,8 +73,11 @@ def _mismatches_are_rejected():
     pgc = dp_collection(1)
     scaled = get_megatron_optimizer(OptimizerConfig(lr=1.0, fp16=True), tiny_mlp(), pgc)
     plain = get_megatron_optimizer(OptimizerConfig(lr=1.0), head(), pgc)
-    with pytest.raises(OptimizerConfigError, match=r"chained optimizers disagree on loss scaling \(member has a loss "
-                       r"scaler: \[True, False\]\); use the same fp16 / loss_scale settings for every member"):
+    with pytest.raises(
+        OptimizerConfigError,
+        match=r"chained optimizers disagree on loss scaling \(member has a loss "
+        r"scaler: \[True, False\]\); use the same fp16 / loss_scale settings for every member",
+    ):
         ChainedOptimizer([scaled, plain])
     with pytest.raises(OptimizerConfigError, match=r"ChainedOptimizer needs at least one optimizer, got an empty list"):
         ChainedOptimizer([])

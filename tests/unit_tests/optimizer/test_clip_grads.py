@@ -81,13 +81,21 @@ def _global_norm_counts_each_param_once(world_size, sizes, distributed_optimizer
     pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(world_size, **sizes))
     params = stage_params(pgc)
     config = OptimizerConfig(
-        optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=MAX_NORM,
-        log_num_zeros_in_grad=True, use_distributed_optimizer=distributed_optimizer,
+        optimizer="sgd",
+        lr=1.0,
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=MAX_NORM,
+        log_num_zeros_in_grad=True,
+        use_distributed_optimizer=distributed_optimizer,
     )
     grads = full_grads()
     if distributed_optimizer:
         model = DistributedDataParallel(
-            ModelParallelConfig(), DistributedDataParallelConfig(use_distributed_optimizer=True), params, pg_collection=pgc
+            ModelParallelConfig(),
+            DistributedDataParallelConfig(use_distributed_optimizer=True),
+            params,
+            pg_collection=pgc,
         )
         for name, param in params.items():
             param.main_grad.copy_(shard(grads[name], SPECS[name], pgc))
@@ -103,7 +111,9 @@ def _global_norm_counts_each_param_once(world_size, sizes, distributed_optimizer
     assert norm == pytest.approx(ref_norm, rel=1e-5)
     assert num_zeros == ref_zeros
     for name, param in params.items():  # clipped by the global norm, so the update matches too
-        torch.testing.assert_close(param.detach().cpu(), shard(ref_params[name], SPECS[name], pgc), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            param.detach().cpu(), shard(ref_params[name], SPECS[name], pgc), rtol=1e-5, atol=1e-6
+        )
     return norm
 
 

@@ -10,6 +10,7 @@ from tests.unit_tests.optimizer.toy_models import build, dp_collection, tiny_mlp
 
 STEPS = 3
 
+
 def _same_training_with_sharded_state(dtype, bucket_size):
     pgc = dp_collection(2)
     sharded_model, plain_model = tiny_mlp(dtype), tiny_mlp(dtype)
@@ -24,15 +25,28 @@ def _same_training_with_sharded_state(dtype, bucket_size):
         torch.testing.assert_close(param, plain_model.get_parameter(name), **tolerance, msg=name)
     return sharded.state_numel(), plain.state_numel()
 
+
 @pytest.mark.parametrize(
     "dtype, bucket_size, sharded_sizes",
     [
         # one bucket of 67 elements padded to 68: replica 0 owns 34, replica 1 owns 33 (+1 pad)
-        (torch.float32, None, [{"master_params": 0, "exp_avg": 34, "exp_avg_sq": 34},
-                               {"master_params": 0, "exp_avg": 33, "exp_avg_sq": 33}]),
+        (
+            torch.float32,
+            None,
+            [
+                {"master_params": 0, "exp_avg": 34, "exp_avg_sq": 34},
+                {"master_params": 0, "exp_avg": 33, "exp_avg_sq": 33},
+            ],
+        ),
         # buckets [bias2 + weight2 = 27 -> 28] [bias1 + weight1 = 40]: 14 + 20 and 13 + 20
-        (torch.bfloat16, 20, [{"master_params": 34, "exp_avg": 34, "exp_avg_sq": 34},
-                              {"master_params": 33, "exp_avg": 33, "exp_avg_sq": 33}]),
+        (
+            torch.bfloat16,
+            20,
+            [
+                {"master_params": 34, "exp_avg": 34, "exp_avg_sq": 34},
+                {"master_params": 33, "exp_avg": 33, "exp_avg_sq": 33},
+            ],
+        ),
     ],
     ids=["fp32-one-bucket", "bf16-two-buckets"],
 )

@@ -12,9 +12,7 @@ from megatron.core.optimizer.lr_scheduler import LRSchedulerConfigError, Optimiz
 def make_optimizer():
     """Two groups: the second, like biases and norms, gets half the LR and no weight decay."""
     weights, biases = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    return torch.optim.SGD(
-        [{"params": [weights]}, {"params": [biases], "lr_mult": 0.5, "wd_mult": 0.0}], lr=123.0
-    )
+    return torch.optim.SGD([{"params": [weights]}, {"params": [biases], "lr_mult": 0.5, "wd_mult": 0.0}], lr=123.0)
 
 
 def make_scheduler(style, optimizer=None, **overrides):

@@ -39,7 +39,7 @@ def _fp32_steps_match_torch_adamw():
     assert [ok for ok, _, _ in results] == [True] * STEPS
     assert [norm for _, norm, _ in results] == pytest.approx(ref_norms, rel=1e-5)
     assert ref_norms[0] > 0.05  # clipping was active
-    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(param, ref_param, rtol=1e-5, atol=1e-6, msg=name)
     return [group["weight_decay"] for group in opt.param_groups]
 
@@ -60,12 +60,12 @@ def _bf16_master_weights_match_torch_adamw():
         ddp.zero_grad_buffer()
         loss_fn(ddp, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]).backward()
         ddp.finish_grad_sync()
-        for param, ref_param in zip(model.parameters(), ref.parameters()):
+        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
             ref_param.grad = param.main_grad.float().clone()  # the same (bf16) gradients
         assert opt.step()[0]
         ref_opt.step()
     masters = {id(e.model_param): e.master for e in opt.master_params}
-    for param, ref_param in zip(model.parameters(), ref.parameters()):
+    for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
         assert param.dtype == torch.bfloat16 and masters[id(param)].dtype == torch.float32
         torch.testing.assert_close(masters[id(param)], ref_param.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(param.detach(), ref_param.detach().bfloat16(), rtol=0, atol=0)
@@ -81,7 +81,9 @@ def _fp16_scaling_and_skipped_step():
     pgc = dp_collection(2)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).to(device(), torch.float16)
-    config = OptimizerConfig(fp16=True, initial_loss_scale=16.0, loss_scale_window=2, hysteresis=1, clip_grad=0.0, **ADAM)
+    config = OptimizerConfig(
+        fp16=True, initial_loss_scale=16.0, loss_scale_window=2, hysteresis=1, clip_grad=0.0, **ADAM
+    )
     opt = get_megatron_optimizer(config, model, pgc)
     ref = torch.nn.Linear(3, 2).to(device())
     ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -90,7 +92,7 @@ def _fp16_scaling_and_skipped_step():
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
         grads = [torch.randn(p.shape, generator=gen).to(device()) for p in model.parameters()]
-        for param, ref_param, grad in zip(model.parameters(), ref.parameters(), grads):
+        for param, ref_param, grad in zip(model.parameters(), ref.parameters(), grads, strict=True):
             param.grad = (grad * opt.get_loss_scale()).half()  # as if the scaled loss was back-propagated
             ref_param.grad = grad.half().float()
         if step == 2 and dist.get_rank() == 1:
@@ -99,10 +101,10 @@ def _fp16_scaling_and_skipped_step():
         outcomes.append(opt.step())
         if step < 2:
             ref_opt.step()
-            for param, ref_param in zip(model.parameters(), ref.parameters()):
+            for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
                 torch.testing.assert_close(param.detach(), ref_param.detach().half(), rtol=1e-3, atol=1e-4)
         else:
-            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         scales.append(opt.get_loss_scale())
     return [ok for ok, _, _ in outcomes], scales
 
@@ -146,7 +148,7 @@ def _state_round_trip():
         loss_fn(d, x, y).backward()
         d.finish_grad_sync()
         o.step()
-    for mine, theirs in zip(opt.master_params, twin_opt.master_params):
+    for mine, theirs in zip(opt.master_params, twin_opt.master_params, strict=True):
         torch.testing.assert_close(mine.master, theirs.master, rtol=0, atol=0)
     # reload_model_params: masters follow model weights loaded from elsewhere
     with torch.no_grad():
@@ -171,8 +173,11 @@ def test_config_errors_name_the_field():
 
 def _mismatched_ddp_is_rejected():
     pgc = dp_collection(1)
-    with pytest.raises(OptimizerConfigError, match=r"model chunk 0: OptimizerConfig.use_distributed_optimizer is True "
-                       r"but the chunk is not a DistributedDataParallel with ddp_config.use_distributed_optimizer=True"):
+    with pytest.raises(
+        OptimizerConfigError,
+        match=r"model chunk 0: OptimizerConfig.use_distributed_optimizer is True "
+        r"but the chunk is not a DistributedDataParallel with ddp_config.use_distributed_optimizer=True",
+    ):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [tiny_mlp()], pgc)
     assert isinstance(get_megatron_optimizer(OptimizerConfig(lr=1.0), tiny_mlp(), pgc), MegatronOptimizer)
 

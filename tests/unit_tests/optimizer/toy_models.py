@@ -77,7 +77,9 @@ def reference_training(model, world_rows, steps, clip_grad, adam=ADAM):
         opt.zero_grad()
         x, y = batch(world_rows, step)
         loss_fn(ref, x, y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad if clip_grad > 0 else float("inf"))))
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad if clip_grad > 0 else float("inf")))
+        )
         opt.step()
     return ref, norms
 

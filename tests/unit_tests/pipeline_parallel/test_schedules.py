@@ -3,7 +3,6 @@ loop over the same micro-batches."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
@@ -60,8 +59,10 @@ def _forward_step(data_iterator, model):
 def _reference(num_microbatches):
     model = Stage(_full_layers(), first=True)
     metrics, _ = forward_backward_no_pipelining(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches(num_microbatches)),
-        model=model, num_microbatches=num_microbatches,
+        forward_step_func=_forward_step,
+        data_iterator=iter(_microbatches(num_microbatches)),
+        model=model,
+        num_microbatches=num_microbatches,
     )
     return [m["loss"] for m in metrics], [p.grad.clone() for p in model.parameters()]
 
@@ -83,12 +84,16 @@ def _pipelined(pp, num_microbatches, forward_only):
     pgc = parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     stage = pgc.rank("pp")
     per_stage = NUM_LAYERS // pp
-    layers = _full_layers()[stage * per_stage:(stage + 1) * per_stage]
+    layers = _full_layers()[stage * per_stage : (stage + 1) * per_stage]
     model = Stage(layers, first=stage == 0).to(device())
     batches = [(x.to(device()), t.to(device())) for x, t in _microbatches(num_microbatches)]
     metrics, _ = forward_backward_pipelining_without_interleaving(
-        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=num_microbatches, tensor_shape=(SEQ, MBS, HIDDEN), forward_only=forward_only,
+        forward_step_func=_forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=num_microbatches,
+        tensor_shape=(SEQ, MBS, HIDDEN),
+        forward_only=forward_only,
         pg_collection=pgc,
     )
     grads = None if forward_only else [p.grad.cpu() for p in model.parameters()]
@@ -99,7 +104,7 @@ def test_no_pipelining_equals_plain_loop():
     losses, grads = _reference(3)
     plain_losses, plain_grads = _plain_loop(3)
     assert losses == pytest.approx(plain_losses, rel=1e-6)
-    for a, b in zip(grads, plain_grads):
+    for a, b in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -113,7 +118,7 @@ def test_1f1b_matches_single_process(pp, num_microbatches):
             assert losses == pytest.approx(ref_losses, rel=1e-6)
         else:
             assert losses == []
-        for got, want in zip(grads, ref_grads[stage * per_stage:(stage + 1) * per_stage]):
+        for got, want in zip(grads, ref_grads[stage * per_stage : (stage + 1) * per_stage], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -132,4 +137,6 @@ def test_schedule_selection_and_errors():
     with pytest.raises(ScheduleError, match="got 2 model chunks"):
         forward_backward_no_pipelining(forward_step_func=None, data_iterator=None, model=[1, 2], num_microbatches=1)
     with pytest.raises(ScheduleError, match="num_microbatches must be >= 1, got 0"):
-        forward_backward_no_pipelining(forward_step_func=None, data_iterator=None, model=Stage([], True), num_microbatches=0)
+        forward_backward_no_pipelining(
+            forward_step_func=None, data_iterator=None, model=Stage([], True), num_microbatches=0
+        )

@@ -17,9 +17,17 @@ HIDDEN, HEADS, HEAD_DIM, GROUPS, STATE, CONV, CHUNK = 32, 8, 8, 2, 8, 4, 4
 
 def mamba_config(**overrides):
     base = dict(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM,
-        mamba_num_groups=GROUPS, mamba_state_dim=STATE, mamba_d_conv=CONV, mamba_chunk_size=CHUNK,
-        add_bias_linear=False, normalization="RMSNorm",
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        mamba_num_heads=HEADS,
+        mamba_head_dim=HEAD_DIM,
+        mamba_num_groups=GROUPS,
+        mamba_state_dim=STATE,
+        mamba_d_conv=CONV,
+        mamba_chunk_size=CHUNK,
+        add_bias_linear=False,
+        normalization="RMSNorm",
     )
     return TransformerConfig(**(base | overrides))
 
@@ -30,9 +38,17 @@ def single_rank_collection():
 
 def hf_mixer():
     config = NemotronHConfig(
-        hidden_size=HIDDEN, mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM, n_groups=GROUPS, ssm_state_size=STATE,
-        conv_kernel=CONV, chunk_size=CHUNK, layers_block_type=["linear_attention"], layer_norm_epsilon=1e-5,
-        use_bias=False, use_conv_bias=True,
+        hidden_size=HIDDEN,
+        mamba_num_heads=HEADS,
+        mamba_head_dim=HEAD_DIM,
+        n_groups=GROUPS,
+        ssm_state_size=STATE,
+        conv_kernel=CONV,
+        chunk_size=CHUNK,
+        layers_block_type=["linear_attention"],
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
     )
     torch.manual_seed(0)
     mixer = NemotronHMamba2Mixer(config, layer_idx=0).eval()
@@ -83,7 +99,7 @@ def _compare_with_hf():
 
 
 def test_mixer_matches_hf_nemotron_h_mixer():
-    (diff, scale), = run_distributed(_compare_with_hf, 1)
+    ((diff, scale),) = run_distributed(_compare_with_hf, 1)
     assert scale > 0.1 and diff <= 1e-5 * scale
 
 
@@ -103,7 +119,7 @@ def _decode_matches_scan():
 
 
 def test_prefill_and_decode_continue_the_whole_sequence_output():
-    (diff, scale), = run_distributed(_decode_matches_scan, 1)
+    ((diff, scale),) = run_distributed(_decode_matches_scan, 1)
     assert diff <= 1e-5 * scale
 
 
@@ -123,7 +139,9 @@ def test_heads_and_groups_must_split_over_tp():
     with pytest.raises(ConfigError) as err:
         MambaDims.from_config(mamba_config(mamba_num_groups=1), tp_size=2)
     assert "mamba_num_groups (1) must be divisible by tensor_model_parallel_size (2)" in str(err.value)
-    with pytest.raises(ConfigError, match=r"mamba_num_heads \(8\) must be divisible by tensor_model_parallel_size \(3\)"):
+    with pytest.raises(
+        ConfigError, match=r"mamba_num_heads \(8\) must be divisible by tensor_model_parallel_size \(3\)"
+    ):
         MambaDims.from_config(mamba_config(), tp_size=3)
 
 

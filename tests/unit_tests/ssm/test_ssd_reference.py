@@ -25,8 +25,10 @@ def _hand_loop(x, dt, A, B, C, D, h0):
     batch, seq_len, nheads, head_dim = x.shape
     heads_per_group = nheads // B.shape[2]
     d_state = B.shape[3]
-    state = [[[[h0[b, h, p, n] for n in range(d_state)] for p in range(head_dim)] for h in range(nheads)]
-             for b in range(batch)]
+    state = [
+        [[[h0[b, h, p, n] for n in range(d_state)] for p in range(head_dim)] for h in range(nheads)]
+        for b in range(batch)
+    ]
     y = [[[[None] * head_dim for _ in range(nheads)] for _ in range(seq_len)] for _ in range(batch)]
     for b in range(batch):
         for t in range(seq_len):
@@ -54,7 +56,9 @@ def _rel(a, b):
 def test_chunked_scan_matches_hand_loop_with_initial_state(chunk_size):
     x, dt, A, B, C, D, h0 = _inputs()
     want_y, want_state = _hand_loop(x, dt, A, B, C, D, h0)
-    y, state = ssd_chunked_scan(x.float(), dt.float(), A.float(), B.float(), C.float(), chunk_size, D.float(), h0.float())
+    y, state = ssd_chunked_scan(
+        x.float(), dt.float(), A.float(), B.float(), C.float(), chunk_size, D.float(), h0.float()
+    )
     assert y.dtype == torch.float32 and y.shape == x.shape
     assert _rel(y, want_y) < 1e-5
     assert _rel(state, want_state) < 1e-5
@@ -94,7 +98,10 @@ def _gradients_vs_hand_loop():
     ref_leaves = [t.clone().requires_grad_(True) for t in (x, dt, A, B, C, D, h0)]
     ry, rstate = _hand_loop(*ref_leaves)
     (ry.sum() + rstate.sum()).backward()
-    return [(bool(torch.isfinite(got.grad).all()), _rel(got.grad, want.grad)) for got, want in zip(leaves, ref_leaves)]
+    return [
+        (bool(torch.isfinite(got.grad).all()), _rel(got.grad, want.grad))
+        for got, want in zip(leaves, ref_leaves, strict=True)
+    ]
 
 
 def test_scan_gradients_are_finite_and_match_the_hand_loop():

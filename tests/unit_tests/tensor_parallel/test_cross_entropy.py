@@ -30,7 +30,9 @@ def _check_cross_entropy():
     (loss * dloss.to(device())).sum().backward()
     torch.testing.assert_close(local.grad.cpu(), full.grad.chunk(world, dim=-1)[me], rtol=1e-5, atol=1e-6)
 
-    with pytest.raises(TensorParallelError, match=r"logits shape \(5, 3, \d+\) must be target shape \(5, 2\) plus a vocabulary dim"):
+    with pytest.raises(
+        TensorParallelError, match=r"logits shape \(5, 3, \d+\) must be target shape \(5, 2\) plus a vocabulary dim"
+    ):
         vocab_parallel_cross_entropy(local, target[:, :2].to(device()), dist.group.WORLD)
     return True
 

@@ -29,11 +29,14 @@ def build_tiny_model(tp, g, **config_overrides):
     with init_rng_scope(config, "embedding"):
         modules["embedding"] = VocabParallelEmbedding(10, 6, config=config, init_method=init_normal, pg_collection=pg)
     with init_rng_scope(config, "layer1"):
-        modules["qkv"] = ColumnParallelLinear(6, 10, config=config, init_method=init_normal,
-                                              output_partition_sizes=[4, 2, 4], pg_collection=pg)
+        modules["qkv"] = ColumnParallelLinear(
+            6, 10, config=config, init_method=init_normal, output_partition_sizes=[4, 2, 4], pg_collection=pg
+        )
         modules["proj"] = RowParallelLinear(4, 6, config=config, init_method=init_normal, pg_collection=pg)
     with init_rng_scope(config, "output_layer"):
-        modules["output"] = ColumnParallelLinear(6, 10, config=config, init_method=init_normal, bias=False, pg_collection=pg)
+        modules["output"] = ColumnParallelLinear(
+            6, 10, config=config, init_method=init_normal, bias=False, pg_collection=pg
+        )
     return pg, modules
 
 

@@ -87,7 +87,11 @@ def check_weight_layout(param, full, dim, parts, pg, tp, g):
 
 def expect_gtp_counts(g, all_gathers, reduce_scatters):
     """Under GTP the gathers/reduce-scatters really ran; at G=1 the plain TP path runs none."""
-    expected = {"all_gather": all_gathers, "reduce_scatter": reduce_scatters} if g > 1 else {"all_gather": 0, "reduce_scatter": 0}
+    expected = (
+        {"all_gather": all_gathers, "reduce_scatter": reduce_scatters}
+        if g > 1
+        else {"all_gather": 0, "reduce_scatter": 0}
+    )
     assert gtp.COLLECTIVE_COUNTS == expected
     gtp.reset_collective_counts()
 
@@ -95,8 +99,9 @@ def expect_gtp_counts(g, all_gathers, reduce_scatters):
 def check_column(pg, tp, g, sp, out_features, parts, per_token=False):
     config = tp_config(tensor_model_parallel_size=tp, sequence_parallel=sp, calculate_per_token_loss=per_token)
     with init_rng_scope(config, "col"):
-        layer = ColumnParallelLinear(HIDDEN, out_features, config=config, init_method=init_normal,
-                                     output_partition_sizes=parts, pg_collection=pg)
+        layer = ColumnParallelLinear(
+            HIDDEN, out_features, config=config, init_method=init_normal, output_partition_sizes=parts, pg_collection=pg
+        )
     layer.to(device())
     full = full_weight(config, "col", (out_features, HIDDEN))
     check_weight_layout(layer.weight, full, 0, parts, pg, tp, g)
@@ -111,13 +116,18 @@ def check_column(pg, tp, g, sp, out_features, parts, per_token=False):
     gtp.reset_collective_counts()
     out, out_bias = layer(x_local)
     assert out_bias is None
-    cols = lambda t: expected_piece(t.movedim(-1, 0), 0, parts, pg.rank("tp"), tp, 0, 1).movedim(0, -1)
+
+    def cols(t):
+        return expected_piece(t.movedim(-1, 0), 0, parts, pg.rank("tp"), tp, 0, 1).movedim(0, -1)
+
     close(out, cols(ref_out))
     (out * cols(dout).to(device())).sum().backward()
     expect_gtp_counts(g, all_gathers=2, reduce_scatters=1)
 
-    peer_grads = [reference_linear(full, bias_full, *make_data(s, (SEQ, BATCH, HIDDEN), out_features))[1]
-                  for s in gtp_peer_seeds(pg, tp)]
+    peer_grads = [
+        reference_linear(full, bias_full, *make_data(s, (SEQ, BATCH, HIDDEN), out_features))[1]
+        for s in gtp_peer_seeds(pg, tp)
+    ]
     expected_grad = peer_reduce(peer_grads, per_token)
     close(layer.weight.grad, expected_piece(expected_grad, 0, parts, pg.rank("tp"), tp, pg.rank("gtp"), g))
     close(gather_full_grad(layer.weight, pg), expected_grad)
@@ -149,8 +159,10 @@ def check_row(pg, tp, g, sp, out_features, per_token=False):
     (out * seq_part(dout).to(device())).sum().backward()
     expect_gtp_counts(g, all_gathers=2, reduce_scatters=1)
 
-    peer_grads = [reference_linear(full, bias_full, *make_data(s, (SEQ, BATCH, in_features), out_features))[1]
-                  for s in gtp_peer_seeds(pg, tp)]
+    peer_grads = [
+        reference_linear(full, bias_full, *make_data(s, (SEQ, BATCH, in_features), out_features))[1]
+        for s in gtp_peer_seeds(pg, tp)
+    ]
     expected_grad = peer_reduce(peer_grads, per_token)
     close(gather_full_grad(layer.weight, pg), expected_grad)
     close(layer.weight.grad, expected_piece(expected_grad, 1, None, pg.rank("tp"), tp, pg.rank("gtp"), g))
@@ -240,9 +252,19 @@ def _check_gather_output_skip_bias_and_full_input():
     config = tp_config(tensor_model_parallel_size=2)
     parts = [4, 2, 4]
     with init_rng_scope(config, "col"):
-        column = ColumnParallelLinear(HIDDEN, 10, config=config, init_method=init_normal, gather_output=True,
-                                      skip_bias_add=True, output_partition_sizes=parts, pg_collection=pg)
-        row = RowParallelLinear(10, 3, config=config, init_method=init_normal, input_is_parallel=False, pg_collection=pg)
+        column = ColumnParallelLinear(
+            HIDDEN,
+            10,
+            config=config,
+            init_method=init_normal,
+            gather_output=True,
+            skip_bias_add=True,
+            output_partition_sizes=parts,
+            pg_collection=pg,
+        )
+        row = RowParallelLinear(
+            10, 3, config=config, init_method=init_normal, input_is_parallel=False, pg_collection=pg
+        )
     with init_rng_scope(config, "col"):
         w_col, w_row = torch.empty(10, HIDDEN), torch.empty(3, 10)
         init_normal(w_col)
@@ -277,24 +299,47 @@ def _check_bad_arguments():
     config = tp_config(tensor_model_parallel_size=2)
     sp_config = tp_config(tensor_model_parallel_size=2, sequence_parallel=True)
     cases = [
-        (lambda: ColumnParallelLinear(4, 5, config=config, init_method=init_normal, pg_collection=pg),
-         r"ColumnParallelLinear output_size \(5\) must be divisible by tensor_model_parallel_size \(2\)"),
-        (lambda: ColumnParallelLinear(4, 6, config=config, init_method=init_normal, output_partition_sizes=[2, 2],
-                                      pg_collection=pg),
-         r"output_partition_sizes \[2, 2\] must be positive and sum to output_size \(6\)"),
-        (lambda: ColumnParallelLinear(4, 6, config=config, init_method=init_normal, output_partition_sizes=[3, 3],
-                                      pg_collection=pg),
-         r"part of output_partition_sizes \[3, 3\] \(3\) must be divisible by tensor_model_parallel_size \(2\)"),
-        (lambda: ColumnParallelLinear(4, 6, config=sp_config, init_method=init_normal, gather_output=True, pg_collection=pg),
-         "gather_output=True is not supported with sequence_parallel"),
-        (lambda: RowParallelLinear(5, 4, config=config, init_method=init_normal, pg_collection=pg),
-         r"RowParallelLinear input_size \(5\) must be divisible by tensor_model_parallel_size \(2\)"),
-        (lambda: RowParallelLinear(4, 4, config=sp_config, init_method=init_normal, input_is_parallel=False, pg_collection=pg),
-         "sequence_parallel requires input_is_parallel=True"),
-        (lambda: VocabParallelEmbedding(7, 4, config=config, init_method=init_normal, pg_collection=pg),
-         r"num_embeddings \(7\) must be divisible by tensor_model_parallel_size \(2\); pad it with pad_vocab_size \(e.g. 256\)"),
-        (lambda: RowParallelLinear(0, 4, config=config, init_method=init_normal, pg_collection=pg),
-         "input_size must be a positive integer, got 0"),
+        (
+            lambda: ColumnParallelLinear(4, 5, config=config, init_method=init_normal, pg_collection=pg),
+            r"ColumnParallelLinear output_size \(5\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
+        (
+            lambda: ColumnParallelLinear(
+                4, 6, config=config, init_method=init_normal, output_partition_sizes=[2, 2], pg_collection=pg
+            ),
+            r"output_partition_sizes \[2, 2\] must be positive and sum to output_size \(6\)",
+        ),
+        (
+            lambda: ColumnParallelLinear(
+                4, 6, config=config, init_method=init_normal, output_partition_sizes=[3, 3], pg_collection=pg
+            ),
+            r"part of output_partition_sizes \[3, 3\] \(3\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
+        (
+            lambda: ColumnParallelLinear(
+                4, 6, config=sp_config, init_method=init_normal, gather_output=True, pg_collection=pg
+            ),
+            "gather_output=True is not supported with sequence_parallel",
+        ),
+        (
+            lambda: RowParallelLinear(5, 4, config=config, init_method=init_normal, pg_collection=pg),
+            r"RowParallelLinear input_size \(5\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
+        (
+            lambda: RowParallelLinear(
+                4, 4, config=sp_config, init_method=init_normal, input_is_parallel=False, pg_collection=pg
+            ),
+            "sequence_parallel requires input_is_parallel=True",
+        ),
+        (
+            lambda: VocabParallelEmbedding(7, 4, config=config, init_method=init_normal, pg_collection=pg),
+            r"num_embeddings \(7\) must be divisible by tensor_model_parallel_size \(2\); "
+            r"pad it with pad_vocab_size \(e.g. 256\)",
+        ),
+        (
+            lambda: RowParallelLinear(0, 4, config=config, init_method=init_normal, pg_collection=pg),
+            "input_size must be a positive integer, got 0",
+        ),
     ]
     for build, message in cases:
         with pytest.raises(TensorParallelError, match=message):

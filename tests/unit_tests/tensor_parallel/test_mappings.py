@@ -22,7 +22,10 @@ def reference(name, world, me):
     """Expected (forward output, input grad) on rank ``me`` when every rank r feeds x_r and
     backpropagates dy_r through ``name`` (shapes of dy follow the output)."""
     xs = [rank_data(r)[0] for r in range(world)]
-    chunk = lambda t, dim, i: t.chunk(world, dim=dim)[i]
+
+    def chunk(t, dim, i):
+        return t.chunk(world, dim=dim)[i]
+
     dys = [rank_data(r, out_shape(name, world))[1] for r in range(world)]
     if name == "copy":
         return xs[me], sum(dys)
@@ -62,7 +65,9 @@ FUNCTIONS = {
     "gather_tp": mappings.gather_from_tensor_model_parallel_region,
     "scatter_sp": mappings.scatter_to_sequence_parallel_region,
     "gather_sp": mappings.gather_from_sequence_parallel_region,
-    "gather_sp_no_reduce": lambda x, g: mappings.gather_from_sequence_parallel_region(x, g, tensor_parallel_output_grad=False),
+    "gather_sp_no_reduce": lambda x, g: mappings.gather_from_sequence_parallel_region(
+        x, g, tensor_parallel_output_grad=False
+    ),
     "reduce_scatter_sp": mappings.reduce_scatter_to_sequence_parallel_region,
 }
 
@@ -93,9 +98,14 @@ def _check_collective_helpers():
     torch.testing.assert_close(gathered, torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(2)], dim=1))
     total = reduce_scatter_along_dim0(x, dist.group.WORLD).cpu()
     torch.testing.assert_close(total, (2 * torch.arange(6.0).reshape(2, 3) + 10)[me : me + 1])
-    with pytest.raises(TensorParallelError, match=r"reduce-scatter needs dim 0 \(3\) divisible by the group size \(2\)"):
+    with pytest.raises(
+        TensorParallelError, match=r"reduce-scatter needs dim 0 \(3\) divisible by the group size \(2\)"
+    ):
         reduce_scatter_along_dim0(torch.zeros(3, 1), dist.group.WORLD)
-    with pytest.raises(TensorParallelError, match=r"cannot split dimension 2 \(size 3\) of a tensor of shape \(1, 1, 3\) into 2 equal parts"):
+    with pytest.raises(
+        TensorParallelError,
+        match=r"cannot split dimension 2 \(size 3\) of a tensor of shape \(1, 1, 3\) into 2 equal parts",
+    ):
         mappings.scatter_to_tensor_model_parallel_region(torch.zeros(1, 1, 3), dist.group.WORLD)
     return True
 

@@ -73,7 +73,7 @@ def test_checkpoint_recomputes_with_the_forward_rng_and_matches_plain_backward()
         torch.rand(10)  # RNG use between forward and backward must not change the recomputation
         out.sum().backward()
         grads.append((out.detach(), x.grad, w.grad))
-    for plain, recomputed in zip(*grads):
+    for plain, recomputed in zip(*grads, strict=True):
         torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
     assert (grads[0][0] == 0).any()  # dropout really dropped something
 
@@ -82,7 +82,9 @@ def _checkpointed_parallel_block():
     pg = collection(gtp=2)
     config = tp_config()
     with init_rng_scope(config, "layer1"):
-        fc1 = ColumnParallelLinear(6, 10, config=config, init_method=torch.nn.init.normal_, pg_collection=pg).to(device())
+        fc1 = ColumnParallelLinear(6, 10, config=config, init_method=torch.nn.init.normal_, pg_collection=pg).to(
+            device()
+        )
         fc2 = RowParallelLinear(10, 6, config=config, init_method=torch.nn.init.normal_, pg_collection=pg).to(device())
 
     def mlp(x):
@@ -93,13 +95,17 @@ def _checkpointed_parallel_block():
     results = []
     for use_checkpoint in (False, True):
         model_parallel_manual_seed(9, pg)
-        x = torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(dist.get_rank())).to(device()).requires_grad_(True)
+        x = (
+            torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+            .to(device())
+            .requires_grad_(True)
+        )
         out = checkpoint(mlp, x) if use_checkpoint else mlp(x)
         out.sum().backward()
         results.append([t.detach().clone() for t in (out, x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad)])
         for module in (fc1, fc2):
             module.zero_grad(set_to_none=True)
-    for plain, recomputed in zip(*results):
+    for plain, recomputed in zip(*results, strict=True):
         torch.testing.assert_close(recomputed, plain, rtol=1e-6, atol=1e-6)
     return True
 

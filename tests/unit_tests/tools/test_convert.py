@@ -23,21 +23,50 @@ from megatron.training.checkpointing import load_model_config, load_model_weight
 from tests.unit_tests.dist_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-_spec = importlib.util.spec_from_file_location("checkpoint_convert", os.path.join(ROOT, "tools", "checkpoint", "convert.py"))
+_spec = importlib.util.spec_from_file_location(
+    "checkpoint_convert", os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+)
 convert_tool = importlib.util.module_from_spec(_spec)
 sys.modules["checkpoint_convert"] = convert_tool  # dataclasses look their module up
 _spec.loader.exec_module(convert_tool)
 
 HF_MODELS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)),
+    "llama": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    ),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32)),
-    "nemotron_h": lambda: NemotronHForCausalLM(NemotronHConfig(
-        vocab_size=100, hidden_size=32, layers_block_type=None, hybrid_override_pattern="M*-M", num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_hidden_act="relu2", mamba_num_heads=8,
-        mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4, max_position_embeddings=32,
-        tie_word_embeddings=False, time_step_min=1e-3, time_step_max=0.1)),
+    "nemotron_h": lambda: NemotronHForCausalLM(
+        NemotronHConfig(
+            vocab_size=100,
+            hidden_size=32,
+            layers_block_type=None,
+            hybrid_override_pattern="M*-M",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            mlp_hidden_act="relu2",
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=4,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+            time_step_min=1e-3,
+            time_step_max=0.1,
+        )
+    ),
 }
 IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
 
@@ -70,12 +99,28 @@ def test_hf_to_ours_and_back_is_bit_identical_and_keeps_the_logits(tmp_path, nam
     hf = _hf_model(name)
     hf_dir, ours, back_dir = str(tmp_path / "hf"), str(tmp_path / "ours"), str(tmp_path / "back")
     hf.save_pretrained(hf_dir)
-    run_distributed(_convert, 1, ["--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir", ours,
-                                  "--target-tensor-parallel-size", "2"])
+    run_distributed(
+        _convert,
+        1,
+        [
+            "--loader",
+            "hf",
+            "--saver",
+            "megatron",
+            "--load-dir",
+            hf_dir,
+            "--save-dir",
+            ours,
+            "--target-tensor-parallel-size",
+            "2",
+        ],
+    )
     run_distributed(_convert, 1, ["--loader", "megatron", "--saver", "hf", "--load-dir", ours, "--save-dir", back_dir])
     back = AutoModelForCausalLM.from_pretrained(back_dir).eval()
     same_config = {k: v for k, v in back.config.to_dict().items() if k != "_name_or_path"}
-    assert type(back) is type(hf) and same_config == {k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"}
+    assert type(back) is type(hf) and same_config == {
+        k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"
+    }
     original, returned = hf.state_dict(), back.state_dict()
     assert original.keys() == returned.keys()
     assert all(torch.equal(original[k], returned[k]) for k in original)
@@ -97,9 +142,24 @@ def test_ours_to_ours_retargets_the_default_layout(tmp_path):
     hf_dir, ours, retargeted = str(tmp_path / "hf"), str(tmp_path / "ours"), str(tmp_path / "pp2")
     _hf_model("llama").save_pretrained(hf_dir)
     run_distributed(_convert, 1, ["--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir", ours])
-    run_distributed(_convert, 1, ["--loader", "megatron", "--saver", "megatron", "--load-dir", ours,
-                                  "--save-dir", retargeted, "--target-pipeline-parallel-size", "2",
-                                  "--target-generalized-tensor-parallel-size", "2"])
+    run_distributed(
+        _convert,
+        1,
+        [
+            "--loader",
+            "megatron",
+            "--saver",
+            "megatron",
+            "--load-dir",
+            ours,
+            "--save-dir",
+            retargeted,
+            "--target-pipeline-parallel-size",
+            "2",
+            "--target-generalized-tensor-parallel-size",
+            "2",
+        ],
+    )
     config = load_model_config(retargeted)["transformer_config"]
     assert (config["pipeline_model_parallel_size"], config["generalized_tensor_parallel_size"]) == (2, 2)
     (before,), (after,) = run_distributed(_state, 1, ours), run_distributed(_state, 1, retargeted)
@@ -107,9 +167,27 @@ def test_ours_to_ours_retargets_the_default_layout(tmp_path):
 
 
 def test_bad_requests_fail_with_a_message(capsys):
-    with pytest.raises(convert_tool.ConversionError, match=r"HF architectures \['BertForMaskedLM'\] are not supported; "
-                       r"supported: \['GPT2LMHeadModel', 'LlamaForCausalLM', 'NemotronHForCausalLM'\]"):
+    with pytest.raises(
+        convert_tool.ConversionError,
+        match=r"HF architectures \['BertForMaskedLM'\] are not supported; "
+        r"supported: \['GPT2LMHeadModel', 'LlamaForCausalLM', 'NemotronHForCausalLM'\]",
+    ):
         convert_tool.hf_family(["BertForMaskedLM"])
-    assert convert_tool.main(["--loader", "hf", "--saver", "hf", "--load-dir", "x", "--save-dir", "y",
-                              "--target-tensor-parallel-size", "0"]) == 2
+    assert (
+        convert_tool.main(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "hf",
+                "--load-dir",
+                "x",
+                "--save-dir",
+                "y",
+                "--target-tensor-parallel-size",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "--target-tensor-parallel-size must be >= 1, got 0" in capsys.readouterr().err

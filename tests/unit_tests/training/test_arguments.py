@@ -4,13 +4,30 @@ import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--train-iters", "10", "--lr", "1e-3", "--micro-batch-size", "2"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--micro-batch-size",
+    "2",
+]
 
 
 def test_valid_flags_derive_data_parallel_width_and_microbatches():
-    args = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--generalized-tensor-parallel-size", "2",
-                              "--global-batch-size", "16"], world_size=8)
+    args = parse_args(
+        BASE
+        + ["--tensor-model-parallel-size", "2", "--generalized-tensor-parallel-size", "2", "--global-batch-size", "16"],
+        world_size=8,
+    )
     assert args.data_parallel_size == 2
     assert args.data_parallel_width == 4  # DP x GTP: GTP peers read different micro-batches
     assert args.num_microbatches == 2
@@ -25,15 +42,29 @@ def test_sequence_parallel_is_dropped_at_tp1():
 @pytest.mark.parametrize(
     "extra,world,message",
     [
-        (["--tensor-model-parallel-size", "3"], 4,
-         r"world size 4 is not divisible by --tensor-model-parallel-size \(3\) .* = 3"),
-        (["--global-batch-size", "6"], 4,
-         r"--global-batch-size \(6\) must be a multiple of --micro-batch-size \(2\) x data-parallel width \(4"),
+        (
+            ["--tensor-model-parallel-size", "3"],
+            4,
+            r"world size 4 is not divisible by --tensor-model-parallel-size \(3\) .* = 3",
+        ),
+        (
+            ["--global-batch-size", "6"],
+            4,
+            r"--global-batch-size \(6\) must be a multiple of --micro-batch-size \(2\) x data-parallel width \(4",
+        ),
         (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
         (["--mock-data", "--data-path", "x"], 1, "--mock-data and --data-path are mutually exclusive"),
         (["--data-path", "a", "b"], 1, r"--data-path takes one dataset prefix for now \(no blending\), got 2"),
-        (["--tensor-model-parallel-size", "8"], 8, r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(8\)"),
-        (["--pipeline-model-parallel-size", "3"], 3, r"--num-layers \(4\) must be divisible by --pipeline-model-parallel-size \(3\)"),
+        (
+            ["--tensor-model-parallel-size", "8"],
+            8,
+            r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(8\)",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "3"],
+            3,
+            r"--num-layers \(4\) must be divisible by --pipeline-model-parallel-size \(3\)",
+        ),
         (["--min-lr", "1"], 1, r"--min-lr \(1.0\) must not exceed --lr \(0.001\)"),
         (["--lr-warmup-iters", "20"], 1, r"--lr-warmup-iters \(20\) must not exceed --lr-decay-iters \(10\)"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
@@ -41,11 +72,17 @@ def test_sequence_parallel_is_dropped_at_tp1():
         (["--context-parallel-size", "2"], 2, "--context-parallel-size 2 is not supported"),
         (["--hybrid-layer-pattern", "M*"], 1, "--hybrid-layer-pattern is only valid for hybrid models"),
         (["--num-query-groups", "3"], 1, r"--num-attention-heads \(4\) must be divisible by --num-query-groups \(3\)"),
-        (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "8"], 1,
-         r"--seq-length \(16\) exceeds --max-position-embeddings \(8\)"),
+        (
+            ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "8"],
+            1,
+            r"--seq-length \(16\) exceeds --max-position-embeddings \(8\)",
+        ),
         (["--eval-interval", "5"], 1, "--eval-interval needs --eval-iters >= 1"),
-        (["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"], 2,
-         r"invalid model flags: ffn_hidden_size \(33\) must be divisible by tensor_model_parallel_size \(2\)"),
+        (
+            ["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"],
+            2,
+            r"invalid model flags: ffn_hidden_size \(33\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
     ],
 )
 def test_invalid_combinations_fail_with_the_flags_named(extra, world, message):
@@ -61,8 +98,10 @@ def test_missing_required_flag_is_named():
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--hybrid-layer-pattern", "M*M-", "--tensor-model-parallel-size", "2"],
-         r"invalid model flags: mamba_num_groups \(1\) must be divisible by tensor_model_parallel_size \(2\)"),
+        (
+            ["--hybrid-layer-pattern", "M*M-", "--tensor-model-parallel-size", "2"],
+            r"invalid model flags: mamba_num_groups \(1\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
         (["--hybrid-layer-pattern", "M*X-"], "invalid model flags: .*'X'"),
         (["--hybrid-layer-pattern", "M*M"], "invalid model flags: .*"),
     ],

@@ -17,10 +17,36 @@ from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
-          "--lr-decay-iters", "20", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0.1",
-          "--distributed-backend", "gloo", "--use-distributed-optimizer", "--log-interval", "100"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-decay-iters",
+    "20",
+    "--mock-data",
+    "--vocab-size",
+    "64",
+    "--hidden-dropout",
+    "0.1",
+    "--distributed-backend",
+    "gloo",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "100",
+]
 
 
 def _provider(family="gpt"):
@@ -75,8 +101,9 @@ def test_a_changed_schedule_needs_an_explicit_choice(straight_run):
     save, _ = straight_run
     with pytest.raises(Exception, match=r"--lr 0.001 \(checkpoint: 0.003\).*--override-opt-param-scheduler"):
         run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--lr", "1e-3"], 1)
-    (overridden,) = run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--lr", "1e-3",
-                                                "--override-opt-param-scheduler"], 1)
+    (overridden,) = run_distributed(
+        _train, 1, ["--train-iters", "21", "--load", save, "--lr", "1e-3", "--override-opt-param-scheduler"], 1
+    )
     assert overridden[0] == 21
 
 
@@ -110,7 +137,7 @@ def test_config_record_rebuilds_the_model_without_flags(straight_run):
     assert record["model_kwargs"]["share_embeddings_and_output_weights"] is True
     assert record["transformer_config"]["hidden_dropout"] == 0.1
     assert record["tokenizer_type"] == "ByteLevelTokenizer"
-    (before, rebuilt), = run_distributed(_logits_from_record, 1, save)
+    ((before, rebuilt),) = run_distributed(_logits_from_record, 1, save)
     (reference,) = run_distributed(_logits_from_flags, 1, save, ["--train-iters", "20"])
     assert not torch.allclose(before, reference, atol=1e-3)
     torch.testing.assert_close(rebuilt, reference, rtol=0, atol=0)
@@ -135,5 +162,6 @@ def test_unregistered_activation_cannot_be_saved_or_loaded():
     with pytest.raises(ConfigError, match="activation_func 'tanh' has no registered name"):
         config.to_dict()
     with pytest.raises(ConfigError, match="activation_func 'swish2' is unknown; known activations"):
-        TransformerConfig.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
-                                     "activation_func": "swish2"})
+        TransformerConfig.from_dict(
+            {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "activation_func": "swish2"}
+        )

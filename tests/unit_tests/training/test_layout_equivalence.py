@@ -21,10 +21,35 @@ def _provider(family):
     return module.model_provider
 
 
-COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3",
-          "--lr-warmup-iters", "2", "--mock-data", "--vocab-size", "64", "--log-interval", "1", "--clip-grad", "1.0",
-          "--distributed-backend", "gloo"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "10",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "64",
+    "--log-interval",
+    "1",
+    "--clip-grad",
+    "1.0",
+    "--distributed-backend",
+    "gloo",
+]
 
 
 def _train(family, flags, world_size):
@@ -70,8 +95,18 @@ def test_gpt_layouts_reproduce_single_process_losses(gpt_reference, layout):
 
 
 def test_hybrid_tp2_pp2_reproduces_single_process_losses():
-    flags = ["--hybrid-layer-pattern", "M*|M-", "--num-layers", "4", "--mamba-head-dim", "8", "--mamba-state-dim", "8",
-             "--mamba-num-groups", "2"]
+    flags = [
+        "--hybrid-layer-pattern",
+        "M*|M-",
+        "--num-layers",
+        "4",
+        "--mamba-head-dim",
+        "8",
+        "--mamba-state-dim",
+        "8",
+        "--mamba-num-groups",
+        "2",
+    ]
     reference = _curve("hybrid", flags, 1)
     curve = _curve("hybrid", flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
     assert curve == pytest.approx(reference, rel=1e-4)

@@ -9,29 +9,69 @@ def test_log_line_and_jsonl_records(tmp_path):
     lines = []
     path = tmp_path / "m.jsonl"
     logger = MetricsLogger(True, str(path), print_fn=lines.append)
-    logger.log_training(iteration=3, train_iters=10, consumed_samples=24, elapsed_ms=12.5, tokens_per_s=100.0,
-                        tflops=0.25, lr=1e-3, loss=2.5, grad_norm=1.5, skipped=1, nan=0)
+    logger.log_training(
+        iteration=3,
+        train_iters=10,
+        consumed_samples=24,
+        elapsed_ms=12.5,
+        tokens_per_s=100.0,
+        tflops=0.25,
+        lr=1e-3,
+        loss=2.5,
+        grad_norm=1.5,
+        skipped=1,
+        nan=0,
+    )
     logger.log_evaluation(iteration=3, loss=2.0)
     logger.close()
     line = lines[0]
-    for field in ("iteration        3/      10", "consumed samples:           24",
-                  "elapsed time per iteration (ms): 12.5", "tokens/s: 100.0", "TFLOP/s: 0.2500",
-                  "learning rate: 1.000000E-03", "lm loss: 2.500000E+00", "grad norm: 1.500E+00",
-                  "number of skipped iterations:   1", "number of nan iterations:   0"):
+    for field in (
+        "iteration        3/      10",
+        "consumed samples:           24",
+        "elapsed time per iteration (ms): 12.5",
+        "tokens/s: 100.0",
+        "TFLOP/s: 0.2500",
+        "learning rate: 1.000000E-03",
+        "lm loss: 2.500000E+00",
+        "grad norm: 1.500E+00",
+        "number of skipped iterations:   1",
+        "number of nan iterations:   0",
+    ):
         assert field in line
     assert "validation loss at iteration 3 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00" in lines[1]
     train, valid = [json.loads(x) for x in path.read_text().splitlines()]
-    assert train == {"type": "train", "iteration": 3, "consumed_samples": 24, "lm loss": 2.5, "lr": 1e-3,
-                     "grad_norm": 1.5, "elapsed_ms_per_iteration": 12.5, "tokens_per_s": 100.0, "tflops": 0.25,
-                     "skipped_iterations": 1, "nan_iterations": 0}
+    assert train == {
+        "type": "train",
+        "iteration": 3,
+        "consumed_samples": 24,
+        "lm loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 1.5,
+        "elapsed_ms_per_iteration": 12.5,
+        "tokens_per_s": 100.0,
+        "tflops": 0.25,
+        "skipped_iterations": 1,
+        "nan_iterations": 0,
+    }
     assert valid["type"] == "validation" and valid["lm loss"] == 2.0 and abs(valid["lm loss ppl"] - 7.389056) < 1e-6
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
     lines = []
     logger = MetricsLogger(False, str(tmp_path / "m.jsonl"), print_fn=lines.append)
-    logger.log_training(iteration=1, train_iters=1, consumed_samples=1, elapsed_ms=1, tokens_per_s=1, tflops=0,
-                        lr=0, loss=1, grad_norm=None, skipped=0, nan=0)
+    logger.log_training(
+        iteration=1,
+        train_iters=1,
+        consumed_samples=1,
+        elapsed_ms=1,
+        tokens_per_s=1,
+        tflops=0,
+        lr=0,
+        loss=1,
+        grad_norm=None,
+        skipped=0,
+        nan=0,
+    )
     assert lines == [] and not (tmp_path / "m.jsonl").exists()
 
 

@@ -20,8 +20,9 @@ D = H // HEADS
 
 
 def config(**kw):
-    return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS,
-                             add_bias_linear=True, **kw)
+    return TransformerConfig(
+        num_layers=2, hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS, add_bias_linear=True, **kw
+    )
 
 
 def hand_attention(attn: SelfAttention, x, rotary=None, causal=True):

@@ -28,10 +28,23 @@ def test_roll_left_and_target_mask():
 
 @on_single_rank
 def test_loss_is_main_plus_scaled_mean_of_depth_losses_computed_by_hand(pg):
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
-                               mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR)
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, 16, position_embedding_type="rope",
-                     mtp_block_spec=get_gpt_mtp_block_spec(), pg_collection=pg)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        mtp_num_layers=DEPTHS,
+        mtp_loss_scaling_factor=FACTOR,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        VOCAB,
+        16,
+        position_embedding_type="rope",
+        mtp_block_spec=get_gpt_mtp_block_spec(),
+        pg_collection=pg,
+    )
     gen = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, VOCAB, (B, S), generator=gen), torch.randint(0, VOCAB, (B, S), generator=gen)
 
@@ -56,7 +69,7 @@ def test_loss_is_main_plus_scaled_mean_of_depth_losses_computed_by_hand(pg):
             combined = torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1) @ layer.eh_proj.weight.t()
             hidden = layer.final_layernorm(layer.transformer_layer(combined, rotary_pos_emb=rotary))
             depth_loss = ce(hidden, shifted_labels)
-            depth_loss[:, S - k:] = 0.0  # no target beyond the sequence
+            depth_loss[:, S - k :] = 0.0  # no target beyond the sequence
             depth_sum += depth_loss
         expected = expected + FACTOR * depth_sum / DEPTHS
 

@@ -24,7 +24,9 @@ def test_layernorm_matches_formula():
     x = torch.randn(3, 2, 16)
     x64 = x.double()
     normed = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-5)
-    torch.testing.assert_close(norm(x).double(), normed * norm.weight.double() + norm.bias.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        norm(x).double(), normed * norm.weight.double() + norm.bias.double(), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_rmsnorm_matches_formula():

@@ -35,10 +35,13 @@ def test_layers_have_global_numbers_and_per_layer_init(pg):
     assert [layer.layer_number for layer in block.layers] == [1, 2, 3, 4]
     with init_rng_scope(config(), "layer3"):
         alone = build_module(get_gpt_layer_local_spec(), config=config(), layer_number=3, pg_collection=pg)
-    for (name, a), (_, b) in zip(block.layers[2].named_parameters(), alone.named_parameters()):
+    for (name, a), (_, b) in zip(block.layers[2].named_parameters(), alone.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert block.final_layernorm is not None
-    assert TransformerBlock(config(), get_gpt_layer_local_spec(), post_process=False, pg_collection=pg).final_layernorm is None
+    assert (
+        TransformerBlock(config(), get_gpt_layer_local_spec(), post_process=False, pg_collection=pg).final_layernorm
+        is None
+    )
 
 
 @on_single_rank
@@ -46,12 +49,14 @@ def test_full_recompute_gives_the_same_gradients(pg):
     grads = []
     x = torch.randn(6, 2, 16)
     for granularity in (None, "full", "selective"):
-        block = TransformerBlock(config(recompute_granularity=granularity), get_gpt_layer_local_spec(), pg_collection=pg)
+        block = TransformerBlock(
+            config(recompute_granularity=granularity), get_gpt_layer_local_spec(), pg_collection=pg
+        )
         inp = x.clone().requires_grad_()
         block(inp).square().sum().backward()
         grads.append([inp.grad] + [p.grad for p in block.parameters()])
     for other in grads[1:]:
-        for a, b in zip(grads[0], other):
+        for a, b in zip(grads[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -55,7 +55,9 @@ def exchange_loaded(assignment: Assignment, loaded: dict[Chunk, torch.Tensor], w
         if not pieces:
             continue
         dtypes = [getattr(torch, p.dtype) for p in pieces]
-        sizes = [math.prod(p.chunk[3]) * torch.empty((), dtype=d).element_size() for p, d in zip(pieces, dtypes)]
+        sizes = [
+            math.prod(p.chunk[3]) * torch.empty((), dtype=d).element_size() for p, d in zip(pieces, dtypes, strict=True)
+        ]
         if me == source:
             buffer = torch.cat([loaded[p.chunk].reshape(-1).view(torch.uint8) for p in pieces]).to(device)
         else:
@@ -63,6 +65,6 @@ def exchange_loaded(assignment: Assignment, loaded: dict[Chunk, torch.Tensor], w
         dist.broadcast(buffer, src=source, group=group)
         if me == source:
             continue
-        for piece, dtype, part in zip(pieces, dtypes, buffer.cpu().split(sizes)):
+        for piece, dtype, part in zip(pieces, dtypes, buffer.cpu().split(sizes), strict=True):
             if piece.chunk in wanted:
                 loaded[piece.chunk] = part.clone().view(dtype).reshape(piece.chunk[3])

@@ -125,7 +125,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
         tensor = tensor.narrow(dim, start, length)
     return tensor
 
@@ -150,7 +150,9 @@ class _PieceLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item, value):
-        raise CheckpointingError(f"unexpected byte item {read_item.storage_index.fqn!r}: this format stores only tensors")
+        raise CheckpointingError(
+            f"unexpected byte item {read_item.storage_index.fqn!r}: this format stores only tensors"
+        )
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return _narrow(self._targets[read_item.dest_index.fqn], read_item.dest_offsets, read_item.lengths)
@@ -236,18 +238,20 @@ def plan_box_reads(
     stored global shape) into the target ``dest`` from the stored chunks that overlap it."""
     items = []
     for chunk in stored.chunks:
-        lo = [max(a, b) for a, b in zip(offset, chunk.global_offset)]
-        hi = [min(a + s, b + t) for a, s, b, t in zip(offset, shape, chunk.global_offset, chunk.local_shape)]
-        if any(h <= l for l, h in zip(lo, hi)):
+        lo = [max(a, b) for a, b in zip(offset, chunk.global_offset, strict=True)]
+        hi = [
+            min(a + s, b + t) for a, s, b, t in zip(offset, shape, chunk.global_offset, chunk.local_shape, strict=True)
+        ]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
             continue
         items.append(
             ReadItem(
                 type=LoadItemType.TENSOR,
                 dest_index=MetadataIndex(dest),
-                dest_offsets=torch.Size(l - o for l, o in zip(lo, offset)),
+                dest_offsets=torch.Size(low - o for low, o in zip(lo, offset, strict=True)),
                 storage_index=MetadataIndex(fqn, torch.Size(chunk.global_offset)),
-                storage_offsets=torch.Size(l - c for l, c in zip(lo, chunk.global_offset)),
-                lengths=torch.Size(h - l for l, h in zip(lo, hi)),
+                storage_offsets=torch.Size(low - c for low, c in zip(lo, chunk.global_offset, strict=True)),
+                lengths=torch.Size(h - low for low, h in zip(lo, hi, strict=True)),
             )
         )
     return items
@@ -295,7 +299,10 @@ def read_pieces(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(
-                {}, storage_reader=VerifiedReader(checkpoint_dir, slices), planner=_PieceLoadPlanner(items, targets), no_dist=True
+                {},
+                storage_reader=VerifiedReader(checkpoint_dir, slices),
+                planner=_PieceLoadPlanner(items, targets),
+                no_dist=True,
             )
         except CheckpointException as exc:
             summary, first = _failure_summary(exc)

@@ -27,3 +27,34 @@ from megatron.core.inference.contexts.kv_cache import PagedKVCache
 from megatron.core.inference.contexts.mamba_slots import MambaSnapshotStore, MambaStateShapes, MambaStateSlots
 from megatron.core.inference.contexts.paged_attention import paged_attention
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain, hash_block
+
+__all__ = [
+    "BlockHashChain",
+    "BlockPool",
+    "BlockPoolExhaustedError",
+    "Capacity",
+    "CapacityConfig",
+    "CapacityError",
+    "CapacityNegotiationTimeoutError",
+    "DynamicInferenceContext",
+    "ImportPlan",
+    "InferenceContextError",
+    "InferenceRequestError",
+    "LayerNotOnStageError",
+    "MambaSnapshotStore",
+    "MambaStateShapes",
+    "MambaStateSlots",
+    "PageReason",
+    "PagedKVCache",
+    "PromptExceedsStepTokenLimitError",
+    "PromptTooLongError",
+    "RequestExceedsPoolError",
+    "StageCacheSpec",
+    "StepBatch",
+    "StepError",
+    "UnknownRequestError",
+    "hash_block",
+    "paged_attention",
+    "plan_capacity",
+    "plan_stage_capacity",
+]

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron.core.inference.contexts.errors import BlockPoolExhaustedError, InferenceContextError
 
 
-class PageReason(str, enum.Enum):
+class PageReason(enum.StrEnum):
     """Why a fresh block is handed out. Every reason but ``IMPORT`` initializes the page."""
 
     ADMISSION = "admission"

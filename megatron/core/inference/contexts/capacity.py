@@ -81,7 +81,7 @@ class StageCacheSpec:
         mamba_layer_numbers,
         block_size: int,
         tp_size: int,
-    ) -> "StageCacheSpec":
+    ) -> StageCacheSpec:
         """Spec of a stage of a model built from ``config`` (KV heads = query groups / TP,
         head dim = kv_channels, Mamba shapes from the mixer's ``MambaDims``)."""
         shapes = None
@@ -91,8 +91,13 @@ class StageCacheSpec:
             dims = MambaDims.from_config(config, tp_size)
             shapes = MambaStateShapes(dims.conv_state_shape(), dims.ssm_state_shape(), config.params_dtype)
         return cls(
-            tuple(attention_layer_numbers), tuple(mamba_layer_numbers), config.num_query_groups // tp_size,
-            config.kv_channels, block_size, config.params_dtype, shapes,
+            tuple(attention_layer_numbers),
+            tuple(mamba_layer_numbers),
+            config.num_query_groups // tp_size,
+            config.kv_channels,
+            block_size,
+            config.params_dtype,
+            shapes,
         )
 
     @property
@@ -178,7 +183,8 @@ def plan_stage_capacity(
             mamba_bytes = int(DEFAULT_MAMBA_MEMORY_RATIO * config.buffer_size_bytes)
         else:
             raise InferenceContextError(
-                "a stage with Mamba layers needs buffer_size_bytes, mamba_budget_bytes or max_requests to size its state"
+                "a stage with Mamba layers needs buffer_size_bytes, mamba_budget_bytes or max_requests to size "
+                "its state"
             )
         num_slots = mamba_bytes // bytes_per_request
     num_blocks = NEUTRAL
@@ -198,9 +204,10 @@ def plan_stage_capacity(
             f"{blocks_per_request} blocks of {spec.block_size} tokens ({spec.bytes_per_block} bytes each)"
         )
     if num_slots < 1:
+        rows = MAMBA_ROWS_PER_REQUEST_WITH_PREFIX_CACHING if enable_prefix_caching else 1
         problems.append(
             f"{mamba_bytes} bytes of Mamba budget, but one request's Mamba state needs "
-            f"{spec.bytes_per_mamba_slot * (MAMBA_ROWS_PER_REQUEST_WITH_PREFIX_CACHING if enable_prefix_caching else 1)} bytes"
+            f"{spec.bytes_per_mamba_slot * rows} bytes"
         )
     return StageCapacity(num_blocks, num_slots, max_requests, not problems, "; ".join(problems))
 
@@ -233,7 +240,8 @@ def plan_capacity(
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else None
     values = torch.tensor(
         [local.num_blocks, local.num_mamba_slots, local.max_requests, NEUTRAL if local.fits_one_request else stage],
-        dtype=torch.int64, device=device,
+        dtype=torch.int64,
+        device=device,
     )
     if dist.get_world_size(pp_group) > 1:
         work = dist.all_reduce(values, op=dist.ReduceOp.MIN, group=pp_group, async_op=True)
@@ -247,17 +255,28 @@ def plan_capacity(
     num_blocks, num_slots, max_requests, limiting_stage = (int(v) for v in values.tolist())
     if limiting_stage != NEUTRAL:
         where = "this stage" if limiting_stage == stage else f"a remote stage; this is stage {stage}"
-        detail = local.reason if limiting_stage == stage else (
-            f"smallest across stages: {num_blocks if num_blocks != NEUTRAL else 'unlimited'} KV blocks, "
-            f"{num_slots if num_slots != NEUTRAL else 'unlimited'} Mamba slots"
+        detail = (
+            local.reason
+            if limiting_stage == stage
+            else (
+                f"smallest across stages: {num_blocks if num_blocks != NEUTRAL else 'unlimited'} KV blocks, "
+                f"{num_slots if num_slots != NEUTRAL else 'unlimited'} Mamba slots"
+            )
         )
         raise CapacityError(
             f"pipeline stage {limiting_stage} ({where}) cannot fit the state of one request: {detail}; "
             f"raise the memory budget or lower max_sequence_length",
             limiting_stage=limiting_stage,
         )
-    return _finalize(num_blocks, num_slots, max_requests, max_sequence_length, spec.block_size,
-                     is_hybrid_model, enable_prefix_caching)
+    return _finalize(
+        num_blocks,
+        num_slots,
+        max_requests,
+        max_sequence_length,
+        spec.block_size,
+        is_hybrid_model,
+        enable_prefix_caching,
+    )
 
 
 def _finalize(num_blocks, num_slots, max_requests, max_sequence_length, block_size, is_hybrid, prefix_caching):

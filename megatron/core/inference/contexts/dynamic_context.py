@@ -47,8 +47,8 @@ Each step:
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 
@@ -170,18 +170,26 @@ class DynamicInferenceContext:
         # Negative-control switch for tests only: hand out fresh pages without zeroing them.
         self._skip_private_page_init_for_tests = False
         self.kv_cache = PagedKVCache(
-            len(spec.attention_layer_numbers), capacity.num_blocks + 1, spec.block_size,
-            spec.num_kv_heads, spec.head_dim, spec.kv_dtype, self.device,
+            len(spec.attention_layer_numbers),
+            capacity.num_blocks + 1,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.kv_dtype,
+            self.device,
         )
         self.pool = BlockPool(capacity.num_blocks, page_initializer=self._init_private_pages)
         self.mamba_slots = (
             MambaStateSlots(len(spec.mamba_layer_numbers), capacity.num_mamba_slots, spec.mamba_shapes, self.device)
-            if spec.mamba_layer_numbers else None
+            if spec.mamba_layer_numbers
+            else None
         )
         self.mamba_snapshots = (
-            MambaSnapshotStore(capacity.num_mamba_snapshots, len(spec.mamba_layer_numbers), spec.mamba_shapes,
-                               self.device)
-            if is_hybrid_model and enable_prefix_caching else None
+            MambaSnapshotStore(
+                capacity.num_mamba_snapshots, len(spec.mamba_layer_numbers), spec.mamba_shapes, self.device
+            )
+            if is_hybrid_model and enable_prefix_caching
+            else None
         )
         self._attention_index = {n: i for i, n in enumerate(spec.attention_layer_numbers)}
         self._mamba_index = {n: i for i, n in enumerate(spec.mamba_layer_numbers)}
@@ -204,18 +212,27 @@ class DynamicInferenceContext:
         pg_collection: ProcessGroupCollection | None = None,
         negotiation_timeout_s: float = 60.0,
         **kwargs,
-    ) -> "DynamicInferenceContext":
+    ) -> DynamicInferenceContext:
         """Plan the capacity with every pipeline stage (collective over ``pg_collection.pp``:
         all stages must call it) and build this stage's context."""
         capacity = plan_capacity(
-            spec, capacity_config, max_sequence_length=max_sequence_length, is_hybrid_model=is_hybrid_model,
-            enable_prefix_caching=enable_prefix_caching, pg_collection=pg_collection,
+            spec,
+            capacity_config,
+            max_sequence_length=max_sequence_length,
+            is_hybrid_model=is_hybrid_model,
+            enable_prefix_caching=enable_prefix_caching,
+            pg_collection=pg_collection,
             timeout_s=negotiation_timeout_s,
         )
         return cls(
-            spec, capacity, max_sequence_length=max_sequence_length, max_tokens_per_step=max_tokens_per_step,
-            is_hybrid_model=is_hybrid_model, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, **kwargs,
+            spec,
+            capacity,
+            max_sequence_length=max_sequence_length,
+            max_tokens_per_step=max_tokens_per_step,
+            is_hybrid_model=is_hybrid_model,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            **kwargs,
         )
 
     # ---- queries ---------------------------------------------------------------------------
@@ -253,8 +270,10 @@ class DynamicInferenceContext:
         num_tokens = prompt_length + max_new_tokens
         if self.blocks_for_tokens(num_tokens) > self.capacity.num_blocks:
             raise RequestExceedsPoolError(
-                num_tokens=num_tokens, blocks_needed=self.blocks_for_tokens(num_tokens),
-                pool_blocks=self.capacity.num_blocks, block_size=self.block_size,
+                num_tokens=num_tokens,
+                blocks_needed=self.blocks_for_tokens(num_tokens),
+                pool_blocks=self.capacity.num_blocks,
+                block_size=self.block_size,
             )
         if not (self.enable_chunked_prefill or prefilled_import) and prompt_length > self.max_tokens_per_step:
             raise PromptExceedsStepTokenLimitError(
@@ -303,7 +322,7 @@ class DynamicInferenceContext:
         state = self._admit(request_id, tokens, chain, cached, len(tokens), PageReason.IMPORT)
         state.num_computed_tokens = len(tokens)
         state.tokens.extend(generated_tokens)
-        return ImportPlan(state.block_ids[len(cached):], len(cached), state.mamba_slot, len(cached) * self.block_size)
+        return ImportPlan(state.block_ids[len(cached) :], len(cached), state.mamba_slot, len(cached) * self.block_size)
 
     def commit_import(self, request_id: Hashable) -> None:
         """The transfer for an imported request completed: its full blocks may be cached."""
@@ -340,8 +359,9 @@ class DynamicInferenceContext:
         self.pool.share(cached)
         block_ids = list(cached) + self.pool.allocate(num_new, reason)
         slot = self.mamba_slots.allocate() if self.mamba_slots is not None else None
-        state = RequestState(request_id, tokens, chain, block_ids, len(cached) * self.block_size, slot,
-                             num_registered_blocks=len(cached))
+        state = RequestState(
+            request_id, tokens, chain, block_ids, len(cached) * self.block_size, slot, num_registered_blocks=len(cached)
+        )
         self._requests[request_id] = state
         return state
 
@@ -368,7 +388,7 @@ class DynamicInferenceContext:
                 f"request {request_id!r} has {state.num_draft_tokens} draft tokens; cannot accept {num_accepted}"
             )
         rejected = state.num_draft_tokens - num_accepted
-        del state.tokens[len(state.tokens) - rejected:]
+        del state.tokens[len(state.tokens) - rejected :]
         state.num_computed_tokens = min(state.num_computed_tokens, len(state.tokens))
         state.num_draft_tokens = 0
         if self.enable_prefix_caching:
@@ -442,19 +462,23 @@ class DynamicInferenceContext:
             state = self.request(request_id)
             start = state.num_computed_tokens
             problem = (
-                "appears twice" if request_id in seen else
-                "is paused" if state.paused else
-                f"asks for {num_new} new tokens but has {len(state.tokens) - start} uncomputed"
-                if not 1 <= num_new <= len(state.tokens) - start else
-                f"has blocks for {len(state.block_ids) * bs} tokens, needs {start + num_new} "
-                f"(call ensure_token_capacity first)" if len(state.block_ids) * bs < start + num_new else None
+                "appears twice"
+                if request_id in seen
+                else "is paused"
+                if state.paused
+                else f"asks for {num_new} new tokens but has {len(state.tokens) - start} uncomputed"
+                if not 1 <= num_new <= len(state.tokens) - start
+                else f"has blocks for {len(state.block_ids) * bs} tokens, needs {start + num_new} "
+                f"(call ensure_token_capacity first)"
+                if len(state.block_ids) * bs < start + num_new
+                else None
             )
             if problem:
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
             seen.add(request_id)
             blocks = state.block_ids
-            token_ids.extend(state.tokens[start:start + num_new])
+            token_ids.extend(state.tokens[start : start + num_new])
             positions.extend(range(start, start + num_new))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + num_new))
             q_lens.append(num_new)
@@ -470,7 +494,9 @@ class DynamicInferenceContext:
         dummy = self.pool.dummy_block_id
         pad = padded - num_tokens
         width = max((len(t) for t in tables), default=0)
-        table = torch.tensor([t + [dummy] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(ids), width)
+        table = torch.tensor([t + [dummy] * (width - len(t)) for t in tables], dtype=torch.long).reshape(
+            len(ids), width
+        )
         q_len_tensor = torch.tensor(q_lens, dtype=torch.long)
         offset_tensor = torch.tensor(offsets, dtype=torch.long)
         device = self.device
@@ -478,22 +504,22 @@ class DynamicInferenceContext:
             request_ids=tuple(ids),
             token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots + [dummy * bs + i % bs for i in range(pad)], dtype=torch.long,
-                                      device=device),
+            slot_mapping=torch.tensor(
+                slots + [dummy * bs + i % bs for i in range(pad)], dtype=torch.long, device=device
+            ),
             query_lengths=q_len_tensor.to(device),
             cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.long), q_len_tensor.cumsum(0)]).to(device),
             kv_offsets=offset_tensor.to(device),
             kv_lengths=(offset_tensor + q_len_tensor).to(device),
             block_tables=table.to(device),
-            mamba_slot_ids=torch.tensor(mamba_slots if self.mamba_slots is not None else [], dtype=torch.long,
-                                        device=device),
+            mamba_slot_ids=torch.tensor(
+                mamba_slots if self.mamba_slots is not None else [], dtype=torch.long, device=device
+            ),
             num_tokens=num_tokens,
         )
         return self.step
 
-    def store_kv_and_attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def store_kv_and_attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention hook (see module doc): store this step's ``k, v [T, 1, kv_heads, d]`` of
         global layer ``layer_number`` in the paged cache, return the paged attention of
         ``q [T, 1, q_heads, d]`` as ``[T, 1, q_heads, d]``."""
@@ -509,8 +535,13 @@ class DynamicInferenceContext:
         key_cache, value_cache = self.kv_cache.layer(layer_index)
         out = torch.zeros_like(q)
         out[: step.num_tokens, 0] = paged_attention(
-            q[: step.num_tokens, 0], key_cache, value_cache, step.block_tables, step.query_lengths,
-            step.kv_lengths, self.softmax_scale,
+            q[: step.num_tokens, 0],
+            key_cache,
+            value_cache,
+            step.block_tables,
+            step.query_lengths,
+            step.kv_lengths,
+            self.softmax_scale,
         )
         return out
 
@@ -535,7 +566,7 @@ class DynamicInferenceContext:
             self.mamba_slots.scatter(layer_index, step.mamba_slot_ids, conv, ssm)
         self._step_mamba_states.clear()
         self.step = None
-        for request_id, num_new in zip(step.request_ids, step.query_lengths.tolist()):
+        for request_id, num_new in zip(step.request_ids, step.query_lengths.tolist(), strict=True):
             state = self._requests[request_id]
             state.num_computed_tokens += num_new
             if self.enable_prefix_caching:

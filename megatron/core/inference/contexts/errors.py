@@ -25,7 +25,7 @@ class InferenceRequestError(ValueError):
     """
 
     fields: ClassVar[tuple[str, ...]] = ()
-    _registry: ClassVar[dict[str, type["InferenceRequestError"]]] = {}
+    _registry: ClassVar[dict[str, type[InferenceRequestError]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -54,7 +54,7 @@ class InferenceRequestError(ValueError):
         return {"type": type(self).__name__, "message": str(self), "details": dict(self.details)}
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> "InferenceRequestError":
+    def from_dict(data: dict[str, Any]) -> InferenceRequestError:
         """Rebuild the error :meth:`to_dict` described; unknown types raise ``ValueError``."""
         cls = InferenceRequestError._registry.get(data.get("type"))
         if cls is None:

@@ -9,7 +9,7 @@ A token's *slot* is ``block_id * block_size + offset_in_block``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,8 +13,8 @@ and order, so every stage agrees on which prefixes can be resumed from the cache
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

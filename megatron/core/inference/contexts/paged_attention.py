@@ -58,18 +58,22 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
     if backend not in BACKENDS:
-        raise PagedAttentionBackendError(f"paged attention backend {backend!r} is unknown; accepted: {BACKENDS} "
-                                         f"(argument or {BACKEND_ENV})")
+        raise PagedAttentionBackendError(
+            f"paged attention backend {backend!r} is unknown; accepted: {BACKENDS} (argument or {BACKEND_ENV})"
+        )
     if backend == "auto":
         return "triton" if device.type == "cuda" and _triton_importable() else "torch"
     if backend == "triton" and not _triton_importable():
-        raise PagedAttentionBackendError("paged attention backend 'triton' was forced but triton does not import; "
-                                         "install triton or use backend 'torch'")
+        raise PagedAttentionBackendError(
+            "paged attention backend 'triton' was forced but triton does not import; "
+            "install triton or use backend 'torch'"
+        )
     return backend
 
 
-def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, query_lengths: torch.Tensor,
-                 kv_lengths: torch.Tensor) -> None:
+def check_inputs(
+    query: torch.Tensor, key_cache: torch.Tensor, query_lengths: torch.Tensor, kv_lengths: torch.Tensor
+) -> None:
     """Raise ValueError when heads do not group, or lengths do not fit the packed queries."""
     q_heads, kv_heads = query.shape[1], key_cache.shape[2]
     if q_heads % kv_heads:
@@ -79,12 +83,14 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, query_lengths: to
     bad = (query_lengths > kv_lengths).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
-        raise ValueError(f"request {row}: {int(query_lengths[row])} new tokens but only {int(kv_lengths[row])} "
-                         f"tokens in the cache")
+        raise ValueError(
+            f"request {row}: {int(query_lengths[row])} new tokens but only {int(kv_lengths[row])} tokens in the cache"
+        )
 
 
-def token_requests_and_positions(query_lengths: torch.Tensor,
-                                 kv_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_requests_and_positions(
+    query_lengths: torch.Tensor, kv_lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per packed query token: its request row and its position (keys ``0..position`` visible)."""
     device = query_lengths.device
     request_of = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)
@@ -112,10 +118,10 @@ def paged_attention(
             triton_paged_attention,
         )
 
-        return triton_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths,
-                                      softmax_scale)
-    return torch_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths,
-                                 softmax_scale)
+        return triton_paged_attention(
+            query, key_cache, value_cache, block_tables, query_lengths, kv_lengths, softmax_scale
+        )
+    return torch_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths, softmax_scale)
 
 
 def torch_paged_attention(

@@ -30,15 +30,30 @@ from megatron.core.inference.contexts.paged_attention import (
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, key_ptr, value_ptr, table_ptr, request_ptr, position_ptr,
+    out_ptr,
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    table_ptr,
+    request_ptr,
+    position_ptr,
     scale,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_tr,
-    group: tl.constexpr, block_size: tl.constexpr, head_dim: tl.constexpr,
-    SLOTS: tl.constexpr, DIM: tl.constexpr,
+    group: tl.constexpr,
+    block_size: tl.constexpr,
+    head_dim: tl.constexpr,
+    SLOTS: tl.constexpr,
+    DIM: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -59,10 +74,16 @@ def _paged_attention_kernel(
         block = tl.load(table_ptr + request * stride_tr + block_index).to(tl.int64)
         visible = slot_ok & (block_index * block_size + slots <= position)
         tile_ok = slot_ok[:, None] & dim_ok[None, :]
-        k = tl.load(key_ptr + block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=tile_ok, other=0.0).to(tl.float32)
-        v = tl.load(value_ptr + block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        k = tl.load(
+            key_ptr + block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+            mask=tile_ok,
+            other=0.0,
+        ).to(tl.float32)
+        v = tl.load(
+            value_ptr + block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+            mask=tile_ok,
+            other=0.0,
+        ).to(tl.float32)
         v = tl.where(visible[:, None], v, 0.0)
         scores = tl.sum(k * q[None, :], axis=1) * scale
         scores = tl.where(visible, scores, -float("inf"))
@@ -103,17 +124,34 @@ def triton_paged_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     request_of, positions = token_requests_and_positions(query_lengths, kv_lengths)
     # The kernel indexes the innermost (head_dim) axis with unit stride.
-    query, key_cache, value_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key_cache, value_cache))
+    query, key_cache, value_cache = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (query, key_cache, value_cache)
+    )
     block_tables = block_tables.contiguous()
     _paged_attention_kernel[(num_tokens, q_heads)](
-        out, query, key_cache, value_cache, block_tables, request_of, positions,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        request_of,
+        positions,
         scale,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        group=q_heads // kv_heads, block_size=block_size, head_dim=head_dim,
-        SLOTS=triton.next_power_of_2(block_size), DIM=triton.next_power_of_2(head_dim),
+        group=q_heads // kv_heads,
+        block_size=block_size,
+        head_dim=head_dim,
+        SLOTS=triton.next_power_of_2(block_size),
+        DIM=triton.next_power_of_2(head_dim),
     )
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 ROOT_HASH = 0  # the "previous hash" of a request's first block
 
@@ -52,7 +52,7 @@ class BlockHashChain:
         new = []
         prev = self.hashes[-1] if self.hashes else ROOT_HASH
         for start in range(self.num_hashed_tokens, len(tokens) - self.block_size + 1, self.block_size):
-            prev = hash_block(prev, tokens[start:start + self.block_size])
+            prev = hash_block(prev, tokens[start : start + self.block_size])
             new.append(prev)
         self.hashes.extend(new)
         return new

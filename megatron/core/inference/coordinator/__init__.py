@@ -1,6 +1,11 @@
 """Serving plumbing: msgpack protocol, ZeroMQ coordinator, engine endpoint and asyncio client."""
 
-from megatron.core.inference.coordinator.client import ClientClosedError, ClientStateError, InferenceClient, RequestHandle
+from megatron.core.inference.coordinator.client import (
+    ClientClosedError,
+    ClientStateError,
+    InferenceClient,
+    RequestHandle,
+)
 from megatron.core.inference.coordinator.coordinator import (
     CoordinatorStoppedError,
     EngineLostError,

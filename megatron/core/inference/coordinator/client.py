@@ -12,7 +12,8 @@ import asyncio
 import itertools
 import logging
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -47,7 +48,7 @@ class RequestHandle:
     Outputs are the dicts of ``RequestOutput.to_dict()``; the last one has ``finished`` set.
     """
 
-    def __init__(self, request_id: str, client: "InferenceClient"):
+    def __init__(self, request_id: str, client: InferenceClient):
         self.request_id = request_id
         self._client = client
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -116,7 +117,7 @@ class InferenceClient:
         """Requests submitted by this client that have no terminal output yet."""
         return len(self._handles)
 
-    async def start(self) -> "InferenceClient":
+    async def start(self) -> InferenceClient:
         """Connect to the coordinator (in the running event loop)."""
         if self._closed:
             raise ClientStateError("this client was closed; create a new InferenceClient")
@@ -128,7 +129,7 @@ class InferenceClient:
             self._receiver = asyncio.create_task(self._receive_loop())
         return self
 
-    async def __aenter__(self) -> "InferenceClient":
+    async def __aenter__(self) -> InferenceClient:
         return await self.start()
 
     async def __aexit__(self, *exc_info) -> None:

@@ -82,14 +82,14 @@ class InferenceCoordinator:
             self._socket.bind(f"tcp://{host}:{port}")
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # Requests that arrived while no engine was registered, in arrival order.
-        self._unrouted: "OrderedDict[str, tuple[bytes, dict[str, Any]]]" = OrderedDict()
+        self._unrouted: OrderedDict[str, tuple[bytes, dict[str, Any]]] = OrderedDict()
         self._last_heard: dict[bytes, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> "InferenceCoordinator":
+    def start(self) -> InferenceCoordinator:
         """Serve in a background thread; returns self."""
         self._thread = threading.Thread(target=self.serve_forever, name="inference-coordinator", daemon=True)
         self._thread.start()
@@ -102,7 +102,7 @@ class InferenceCoordinator:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def __enter__(self) -> "InferenceCoordinator":
+    def __enter__(self) -> InferenceCoordinator:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

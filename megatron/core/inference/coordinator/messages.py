@@ -25,7 +25,7 @@ class ProtocolError(ValueError):
     """Bytes that are not a well-formed message of this protocol."""
 
 
-class MessageKind(str, enum.Enum):
+class MessageKind(enum.StrEnum):
     """What a message asks for or reports."""
 
     # client -> coordinator -> engine
@@ -42,7 +42,7 @@ class MessageKind(str, enum.Enum):
     OUTPUTS = "outputs"  # {outputs: [RequestOutput dict, ...]}
 
 
-class ControlSignal(str, enum.Enum):
+class ControlSignal(enum.StrEnum):
     """Signals the coordinator forwards to every engine."""
 
     PAUSE = "pause"

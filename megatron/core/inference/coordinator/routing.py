@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 
 class RoutingError(ValueError):
@@ -32,7 +32,7 @@ class EngineLoad:
     order: int
     pending: int = 0
     # Chained hashes of prompt-prefix blocks routed here, oldest first (bounded LRU).
-    prefixes: "OrderedDict[int, None]" = field(default_factory=OrderedDict)
+    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     stats: dict = field(default_factory=dict)
 
 

@@ -17,8 +17,9 @@ the outputs of a roomy pool.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,8 +101,9 @@ class DynamicInferenceEngine:
     ):
         pg = resolve_pg_collection(pg_collection)
         if model.config.sequence_parallel:
-            raise EngineConfigError("inference runs without sequence parallelism; build the model with "
-                                    "sequence_parallel=False")
+            raise EngineConfigError(
+                "inference runs without sequence parallelism; build the model with sequence_parallel=False"
+            )
         if max_tokens_per_step < 1 or num_speculative_tokens < 0:
             raise EngineConfigError(
                 f"max_tokens_per_step must be >= 1 and num_speculative_tokens >= 0, got {max_tokens_per_step} "
@@ -116,16 +118,24 @@ class DynamicInferenceEngine:
         self.context = DynamicInferenceContext.create(
             stage_cache_spec(model, block_size, pg.size("tp")),
             CapacityConfig(buffer_size_bytes=buffer_size_bytes, num_blocks=num_blocks, max_requests=max_requests),
-            max_sequence_length=self.max_sequence_length, max_tokens_per_step=max_tokens_per_step,
-            is_hybrid_model=model_is_hybrid(model), enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, pg_collection=pg, device=self.runner.device,
+            max_sequence_length=self.max_sequence_length,
+            max_tokens_per_step=max_tokens_per_step,
+            is_hybrid_model=model_is_hybrid(model),
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            pg_collection=pg,
+            device=self.runner.device,
         )
         pool_blocks = self.context.capacity.num_blocks
         budget = pool_blocks // 2 if paused_block_budget is None else paused_block_budget
         if budget < 0:
             raise EngineConfigError(f"paused_block_budget must be >= 0, got {paused_block_budget}")
-        self.scheduler = Scheduler(self.context, max_tokens_per_step=max_tokens_per_step,
-                                   enable_chunked_prefill=enable_chunked_prefill, paused_block_budget=budget)
+        self.scheduler = Scheduler(
+            self.context,
+            max_tokens_per_step=max_tokens_per_step,
+            enable_chunked_prefill=enable_chunked_prefill,
+            paused_block_budget=budget,
+        )
         self.drafter = MTPDrafter(self.runner, num_speculative_tokens) if num_speculative_tokens else None
         self.num_speculative_tokens = num_speculative_tokens
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
@@ -135,8 +145,16 @@ class DynamicInferenceEngine:
         self._num_added = 0
         self._stepping_paused = False
         self.step_bookkeeping_s: list[float] = []
-        self._stats = dict(steps=0, pauses=0, evictions=0, prefix_cache_hits=0, prefill_tokens_computed=0,
-                           tokens_generated=0, drafts_accepted=0, drafts_rejected=0)
+        self._stats = dict(
+            steps=0,
+            pauses=0,
+            evictions=0,
+            prefix_cache_hits=0,
+            prefill_tokens_computed=0,
+            tokens_generated=0,
+            drafts_accepted=0,
+            drafts_rejected=0,
+        )
 
     # ---- public API -------------------------------------------------------------------------
     @property
@@ -144,14 +162,21 @@ class DynamicInferenceEngine:
         """Counters since creation, plus the current queue depth and KV usage."""
         capacity = self.context.capacity.num_blocks
         return dict(
-            self._stats, queue_depth=len(self.scheduler.waiting),
+            self._stats,
+            queue_depth=len(self.scheduler.waiting),
             active_requests=len(self.scheduler.admitted) - len(self.scheduler.paused),
             paused_requests=len(self.scheduler.paused),
             kv_usage_fraction=(capacity - self.context.num_free_blocks) / capacity,
         )
 
-    def add_request(self, request_id: str, prompt_tokens: Sequence[int], sampling_params: SamplingParams | None = None,
-                    *, prefilled_import: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        prefilled_import: bool = False,
+    ) -> None:
         """Queue a request, or raise its typed ``InferenceRequestError`` (nothing is queued;
         other requests are unaffected). ``prefilled_import``: its KV was computed elsewhere, so
         the per-step prompt token limit does not apply (length and pool checks still do)."""
@@ -162,26 +187,34 @@ class DynamicInferenceEngine:
         self._num_added += 1
         generator = None if params.greedy else make_generator(seed, self.runner.device)
         request = EngineRequest(
-            request_id, prompt, params, max_new, generator, prefilled_import=prefilled_import,
+            request_id,
+            prompt,
+            params,
+            max_new,
+            generator,
+            prefilled_import=prefilled_import,
             stop_matcher=StopSequenceMatcher(params.stop) if params.stop and self.tokenizer is not None else None,
         )
         self._requests[request_id] = request
         self.scheduler.enqueue(request)
 
-    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                      prefilled_import: bool = False) -> int:
+    def check_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, *, prefilled_import: bool = False
+    ) -> int:
         """Raise the typed error of a request this engine can never serve; else return its
         generation budget (``max_tokens``, or what the sequence length leaves)."""
         if request_id in self._requests:
             raise DuplicateRequestIdError(request_id=request_id)
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
-            raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range",
-                                     vocab_size=vocab)
+            raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range", vocab_size=vocab)
         room = self.max_sequence_length - len(prompt)
         if len(prompt) <= self.max_sequence_length and (room < 1 or (params.max_tokens or 0) > room):
-            raise MaxSequenceLengthOverflowError(prompt_length=len(prompt), max_tokens=params.max_tokens or 1,
-                                                 max_sequence_length=self.max_sequence_length)
+            raise MaxSequenceLengthOverflowError(
+                prompt_length=len(prompt),
+                max_tokens=params.max_tokens or 1,
+                max_sequence_length=self.max_sequence_length,
+            )
         max_new = params.max_tokens or room
         # The last generated token's KV is never computed.
         self.context.check_admission(len(prompt), max_new - 1, prefilled_import=prefilled_import)
@@ -196,10 +229,17 @@ class DynamicInferenceEngine:
         request.status = RequestStatus.FINISHED
         return request, self.context.detach_request(request_id)
 
-    def admit_imported(self, request_id: str, prompt_tokens: Sequence[int], sampling_params: SamplingParams, *,
-                       generated_tokens: Sequence[int], generated_log_probs: Sequence[float],
-                       prompt_log_probs: Sequence[float] | None = None,
-                       generator_state: torch.Tensor | None = None) -> None:
+    def admit_imported(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        generated_tokens: Sequence[int],
+        generated_log_probs: Sequence[float],
+        prompt_log_probs: Sequence[float] | None = None,
+        generator_state: torch.Tensor | None = None,
+    ) -> None:
         """Enter a request straight into decode whose prompt KV (and Mamba state) a handoff
         already put into this context (``context.import_request``): its tokens so far are
         ``generated_tokens``; ``generator_state`` continues the sampler of the engine that
@@ -211,11 +251,19 @@ class DynamicInferenceEngine:
             generator = make_generator(sampling_params.seed or 0, self.runner.device)
             if generator_state is not None:
                 generator.set_state(generator_state)
-        request = EngineRequest(request_id, prompt, sampling_params, max_new, generator, prefilled_import=True,
-                                status=RequestStatus.ACTIVE, prefill_target=len(prompt),
-                                generated_tokens=list(generated_tokens),
-                                generated_log_probs=list(generated_log_probs),
-                                prompt_log_probs=list(prompt_log_probs or []))
+        request = EngineRequest(
+            request_id,
+            prompt,
+            sampling_params,
+            max_new,
+            generator,
+            prefilled_import=True,
+            status=RequestStatus.ACTIVE,
+            prefill_target=len(prompt),
+            generated_tokens=list(generated_tokens),
+            generated_log_probs=list(generated_log_probs),
+            prompt_log_probs=list(prompt_log_probs or []),
+        )
         self._requests[request_id] = request
         self.scheduler.admitted.append(request)
 
@@ -253,8 +301,9 @@ class DynamicInferenceEngine:
         self._stats["prefix_cache_hits"] += events.prefix_cache_hit_blocks
         if not scheduled:
             return outputs
-        batch = self.context.build_step([(s.request.request_id, s.num_tokens) for s in scheduled],
-                                        pad_to_tokens=self.pad_steps_to)
+        batch = self.context.build_step(
+            [(s.request.request_id, s.num_tokens) for s in scheduled], pad_to_tokens=self.pad_steps_to
+        )
         bookkeeping = time.perf_counter() - started
         result = self.runner.forward(self.context, batch)
         self.context.commit_step()
@@ -267,18 +316,20 @@ class DynamicInferenceEngine:
         return outputs + self._pending_and_clear()
 
     # ---- decisions (last pipeline stage) ----------------------------------------------------
-    def _decide(self, scheduled: list[ScheduledRequest], batch: StepBatch, logits: torch.Tensor,
-                hidden: torch.Tensor) -> list[_Decision]:
+    def _decide(
+        self, scheduled: list[ScheduledRequest], batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor
+    ) -> list[_Decision]:
         starts, offsets = batch.cu_query_lengths.tolist(), batch.kv_offsets.tolist()
         decisions = [_Decision() for _ in scheduled]
         verifying = []  # (index, first sampling row, drafts)
-        for index, (entry, start, offset) in enumerate(zip(scheduled, starts, offsets)):
+        for index, (entry, start, offset) in enumerate(zip(scheduled, starts[:-1], offsets, strict=True)):
             request, state = entry.request, self.context.request(entry.request.request_id)
             if request.wants_prompt_log_probs:
-                decisions[index].prompt_log_probs = self._prompt_log_probs(request, logits, start, offset,
-                                                                           entry.num_tokens)
+                decisions[index].prompt_log_probs = self._prompt_log_probs(
+                    request, logits, start, offset, entry.num_tokens
+                )
             if offset + entry.num_tokens == len(state.tokens):
-                drafts = state.tokens[len(state.tokens) - state.num_draft_tokens:]
+                drafts = state.tokens[len(state.tokens) - state.num_draft_tokens :]
                 verifying.append((index, start + entry.num_tokens - 1 - len(drafts), drafts))
         first_rows = {index: row for index, row, _ in verifying}
         depth = 0
@@ -288,7 +339,9 @@ class DynamicInferenceEngine:
             tokens = sample(logits[rows], [r.sampling_params for r in requests], [r.generator for r in requests])
             log_probs = token_logprobs(logits[rows], tokens).tolist()
             still = []
-            for (index, row, drafts), request, token, log_prob in zip(verifying, requests, tokens.tolist(), log_probs):
+            for (index, row, drafts), request, token, log_prob in zip(
+                verifying, requests, tokens.tolist(), log_probs, strict=True
+            ):
                 decision = decisions[index]
                 decision.tokens.append(token)
                 decision.log_probs.append(log_prob)
@@ -302,15 +355,16 @@ class DynamicInferenceEngine:
             self._propose_drafts(scheduled, decisions, first_rows, batch, hidden)
         return decisions
 
-    def _prompt_log_probs(self, request: EngineRequest, logits, start: int, offset: int,
-                          num_tokens: int) -> list[float]:
+    def _prompt_log_probs(
+        self, request: EngineRequest, logits, start: int, offset: int, num_tokens: int
+    ) -> list[float]:
         # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
         first = max(offset, len(request.prompt_log_probs))
         last = min(offset + num_tokens, len(request.prompt_tokens) - 1)
         if last <= first:
             return []
         rows = torch.arange(start + first - offset, start + last - offset, device=logits.device)
-        targets = torch.tensor(request.prompt_tokens[first + 1:last + 1], device=logits.device)
+        targets = torch.tensor(request.prompt_tokens[first + 1 : last + 1], device=logits.device)
         return token_logprobs(logits[rows], targets).tolist()
 
     def _finish_reason(self, request: EngineRequest, new_tokens: list[int]) -> str | None:
@@ -319,20 +373,22 @@ class DynamicInferenceEngine:
             return "stop"
         if request.stop_matcher is not None:
             text = self.tokenizer.detokenize(request.generated_tokens + new_tokens)
-            if request.stop_matcher.feed(text[len(request.text):]).stopped:
+            if request.stop_matcher.feed(text[len(request.text) :]).stopped:
                 return "stop"
             request.text = text
         if len(request.generated_tokens) + len(new_tokens) >= request.max_new_tokens:
             return "length"
         return None
 
-    def _propose_drafts(self, scheduled, decisions, first_rows: dict[int, int], batch: StepBatch,
-                        hidden: torch.Tensor) -> None:
+    def _propose_drafts(
+        self, scheduled, decisions, first_rows: dict[int, int], batch: StepBatch, hidden: torch.Tensor
+    ) -> None:
         wanted = []  # (decision, row its last token was sampled from, number of drafts)
         for index, first_row in first_rows.items():
             decision = decisions[index]
-            count = min(self.num_speculative_tokens,
-                        scheduled[index].request.remaining_budget - len(decision.tokens) - 1)
+            count = min(
+                self.num_speculative_tokens, scheduled[index].request.remaining_budget - len(decision.tokens) - 1
+            )
             if decision.finish_reason is None and count > 0:
                 wanted.append((decision, first_row + len(decision.tokens) - 1, count))
         if not wanted:
@@ -340,18 +396,19 @@ class DynamicInferenceEngine:
         rows = torch.tensor([row for _, row, _ in wanted], device=hidden.device)
         tokens = torch.tensor([d.tokens[-1] for d, _, _ in wanted], device=hidden.device)
         drafts = self.drafter.propose(hidden[rows], tokens, batch.positions[rows], max(c for _, _, c in wanted))
-        for (decision, _, count), row_drafts in zip(wanted, drafts.tolist()):
+        for (decision, _, count), row_drafts in zip(wanted, drafts.tolist(), strict=True):
             decision.next_drafts = row_drafts[:count]
 
     # ---- bookkeeping (every stage) ----------------------------------------------------------
     def _apply(self, scheduled: list[ScheduledRequest], decisions: list[_Decision]) -> list[RequestOutput]:
         outputs = []
-        for entry, decision in zip(scheduled, decisions):
+        for entry, decision in zip(scheduled, decisions, strict=True):
             request = entry.request
             state = self.context.request(request.request_id)
             if state.num_computed_tokens - entry.num_tokens < request.prefill_target:
-                self._stats["prefill_tokens_computed"] += min(entry.num_tokens, request.prefill_target - (
-                    state.num_computed_tokens - entry.num_tokens))
+                self._stats["prefill_tokens_computed"] += min(
+                    entry.num_tokens, request.prefill_target - (state.num_computed_tokens - entry.num_tokens)
+                )
             request.prompt_log_probs.extend(decision.prompt_log_probs)
             if state.num_draft_tokens:
                 self._stats["drafts_accepted"] += decision.accepted_drafts
@@ -362,7 +419,7 @@ class DynamicInferenceEngine:
             request.generated_tokens.extend(decision.tokens)
             request.generated_log_probs.extend(decision.log_probs)
             self._stats["tokens_generated"] += len(decision.tokens)
-            self.context.append_tokens(request.request_id, decision.tokens[decision.accepted_drafts:])
+            self.context.append_tokens(request.request_id, decision.tokens[decision.accepted_drafts :])
             if decision.finish_reason is not None:
                 request.finish_reason = decision.finish_reason
                 self.context.release_request(request.request_id)

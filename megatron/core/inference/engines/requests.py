@@ -27,7 +27,7 @@ from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.stop_words import StopSequenceMatcher
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(enum.StrEnum):
     WAITING = "waiting"
     ACTIVE = "active"
     PAUSED = "paused"
@@ -59,7 +59,7 @@ class RequestOutput:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RequestOutput":
+    def from_dict(cls, data: dict[str, Any]) -> RequestOutput:
         return cls(**data)
 
 
@@ -105,16 +105,21 @@ class EngineRequest:
 
     def take_output(self, finished: bool = False, error: dict | None = None) -> RequestOutput:
         """The delta since the last output (and mark it emitted)."""
-        new = self.generated_tokens[self.num_emitted:]
-        new_log_probs = self.generated_log_probs[self.num_emitted:] if self.sampling_params.logprobs else []
+        new = self.generated_tokens[self.num_emitted :]
+        new_log_probs = self.generated_log_probs[self.num_emitted :] if self.sampling_params.logprobs else []
         self.num_emitted = len(self.generated_tokens)
         prompt_log_probs = None
         if self.sampling_params.return_prompt_logprobs and not self.prompt_log_probs_sent and (new or finished):
             prompt_log_probs = list(self.prompt_log_probs)
             self.prompt_log_probs_sent = True
         return RequestOutput(
-            request_id=self.request_id, new_token_ids=list(new), new_log_probs=list(new_log_probs),
-            finished=finished, finish_reason=self.finish_reason if finished else None, error=error,
-            prompt_log_probs=prompt_log_probs, prompt_tokens=len(self.prompt_tokens),
+            request_id=self.request_id,
+            new_token_ids=list(new),
+            new_log_probs=list(new_log_probs),
+            finished=finished,
+            finish_reason=self.finish_reason if finished else None,
+            error=error,
+            prompt_log_probs=prompt_log_probs,
+            prompt_tokens=len(self.prompt_tokens),
             generated_tokens=len(self.generated_tokens),
         )

@@ -46,8 +46,14 @@ class SchedulerEvents:
 class Scheduler:
     """Owns the waiting / running / paused sets of an engine (see module doc)."""
 
-    def __init__(self, context: DynamicInferenceContext, *, max_tokens_per_step: int, enable_chunked_prefill: bool,
-                 paused_block_budget: int):
+    def __init__(
+        self,
+        context: DynamicInferenceContext,
+        *,
+        max_tokens_per_step: int,
+        enable_chunked_prefill: bool,
+        paused_block_budget: int,
+    ):
         self.context = context
         self.max_tokens_per_step = max_tokens_per_step
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -118,8 +124,9 @@ class Scheduler:
         if not drafts or state.num_computed_tokens + 1 != len(state.tokens):
             return
         try:
-            self.context.ensure_token_capacity(request.request_id, len(state.tokens) + len(drafts),
-                                               PageReason.LOOKAHEAD)
+            self.context.ensure_token_capacity(
+                request.request_id, len(state.tokens) + len(drafts), PageReason.LOOKAHEAD
+            )
         except BlockPoolExhaustedError:
             return
         self.context.append_draft_tokens(request.request_id, drafts)
@@ -144,8 +151,11 @@ class Scheduler:
             tokens = request.context_tokens
             try:
                 cached = context.add_request(
-                    request.request_id, tokens, max_new_tokens=request.remaining_budget - 1,
-                    hash_chain=request.hash_chain, allow_chunked_prefill=self._may_chunk(request),
+                    request.request_id,
+                    tokens,
+                    max_new_tokens=request.remaining_budget - 1,
+                    hash_chain=request.hash_chain,
+                    allow_chunked_prefill=self._may_chunk(request),
                 )
             except BlockPoolExhaustedError:
                 break

@@ -44,8 +44,9 @@ class MTPDrafter:
         self.num_speculative_tokens = num_speculative_tokens
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                num_drafts: int) -> torch.Tensor:
+    def propose(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, num_drafts: int
+    ) -> torch.Tensor:
         """Greedy drafts ``[R, num_drafts]`` after ``tokens [R]`` sampled from the main model's
         rows ``hidden [R, h]`` at ``positions [R]`` (last pipeline stage only)."""
         model = self.runner.model

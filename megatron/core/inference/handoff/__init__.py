@@ -23,3 +23,23 @@ from megatron.core.inference.handoff.transport import (
     TransferState,
     TransportError,
 )
+
+__all__ = [
+    "DecodeSide",
+    "HandoffMetadataError",
+    "HandoffRecord",
+    "HandoffRejectedError",
+    "HandoffTransport",
+    "MambaStateDescriptor",
+    "NixlTransport",
+    "Pin",
+    "PrefillSide",
+    "PullHandle",
+    "SourceLayout",
+    "TorchDistributedTransport",
+    "TransferFailedError",
+    "TransferState",
+    "TransferSubmitError",
+    "TransportError",
+    "prompt_token_ids",
+]

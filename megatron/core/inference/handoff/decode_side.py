@@ -25,10 +25,9 @@ one may.
 
 from __future__ import annotations
 
-import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,8 +102,9 @@ class DecodeSide:
             the same records and steps together, and they agree on each pull's outcome.
     """
 
-    def __init__(self, engine: DynamicInferenceEngine, transport: HandoffTransport, *,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, engine: DynamicInferenceEngine, transport: HandoffTransport, *, group: dist.ProcessGroup | None = None
+    ):
         self.engine = engine
         self.context = engine.context
         self.transport = transport
@@ -118,12 +118,14 @@ class DecodeSide:
         self.quarantined: list[QuarantinedStorage] = []
         self.words: list[tuple[str, str]] = []
         self._outputs: list[RequestOutput] = []
-        self.stats = dict(imports=0, transferred_bytes=0, transfer_seconds=0.0, pulls=0, rejected=0, failed=0,
-                          aborted=0)
+        self.stats = dict(
+            imports=0, transferred_bytes=0, transfer_seconds=0.0, pulls=0, rejected=0, failed=0, aborted=0
+        )
 
     # ---- validation -------------------------------------------------------------------------
     def check(self, request_id: str, record: HandoffRecord, params: SamplingParams) -> int:
         """Raise the typed error of a handoff this side can never take; else return its budget."""
+
         def reject(reason):
             return HandoffRejectedError(request_id=request_id, reason=reason)
 
@@ -137,19 +139,28 @@ class DecodeSide:
             raise reject("a handoff with this request id is already in progress")
         has_mamba = record.mamba_slot is not None or any(s.mamba is not None for s in record.sources)
         if record.is_hybrid != self.is_hybrid or has_mamba != self.is_hybrid:
-            raise bad("mamba", f"the record {'has' if has_mamba else 'lacks'} Mamba state (is_hybrid="
-                               f"{record.is_hybrid}) but this model is {'' if self.is_hybrid else 'not '}hybrid; "
-                               f"Mamba metadata must be present exactly for hybrid models")
+            raise bad(
+                "mamba",
+                f"the record {'has' if has_mamba else 'lacks'} Mamba state (is_hybrid="
+                f"{record.is_hybrid}) but this model is {'' if self.is_hybrid else 'not '}hybrid; "
+                f"Mamba metadata must be present exactly for hybrid models",
+            )
         if record.block_size != context.block_size:
             raise bad("block_size", f"{record.block_size} != this engine's {context.block_size}")
         num_resume = len(record.resume_tokens)
         if num_resume < 1 or len(record.resume_log_probs) != 1 or (self.is_hybrid and num_resume > 1):
-            raise bad("resume_tokens", f"{num_resume} resume tokens with {len(record.resume_log_probs)} log-probs; "
-                                       f"expected the first sampled token (one log-prob) plus MTP drafts "
-                                       f"(none for hybrid models)")
+            raise bad(
+                "resume_tokens",
+                f"{num_resume} resume tokens with {len(record.resume_log_probs)} log-probs; "
+                f"expected the first sampled token (one log-prob) plus MTP drafts "
+                f"(none for hybrid models)",
+            )
         if len(record.block_ids) != context.blocks_for_tokens(len(prompt)):
-            raise bad("block_ids", f"{len(record.block_ids)} blocks for a {len(prompt)}-token prompt; expected "
-                                   f"{context.blocks_for_tokens(len(prompt))} of {context.block_size} tokens")
+            raise bad(
+                "block_ids",
+                f"{len(record.block_ids)} blocks for a {len(prompt)}-token prompt; expected "
+                f"{context.blocks_for_tokens(len(prompt))} of {context.block_size} tokens",
+            )
         chain = BlockHashChain(context.block_size)
         chain.extend(prompt)
         if list(record.block_hashes) != chain.hashes:
@@ -157,8 +168,9 @@ class DecodeSide:
         max_new = self.engine.check_request(request_id, list(prompt), params, prefilled_import=True)
         vocab = self.engine.model.vocab_size
         if num_resume > max_new or any(not 0 <= t < vocab for t in record.resume_tokens):
-            raise bad("resume_tokens", f"{num_resume} resume tokens for a budget of {max_new}, ids must be in "
-                                       f"[0, {vocab})")
+            raise bad(
+                "resume_tokens", f"{num_resume} resume tokens for a budget of {max_new}, ids must be in [0, {vocab})"
+            )
         return max_new
 
     # ---- requests ---------------------------------------------------------------------------
@@ -238,16 +250,22 @@ class DecodeSide:
         failed = self._agree([_FAILED if error else _DONE])[0] == _FAILED
         if failed:
             self.stats["failed"] += 1
-            exc = TransferSubmitError(request_id=request_id, transport=self.transport.name,
-                                      reason=error or "a peer rank of this engine could not start its pull")
+            exc = TransferSubmitError(
+                request_id=request_id,
+                transport=self.transport.name,
+                reason=error or "a peer rank of this engine could not start its pull",
+            )
             self._fail(imp, exc)
             raise exc
         self.stats["pulls"] += len(imp.handles)
 
     def _plan(self, imp: PendingImport) -> dict[int, list[Segment]]:
         plan, record = imp.plan, imp.record
-        segments = plan_kv(record, self.layout, record.block_ids[plan.first_block_index:], plan.block_ids) \
-            if self.layout.attention_layers else []
+        segments = (
+            plan_kv(record, self.layout, record.block_ids[plan.first_block_index :], plan.block_ids)
+            if self.layout.attention_layers
+            else []
+        )
         if self.layout.mamba_layers:
             segments += plan_mamba(record, self.layout, plan.mamba_slot)
         by_source: dict[int, list[Segment]] = {}
@@ -267,16 +285,18 @@ class DecodeSide:
                 except (TransportError, RuntimeError) as exc:
                     handle._end(TransferState.FAILED, str(exc))
                     states.append(TransferState.FAILED)
-            codes.append(_FAILED if TransferState.FAILED in states else
-                         _PENDING if TransferState.PENDING in states else _DONE)
-        for imp, code in zip(imports, self._agree(codes)):
+            codes.append(
+                _FAILED if TransferState.FAILED in states else _PENDING if TransferState.PENDING in states else _DONE
+            )
+        for imp, code in zip(imports, self._agree(codes), strict=True):
             if code == _DONE:
                 self._finish_pull(imp)
             elif code == _FAILED:
                 self.stats["failed"] += 1
                 reason = next((h.error for h in imp.handles if h.error), "a peer rank of this engine failed its pull")
-                self._fail(imp, TransferFailedError(request_id=imp.request_id, transport=self.transport.name,
-                                                    reason=reason))
+                self._fail(
+                    imp, TransferFailedError(request_id=imp.request_id, transport=self.transport.name, reason=reason)
+                )
 
     def _agree(self, codes: list[int]) -> list[int]:
         """Every rank's view of each pull: failed if failed anywhere, done if done everywhere."""
@@ -286,7 +306,7 @@ class DecodeSide:
         done = torch.tensor([c != _PENDING for c in codes], dtype=torch.int64)
         dist.all_reduce(failed, dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(done, dist.ReduceOp.MIN, group=self.group)
-        return [_FAILED if f else _DONE if d else _PENDING for f, d in zip(failed.tolist(), done.tolist())]
+        return [_FAILED if f else _DONE if d else _PENDING for f, d in zip(failed.tolist(), done.tolist(), strict=True)]
 
     def _finish_pull(self, imp: PendingImport) -> None:
         del self.pulling[imp.request_id]
@@ -304,10 +324,15 @@ class DecodeSide:
         generator_state = None
         if record.generator_state is not None:
             generator_state = torch.frombuffer(bytearray(record.generator_state), dtype=torch.uint8)
-        self.engine.admit_imported(imp.request_id, record.prompt_tokens, imp.params,
-                                   generated_tokens=record.resume_tokens[:1],
-                                   generated_log_probs=record.resume_log_probs,
-                                   prompt_log_probs=record.prompt_log_probs, generator_state=generator_state)
+        self.engine.admit_imported(
+            imp.request_id,
+            record.prompt_tokens,
+            imp.params,
+            generated_tokens=record.resume_tokens[:1],
+            generated_log_probs=record.resume_log_probs,
+            prompt_log_probs=record.prompt_log_probs,
+            generator_state=generator_state,
+        )
         self.stats["imports"] += 1
 
     def _fail(self, imp: PendingImport, error: InferenceRequestError) -> None:
@@ -334,7 +359,16 @@ class DecodeSide:
     def _terminal(self, imp: PendingImport, reason: str, error: InferenceRequestError | None = None) -> None:
         if reason == "abort":
             self.stats["aborted"] += 1
-        self._outputs.append(RequestOutput(
-            request_id=imp.request_id, new_token_ids=[], new_log_probs=[], finished=True, finish_reason=reason,
-            error=error.to_dict() if error is not None else None, prompt_log_probs=None,
-            prompt_tokens=len(imp.record.prompt_tokens), generated_tokens=0))
+        self._outputs.append(
+            RequestOutput(
+                request_id=imp.request_id,
+                new_token_ids=[],
+                new_log_probs=[],
+                finished=True,
+                finish_reason=reason,
+                error=error.to_dict() if error is not None else None,
+                prompt_log_probs=None,
+                prompt_tokens=len(imp.record.prompt_tokens),
+                generated_tokens=0,
+            )
+        )

@@ -71,35 +71,60 @@ class SourceLayout:
         return self.kv_head_stop - self.kv_head_start
 
     @classmethod
-    def of_context(cls, context: DynamicInferenceContext, peer: dict[str, Any], tp_rank: int,
-                   tp_size: int) -> "SourceLayout":
+    def of_context(
+        cls, context: DynamicInferenceContext, peer: dict[str, Any], tp_rank: int, tp_size: int
+    ) -> SourceLayout:
         spec = context.spec
         mamba = None
         if context.mamba_slots is not None:
             slots = context.mamba_slots
-            mamba = MambaStateDescriptor(slots.conv.shape[1], tuple(slots.conv.shape[2:]), tuple(slots.ssm.shape[2:]),
-                                         dtype_name(slots.conv.dtype), dtype_name(slots.ssm.dtype))
-        return cls(peer, spec.attention_layer_numbers, spec.mamba_layer_numbers, tp_rank * spec.num_kv_heads,
-                   (tp_rank + 1) * spec.num_kv_heads, spec.head_dim, spec.block_size, context.kv_cache.data.shape[2],
-                   dtype_name(spec.kv_dtype), tp_rank, tp_size, mamba)
+            mamba = MambaStateDescriptor(
+                slots.conv.shape[1],
+                tuple(slots.conv.shape[2:]),
+                tuple(slots.ssm.shape[2:]),
+                dtype_name(slots.conv.dtype),
+                dtype_name(slots.ssm.dtype),
+            )
+        return cls(
+            peer,
+            spec.attention_layer_numbers,
+            spec.mamba_layer_numbers,
+            tp_rank * spec.num_kv_heads,
+            (tp_rank + 1) * spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            context.kv_cache.data.shape[2],
+            dtype_name(spec.kv_dtype),
+            tp_rank,
+            tp_size,
+            mamba,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["attention_layers"] = list(self.attention_layers)
         data["mamba_layers"] = list(self.mamba_layers)
         if self.mamba is not None:
-            data["mamba"] = dict(data["mamba"], conv_shape=list(self.mamba.conv_shape),
-                                 ssm_shape=list(self.mamba.ssm_shape))
+            data["mamba"] = dict(
+                data["mamba"], conv_shape=list(self.mamba.conv_shape), ssm_shape=list(self.mamba.ssm_shape)
+            )
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SourceLayout":
+    def from_dict(cls, data: dict[str, Any]) -> SourceLayout:
         mamba = data.get("mamba")
         if mamba is not None:
-            mamba = MambaStateDescriptor(**dict(mamba, conv_shape=tuple(mamba["conv_shape"]),
-                                                ssm_shape=tuple(mamba["ssm_shape"])))
-        return cls(**dict(data, attention_layers=tuple(data["attention_layers"]),
-                          mamba_layers=tuple(data["mamba_layers"]), mamba=mamba))
+            mamba = MambaStateDescriptor(
+                **dict(mamba, conv_shape=tuple(mamba["conv_shape"]), ssm_shape=tuple(mamba["ssm_shape"]))
+            )
+        return cls(
+            **dict(
+                data,
+                attention_layers=tuple(data["attention_layers"]),
+                mamba_layers=tuple(data["mamba_layers"]),
+                mamba=mamba,
+            )
+        )
 
 
 @dataclass
@@ -137,15 +162,27 @@ class HandoffRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HandoffRecord":
+    def from_dict(cls, data: dict[str, Any]) -> HandoffRecord:
         """Rebuild a record; a missing or unknown field raises :class:`HandoffMetadataError`."""
         known = set(cls.__dataclass_fields__)
         request_id = str(data.get("request_id", "?"))
-        unknown, required = sorted(set(data) - known), {"request_id", "prompt_tokens", "block_size", "block_ids",
-                                                         "block_hashes", "resume_tokens", "resume_log_probs",
-                                                         "sources", "is_hybrid"}
+        unknown, required = (
+            sorted(set(data) - known),
+            {
+                "request_id",
+                "prompt_tokens",
+                "block_size",
+                "block_ids",
+                "block_hashes",
+                "resume_tokens",
+                "resume_log_probs",
+                "sources",
+                "is_hybrid",
+            },
+        )
         missing = sorted(required - set(data))
         if unknown or missing:
-            raise HandoffMetadataError(request_id=request_id, field="record",
-                                       problem=f"missing fields {missing}, unknown fields {unknown}")
+            raise HandoffMetadataError(
+                request_id=request_id, field="record", problem=f"missing fields {missing}, unknown fields {unknown}"
+            )
         return cls(**dict(data, sources=[SourceLayout.from_dict(s) for s in data["sources"]]))

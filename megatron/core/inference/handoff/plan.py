@@ -36,8 +36,9 @@ class Segment:
 
 def _kv_offset(layout: SourceLayout, plane: int, layer_index: int, block: int, token: int, head: int) -> int:
     num_layers = len(layout.attention_layers)
-    index = ((((plane * num_layers + layer_index) * layout.num_blocks_with_dummy + block) * layout.block_size + token)
-             * layout.num_local_heads + head)
+    index = (
+        ((plane * num_layers + layer_index) * layout.num_blocks_with_dummy + block) * layout.block_size + token
+    ) * layout.num_local_heads + head
     return index * layout.head_dim * _itemsize(layout.kv_dtype)
 
 
@@ -48,20 +49,32 @@ def _itemsize(dtype: str) -> int:
 def _check_compatible(record: HandoffRecord, local: SourceLayout, source: SourceLayout) -> None:
     for name in ("head_dim", "block_size", "kv_dtype"):
         if getattr(source, name) != getattr(local, name):
-            raise HandoffMetadataError(request_id=record.request_id, field=name,
-                                       problem=f"prefill has {getattr(source, name)!r}, this engine "
-                                               f"{getattr(local, name)!r}; both sides must match")
+            raise HandoffMetadataError(
+                request_id=record.request_id,
+                field=name,
+                problem=f"prefill has {getattr(source, name)!r}, this engine "
+                f"{getattr(local, name)!r}; both sides must match",
+            )
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:
     merged: list[Segment] = []
     for seg in segments:
         last = merged[-1] if merged else None
-        if (last is not None and (last.source, last.src_region, last.dst_region) ==
-                (seg.source, seg.src_region, seg.dst_region) and last.src_offset + last.nbytes == seg.src_offset
-                and last.dst_offset + last.nbytes == seg.dst_offset):
-            merged[-1] = Segment(last.source, last.src_region, last.src_offset, last.dst_region, last.dst_offset,
-                                 last.nbytes + seg.nbytes)
+        if (
+            last is not None
+            and (last.source, last.src_region, last.dst_region) == (seg.source, seg.src_region, seg.dst_region)
+            and last.src_offset + last.nbytes == seg.src_offset
+            and last.dst_offset + last.nbytes == seg.dst_offset
+        ):
+            merged[-1] = Segment(
+                last.source,
+                last.src_region,
+                last.src_offset,
+                last.dst_region,
+                last.dst_offset,
+                last.nbytes + seg.nbytes,
+            )
         else:
             merged.append(seg)
     return merged
@@ -82,25 +95,36 @@ def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], d
                 continue
             covered += stop - start
             src_layer = source.attention_layers.index(layer)
-            same_heads = (start, stop) == (source.kv_head_start, source.kv_head_stop) == \
-                (local.kv_head_start, local.kv_head_stop)
+            same_heads = (
+                (start, stop)
+                == (source.kv_head_start, source.kv_head_stop)
+                == (local.kv_head_start, local.kv_head_stop)
+            )
             tokens = [None] if same_heads else range(local.block_size)
             for plane in (0, 1):
-                for src_block, dst_block in zip(src_blocks, dst_blocks):
+                for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
                     for token in tokens:
                         t = token or 0
-                        nbytes = (local.block_size * local.num_local_heads * width if same_heads
-                                  else (stop - start) * width)
-                        segments.append(Segment(
-                            source_index, KV_REGION,
-                            _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
-                            KV_REGION, _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
-                            nbytes))
+                        nbytes = (
+                            local.block_size * local.num_local_heads * width if same_heads else (stop - start) * width
+                        )
+                        segments.append(
+                            Segment(
+                                source_index,
+                                KV_REGION,
+                                _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
+                                KV_REGION,
+                                _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
+                                nbytes,
+                            )
+                        )
         if covered != local.num_local_heads:
             raise HandoffMetadataError(
-                request_id=record.request_id, field="sources",
+                request_id=record.request_id,
+                field="sources",
                 problem=f"layer {layer} heads [{local.kv_head_start}, {local.kv_head_stop}) are not all held by the "
-                        f"prefill ranks (covered {covered} of {local.num_local_heads})")
+                f"prefill ranks (covered {covered} of {local.num_local_heads})",
+            )
     return _merge(segments)
 
 
@@ -108,22 +132,38 @@ def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> lis
     """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer."""
     segments = []
     for layer_index, layer in enumerate(local.mamba_layers):
-        matches = [(i, s) for i, s in enumerate(record.sources)
-                   if layer in s.mamba_layers and (s.tp_rank, s.tp_size) == (local.tp_rank, local.tp_size)]
+        matches = [
+            (i, s)
+            for i, s in enumerate(record.sources)
+            if layer in s.mamba_layers and (s.tp_rank, s.tp_size) == (local.tp_rank, local.tp_size)
+        ]
         if not matches:
             raise HandoffMetadataError(
-                request_id=record.request_id, field="sources",
+                request_id=record.request_id,
+                field="sources",
                 problem=f"no prefill rank holds Mamba layer {layer} at TP rank {local.tp_rank} of {local.tp_size} "
-                        f"(Mamba state moves only between equal TP layouts)")
+                f"(Mamba state moves only between equal TP layouts)",
+            )
         source_index, source = matches[0]
         if (source.mamba.conv_shape, source.mamba.ssm_shape) != (local.mamba.conv_shape, local.mamba.ssm_shape):
-            raise HandoffMetadataError(request_id=record.request_id, field="mamba",
-                                       problem=f"prefill state shapes {source.mamba.conv_shape}, "
-                                               f"{source.mamba.ssm_shape} differ from {local.mamba.conv_shape}, "
-                                               f"{local.mamba.ssm_shape}")
+            raise HandoffMetadataError(
+                request_id=record.request_id,
+                field="mamba",
+                problem=f"prefill state shapes {source.mamba.conv_shape}, "
+                f"{source.mamba.ssm_shape} differ from {local.mamba.conv_shape}, "
+                f"{local.mamba.ssm_shape}",
+            )
         src_layer = source.mamba_layers.index(layer)
         for region, which in ((CONV_REGION, "conv"), (SSM_REGION, "ssm")):
             row = local.mamba.row_bytes(which)
-            segments.append(Segment(source_index, region, (src_layer * source.mamba.num_slots + record.mamba_slot) * row,
-                                    region, (layer_index * local.mamba.num_slots + dst_slot) * row, row))
+            segments.append(
+                Segment(
+                    source_index,
+                    region,
+                    (src_layer * source.mamba.num_slots + record.mamba_slot) * row,
+                    region,
+                    (layer_index * local.mamba.num_slots + dst_slot) * row,
+                    row,
+                )
+            )
     return segments

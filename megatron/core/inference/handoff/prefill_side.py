@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -75,8 +75,15 @@ class PrefillSide:
         clock: seconds, for the timeout (monotonic by default).
     """
 
-    def __init__(self, engine: DynamicInferenceEngine, transport: HandoffTransport, *, pin_timeout_s: float = 60.0,
-                 group: dist.ProcessGroup | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        engine: DynamicInferenceEngine,
+        transport: HandoffTransport,
+        *,
+        pin_timeout_s: float = 60.0,
+        group: dist.ProcessGroup | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine = engine
         self.context = engine.context
         self.transport = transport
@@ -144,10 +151,15 @@ class PrefillSide:
         if request.generator is not None:
             generator_state = request.generator.get_state().numpy().tobytes()
         record = HandoffRecord(
-            request_id=request_id, prompt_tokens=list(prompt), block_size=self.context.block_size,
-            block_ids=state.block_ids[: self.context.blocks_for_tokens(len(prompt))], block_hashes=chain.hashes,
+            request_id=request_id,
+            prompt_tokens=list(prompt),
+            block_size=self.context.block_size,
+            block_ids=state.block_ids[: self.context.blocks_for_tokens(len(prompt))],
+            block_hashes=chain.hashes,
             resume_tokens=list(request.generated_tokens) + list(request.drafts),
-            resume_log_probs=list(request.generated_log_probs), sources=self.sources, is_hybrid=self.is_hybrid,
+            resume_log_probs=list(request.generated_log_probs),
+            sources=self.sources,
+            is_hybrid=self.is_hybrid,
             mamba_slot=state.mamba_slot,
             prompt_log_probs=list(request.prompt_log_probs) if request.sampling_params.return_prompt_logprobs else None,
             generator_state=generator_state,

@@ -100,13 +100,18 @@ class PrefillWorker:
     def _prefill(self, payload: dict[str, Any]) -> None:
         request_id = payload["request_id"]
         try:
-            self.prefill.add_request(request_id, payload["prompt_tokens"],
-                                     sampling_params_from_dict(payload["sampling_params"]))
+            self.prefill.add_request(
+                request_id, payload["prompt_tokens"], sampling_params_from_dict(payload["sampling_params"])
+            )
         except (ValueError, TypeError) as exc:
-            error = exc.to_dict() if isinstance(exc, InferenceRequestError) else \
-                {"type": type(exc).__name__, "message": str(exc), "details": {}}
-            self.channel.send("finished", output=_terminal(request_id, "error", len(payload["prompt_tokens"]),
-                                                           error).to_dict())
+            error = (
+                exc.to_dict()
+                if isinstance(exc, InferenceRequestError)
+                else {"type": type(exc).__name__, "message": str(exc), "details": {}}
+            )
+            self.channel.send(
+                "finished", output=_terminal(request_id, "error", len(payload["prompt_tokens"]), error).to_dict()
+            )
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -114,9 +119,17 @@ class PrefillWorker:
 
 
 def _terminal(request_id: str, reason: str, prompt_tokens: int, error: dict | None = None) -> RequestOutput:
-    return RequestOutput(request_id=request_id, new_token_ids=[], new_log_probs=[], finished=True,
-                         finish_reason=reason, error=error, prompt_log_probs=None, prompt_tokens=prompt_tokens,
-                         generated_tokens=0)
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_log_probs=[],
+        finished=True,
+        finish_reason=reason,
+        error=error,
+        prompt_log_probs=None,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=0,
+    )
 
 
 class DisaggregatedEngine:
@@ -137,8 +150,9 @@ class DisaggregatedEngine:
             raise DuplicateRequestIdError(request_id=request_id)
         self.engine.check_request(request_id, prompt, params, prefilled_import=True)
         self._prefilling[request_id] = (params, len(prompt))
-        self.channel.send("prefill", request_id=request_id, prompt_tokens=prompt,
-                          sampling_params=sampling_params_to_dict(params))
+        self.channel.send(
+            "prefill", request_id=request_id, prompt_tokens=prompt, sampling_params=sampling_params_to_dict(params)
+        )
 
     def abort(self, request_id: str) -> None:
         if request_id in self._prefilling:
@@ -160,9 +174,12 @@ class DisaggregatedEngine:
     @property
     def stats(self) -> dict[str, Any]:
         seconds = self.decode.stats["transfer_seconds"]
-        return dict(self.engine.stats, **{f"handoff_{k}": v for k, v in self.decode.stats.items()},
-                    handoff_gb_per_s=self.decode.stats["transferred_bytes"] / seconds / 1e9 if seconds else 0.0,
-                    prefilling=len(self._prefilling))
+        return dict(
+            self.engine.stats,
+            **{f"handoff_{k}": v for k, v in self.decode.stats.items()},
+            handoff_gb_per_s=self.decode.stats["transferred_bytes"] / seconds / 1e9 if seconds else 0.0,
+            prefilling=len(self._prefilling),
+        )
 
     def step(self) -> list[RequestOutput]:
         wait_ms = 0 if self.decode.has_unfinished_requests() or self._outputs else 2

@@ -22,8 +22,9 @@ from __future__ import annotations
 import abc
 import enum
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -36,7 +37,7 @@ class TransportError(ValueError):
     """A pull the transport cannot start (bad peer descriptor, run out of bounds, refused)."""
 
 
-class TransferState(str, enum.Enum):
+class TransferState(enum.StrEnum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
@@ -101,14 +102,14 @@ class HandoffTransport(abc.ABC):
     def release(self, handle: PullHandle) -> None:
         """Free a pull that is no longer pending."""
 
-    def serve(self) -> None:
+    def serve(self) -> None:  # noqa: B027 - optional hook, a no-op for one-sided transports
         """Source-side progress (called from the source's loop); nothing for one-sided transports."""
 
     def may_still_read(self, transfer_id: str) -> bool:
         """Source side: whether a peer may still be reading the storage of ``transfer_id``."""
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: transports without connections keep it
         """Deregister regions and drop connections."""
 
     def _check_bounds(self, regions: dict[str, int], segments: Sequence[Segment], side: str) -> None:
@@ -116,8 +117,10 @@ class HandoffTransport(abc.ABC):
             region, offset = (seg.src_region, seg.src_offset) if side == "source" else (seg.dst_region, seg.dst_offset)
             size = regions.get(region)
             if size is None or offset < 0 or offset + seg.nbytes > size:
-                raise TransportError(f"{side} run {seg} is outside region {region!r} ({size} bytes); "
-                                     f"runs must lie inside the registered regions {sorted(regions)}")
+                raise TransportError(
+                    f"{side} run {seg} is outside region {region!r} ({size} bytes); "
+                    f"runs must lie inside the registered regions {sorted(regions)}"
+                )
 
     def _count(self, state: TransferState) -> TransferState:
         self.num_done += state is TransferState.DONE
@@ -159,9 +162,13 @@ class NixlTransport(HandoffTransport):
 
     def export(self) -> dict[str, Any]:
         return {
-            "transport": self.name, "agent": self.agent_name, "metadata": self.agent.get_agent_metadata(),
-            "regions": {name: [t.data_ptr(), t.numel() * t.element_size(), self._device_id(t), self._mem_type(t)]
-                        for name, t in self.regions.items()},
+            "transport": self.name,
+            "agent": self.agent_name,
+            "metadata": self.agent.get_agent_metadata(),
+            "regions": {
+                name: [t.data_ptr(), t.numel() * t.element_size(), self._device_id(t), self._mem_type(t)]
+                for name, t in self.regions.items()
+            },
         }
 
     def connect(self, peer: dict[str, Any]) -> str:
@@ -181,16 +188,27 @@ class NixlTransport(HandoffTransport):
         self._check_bounds({n: e[1] for n, e in remote.items()}, segments, "source")
         local = {n: t.numel() * t.element_size() for n, t in self.regions.items()}
         self._check_bounds(local, segments, "destination")
-        mem_types = {remote[s.src_region][3] for s in segments}, {self._mem_type(self.regions[s.dst_region])
-                                                                  for s in segments}
+        mem_types = (
+            {remote[s.src_region][3] for s in segments},
+            {self._mem_type(self.regions[s.dst_region]) for s in segments},
+        )
         if len(mem_types[0]) != 1 or len(mem_types[1]) != 1:
             raise TransportError("one pull must read one memory type and write one memory type")
         local_descs = self.agent.get_xfer_descs(
-            [(self.regions[s.dst_region].data_ptr() + s.dst_offset, s.nbytes,
-              self._device_id(self.regions[s.dst_region])) for s in segments], mem_types[1].pop())
+            [
+                (
+                    self.regions[s.dst_region].data_ptr() + s.dst_offset,
+                    s.nbytes,
+                    self._device_id(self.regions[s.dst_region]),
+                )
+                for s in segments
+            ],
+            mem_types[1].pop(),
+        )
         remote_descs = self.agent.get_xfer_descs(
             [(remote[s.src_region][0] + s.src_offset, s.nbytes, remote[s.src_region][2]) for s in segments],
-            mem_types[0].pop())
+            mem_types[0].pop(),
+        )
         try:
             xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
         except Exception as exc:  # NIXL raises its own binding error types
@@ -271,8 +289,11 @@ class TorchDistributedTransport(HandoffTransport):
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def export(self) -> dict[str, Any]:
-        return {"transport": self.name, "rank": dist.get_rank(),
-                "regions": {n: t.numel() * t.element_size() for n, t in self.regions.items()}}
+        return {
+            "transport": self.name,
+            "rank": dist.get_rank(),
+            "regions": {n: t.numel() * t.element_size() for n, t in self.regions.items()},
+        }
 
     def post_pull(self, transfer_id: str, peer: dict[str, Any], segments: Sequence[Segment]) -> PullHandle:
         if peer.get("transport") != self.name:
@@ -280,18 +301,21 @@ class TorchDistributedTransport(HandoffTransport):
         if not segments:
             raise TransportError(f"pull {transfer_id!r} has no runs")
         self._check_bounds(peer["regions"], segments, "source")
-        self._check_bounds({n: t.numel() * t.element_size() for n, t in self.regions.items()}, segments,
-                           "destination")
+        self._check_bounds({n: t.numel() * t.element_size() for n, t in self.regions.items()}, segments, "destination")
         source, device, me = int(peer["rank"]), self._device, dist.get_rank()
         nbytes = sum(s.nbytes for s in segments)
         status = torch.zeros(1, dtype=torch.int64, device=device)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        works = [dist.irecv(status, source, self.group, tag=_TAG_STATUS),
-                 dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD)]
+        works = [
+            dist.irecv(status, source, self.group, tag=_TAG_STATUS),
+            dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD),
+        ]
         key = f"{source}/{me}/{self._sequence}"
         self._sequence += 1
-        self.store.set(f"pull/{key}", msgpack.packb(
-            {"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]}))
+        self.store.set(
+            f"pull/{key}",
+            msgpack.packb({"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]}),
+        )
         self.num_posted += 1
         return PullHandle(transfer_id, nbytes, len(segments), (works, status, payload, list(segments), f"done/{key}"))
 
@@ -308,8 +332,9 @@ class TorchDistributedTransport(HandoffTransport):
             return self._count(handle._end(TransferState.FAILED, "the source refused the pull (no live pin)"))
         position = 0
         for seg in segments:
-            _byte_view(self.regions[seg.dst_region])[seg.dst_offset:seg.dst_offset + seg.nbytes].copy_(
-                payload[position:position + seg.nbytes])
+            _byte_view(self.regions[seg.dst_region])[seg.dst_offset : seg.dst_offset + seg.nbytes].copy_(
+                payload[position : position + seg.nbytes]
+            )
             position += seg.nbytes
         return self._count(handle._end(TransferState.DONE))
 
@@ -328,15 +353,20 @@ class TorchDistributedTransport(HandoffTransport):
                 self.store.delete_key(f"pull/{key}")
                 runs = request["runs"]
                 ok = self.is_servable(request["id"]) and all(
-                    region in self.regions and 0 <= offset and offset + n <= self.regions[region].numel()
-                    * self.regions[region].element_size() for region, offset, n in runs)
+                    region in self.regions
+                    and 0 <= offset
+                    and offset + n <= self.regions[region].numel() * self.regions[region].element_size()
+                    for region, offset, n in runs
+                )
                 if ok:
-                    payload = torch.cat([_byte_view(self.regions[r])[offset:offset + n] for r, offset, n in runs])
+                    payload = torch.cat([_byte_view(self.regions[r])[offset : offset + n] for r, offset, n in runs])
                 else:
                     payload = torch.zeros(sum(n for _, _, n in runs), dtype=torch.uint8, device=device)
                 status = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-                for work in (dist.isend(status, client, self.group, tag=_TAG_STATUS),
-                             dist.isend(payload, client, self.group, tag=_TAG_PAYLOAD)):
+                for work in (
+                    dist.isend(status, client, self.group, tag=_TAG_STATUS),
+                    dist.isend(payload, client, self.group, tag=_TAG_PAYLOAD),
+                ):
                     work.wait()  # the puller posted its receives before asking
                 self.store.set(f"done/{key}", b"1")
                 sequence += 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
@@ -25,7 +26,9 @@ def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[di
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice needs a non-empty tools list", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
-        raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+        raise bad_request(
+            f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+        )
     parsed = None if choice == "none" or service.config.tool_call_parser is None else tools
     return tools, parsed
 
@@ -55,7 +58,9 @@ class _ChatChoice:
         return events
 
     def logprobs(self, delta) -> list[dict[str, Any]]:
-        return R.chat_logprobs_content(self.tokenizer, delta.token_ids, delta.log_probs, delta.top_log_probs, self.num_top)
+        return R.chat_logprobs_content(
+            self.tokenizer, delta.token_ids, delta.log_probs, delta.top_log_probs, self.num_top
+        )
 
     def finish_reason(self, reason: str | None) -> str | None:
         return None if reason is None else R.chat_finish_reason(reason, self.made_tool_calls)
@@ -102,7 +107,9 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     finally:
         service.metrics.running -= 1
     result = [
-        _whole_choice(service, index, events[index], logprobs[index] if states[index].want_logprobs else None, reasons[index])
+        _whole_choice(
+            service, index, events[index], logprobs[index] if states[index].want_logprobs else None, reasons[index]
+        )
         for index in sorted(events)
     ]
     usage = service.account(choices, [prompt])
@@ -131,7 +138,12 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
     service.metrics.running += 1
     try:
         for choice in choices:
-            opening = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            opening = {
+                "index": choice.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             yield chunk([opening])
         async for choice, delta in merged_deltas(choices):
             if delta.finish_reason == "error":

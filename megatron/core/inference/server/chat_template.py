@@ -9,7 +9,8 @@ assistant turn. Offered tools are described in a system turn that asks for Herme
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 TURN_END = "<|end|>"
 
@@ -31,7 +32,9 @@ def message_text(message: dict[str, Any]) -> str:
         content = "".join(part.get("text", "") for part in content)
     for call in message.get("tool_calls") or ():
         function = call["function"]
-        content += f'<tool_call>{{"name": {json.dumps(function["name"])}, "arguments": {function["arguments"]}}}</tool_call>'
+        content += (
+            f'<tool_call>{{"name": {json.dumps(function["name"])}, "arguments": {function["arguments"]}}}</tool_call>'
+        )
     return content
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.errors import bad_request
-from megatron.core.inference.server.protocol import CompletionRequest
 from megatron.core.inference.server.generation import finite_log_prob
+from megatron.core.inference.server.protocol import CompletionRequest
 from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
 from megatron.core.inference.server.streaming import EventStreamResponse
 
@@ -75,7 +76,9 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
     created = R.now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(service, body, request_id, created, prompts, choices, renderers, include_usage))
+        return EventStreamResponse(
+            _stream(service, body, request_id, created, prompts, choices, renderers, include_usage)
+        )
     service.metrics.running += 1
     try:
         rendered: dict[int, list[dict[str, Any]]] = {c.index: [] for c in choices}

@@ -76,7 +76,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), type=error_type, code=_STATUS_CODES.get(exc.status_code)).response()
+        return APIError(
+            exc.status_code, str(exc.detail), type=error_type, code=_STATUS_CODES.get(exc.status_code)
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

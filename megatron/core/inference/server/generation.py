@@ -10,8 +10,9 @@ the text before the stop sequence is all that is emitted.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from megatron.core.inference.coordinator.client import RequestHandle
 from megatron.core.inference.stop_words import StopSequenceMatcher
@@ -117,7 +118,9 @@ class ChoiceDecoder:
         )
 
 
-async def choice_deltas(handle: RequestHandle, decoder: ChoiceDecoder, first: dict | None = None) -> AsyncIterator[ChoiceDelta]:
+async def choice_deltas(
+    handle: RequestHandle, decoder: ChoiceDecoder, first: dict | None = None
+) -> AsyncIterator[ChoiceDelta]:
     """Stream a request's deltas until it finishes; abort it in the engine if we stop early.
 
     ``first`` is an output already taken from the handle (it is decoded first).

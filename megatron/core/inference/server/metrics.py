@@ -61,14 +61,17 @@ class ServerMetrics:
         name = family("requests_total", "counter", "HTTP requests by endpoint and status code.")
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f"{name}{_labels(endpoint=endpoint, status=str(status))} {count}")
-        lines.append(f"{family('prompt_tokens_total', 'counter', 'Prompt tokens of finished requests.')} {self.prompt_tokens}")
         lines.append(
-            f"{family('generation_tokens_total', 'counter', 'Generated tokens of finished requests.')} {self.generation_tokens}"
+            f"{family('prompt_tokens_total', 'counter', 'Prompt tokens of finished requests.')} {self.prompt_tokens}"
+        )
+        lines.append(
+            f"{family('generation_tokens_total', 'counter', 'Generated tokens of finished requests.')} "
+            f"{self.generation_tokens}"
         )
         lines.append(f"{family('requests_running', 'gauge', 'HTTP generation requests in progress.')} {self.running}")
         name = family("time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.")
         cumulative = 0
-        for bound, count in zip((*map(str, TTFT_BUCKETS_S), "+Inf"), self.ttft_counts):
+        for bound, count in zip((*map(str, TTFT_BUCKETS_S), "+Inf"), self.ttft_counts, strict=True):
             cumulative += count
             lines.append(f"{name}_bucket{_labels(le=bound)} {cumulative}")
         lines.append(f"{name}_sum {self.ttft_sum_s}")

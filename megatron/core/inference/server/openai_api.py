@@ -25,7 +25,6 @@ from megatron.core.inference.server.streaming import until_disconnected
 from megatron.core.tokenizers import build_tokenizer
 
 
-
 def build_app(client: InferenceClient, tokenizer=None, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``client``; the app starts the client on startup and closes it on shutdown."""
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()

@@ -6,7 +6,7 @@ Responses are plain dicts built in ``responses.py``.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,7 @@ from megatron.core.inference.sampling import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 16
 MAX_STOP_SEQUENCES = 16
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -43,7 +44,7 @@ class _GenerationRequest(_Model):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

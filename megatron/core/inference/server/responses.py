@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron.core.inference.parsers import Channel, Event, TextEvent, ToolCallEvent
 
@@ -14,7 +15,11 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def envelope(kind: str, request_id: str, model: str, created: int, choices: list, **extra: Any) -> dict[str, Any]:
@@ -56,7 +61,9 @@ class CompletionLogProbs:
             self._offset += len(text)
         tops = None
         if self._top:
-            rows = top_log_probs or [[(t, lp)] if lp is not None else [] for t, lp in zip(token_ids, log_probs)]
+            rows = top_log_probs or [
+                [(t, lp)] if lp is not None else [] for t, lp in zip(token_ids, log_probs, strict=True)
+            ]
             tops = [{token_text(self._tokenizer, t): lp for t, lp in row} or None for row in rows]
         return {"tokens": tokens, "token_logprobs": list(log_probs), "top_logprobs": tops, "text_offset": offsets}
 
@@ -84,7 +91,7 @@ def chat_logprobs_content(
         return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for i, (token_id, log_prob) in enumerate(zip(token_ids, log_probs)):
+    for i, (token_id, log_prob) in enumerate(zip(token_ids, log_probs, strict=True)):
         row = top_log_probs[i] if top_log_probs else [(token_id, log_prob)]
         content.append({**entry(token_id, log_prob), "top_logprobs": [entry(t, lp) for t, lp in row[:num_top]]})
     return content

@@ -83,7 +83,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -96,7 +96,7 @@ class ServerThread:
         self._server.should_exit = True
         self._thread.join(timeout_s)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from megatron.core.inference.coordinator.client import InferenceClient, RequestHandle
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
@@ -121,7 +122,9 @@ class OpenAIService:
         vocab = self.tokenizer.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            raise bad_request(f"{param} holds token ids {bad[:5]} outside 0..{vocab - 1}", param=param, code="invalid_value")
+            raise bad_request(
+                f"{param} holds token ids {bad[:5]} outside 0..{vocab - 1}", param=param, code="invalid_value"
+            )
         limit = self.config.max_prompt_tokens
         if limit is not None and len(tokens) > limit:
             raise APIError(
@@ -132,7 +135,9 @@ class OpenAIService:
             )
         return tokens
 
-    def sampling_params(self, body, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo_logprobs: bool) -> SamplingParams:
+    def sampling_params(
+        self, body, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo_logprobs: bool
+    ) -> SamplingParams:
         normalize_stop_sequences(body.stop)  # InvalidStopSequencesError -> 400
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -148,16 +153,24 @@ class OpenAIService:
 
     # -- engine requests -----------------------------------------------------------------
 
-    async def start_choices(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, stop) -> list[Choice]:
+    async def start_choices(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, stop
+    ) -> list[Choice]:
         """Submit ``n`` choices per prompt and wait for each one's first output."""
         choices: list[Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
                 for i in range(n):
                     index = prompt_index * n + i
-                    seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
+                    seeded = (
+                        params
+                        if params.seed is None or i == 0
+                        else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
+                    )
                     handle = await self.client.submit(prompt, seeded, request_id=f"{request_id}-{index}")
-                    choices.append(Choice(index, prompt, handle, ChoiceDecoder(self.tokenizer, normalize_stop_sequences(stop))))
+                    choices.append(
+                        Choice(index, prompt, handle, ChoiceDecoder(self.tokenizer, normalize_stop_sequences(stop)))
+                    )
             for choice in choices:
                 choice.first = await choice.handle.next_output()
                 if choice.first["finish_reason"] == "error":
@@ -204,5 +217,3 @@ async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Ch
         for task in tasks:
             task.cancel()
         abort_all(choices)
-
-

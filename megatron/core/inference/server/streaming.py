@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable
+from collections.abc import Awaitable
 
 import anyio
 from fastapi import Request
@@ -48,5 +48,3 @@ class EventStreamResponse(StreamingResponse):
             await self.listen_for_disconnect(receive)
             group.cancel_scope.cancel()
         await self.body_iterator.aclose()
-
-

@@ -32,9 +32,15 @@ class LanguageModelEmbedding(nn.Module):
     ``scatter_to_sequence_parallel``.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
-                 position_embedding_type: str = "learned_absolute", scatter_to_sequence_parallel: bool = True,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+        scatter_to_sequence_parallel: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         check_position_embedding_type(position_embedding_type)
         self.config = config
@@ -42,7 +48,10 @@ class LanguageModelEmbedding(nn.Module):
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         with init_rng_scope(config, "embedding"):
             self.word_embeddings = VocabParallelEmbedding(
-                vocab_size, config.hidden_size, config=config, init_method=init_method(config),
+                vocab_size,
+                config.hidden_size,
+                config=config,
+                init_method=init_method(config),
                 pg_collection=self.pg_collection,
             )
         self.position_embeddings = None
@@ -53,8 +62,9 @@ class LanguageModelEmbedding(nn.Module):
                     init_method(config)(table)
                 else:
                     table.zero_()
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                    _weight=table.to(config.params_dtype))
+            self.position_embeddings = nn.Embedding(
+                max_sequence_length, config.hidden_size, _weight=table.to(config.params_dtype)
+            )
             mark_replicated(self.position_embeddings.weight)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

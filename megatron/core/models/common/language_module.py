@@ -18,6 +18,10 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, vocab_rows
+from megatron.core.models.common.language_model_embedding import (
+    LanguageModelEmbedding,
+    check_position_embedding_type,
+)
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
@@ -26,10 +30,6 @@ from megatron.core.tensor_parallel import (
     init_rng_scope,
     pad_vocab_size,
     vocab_parallel_cross_entropy,
-)
-from megatron.core.models.common.language_model_embedding import (
-    LanguageModelEmbedding,
-    check_position_embedding_type,
 )
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.multi_token_prediction import (
@@ -60,13 +60,28 @@ class LanguageModule(nn.Module):
     :meth:`embed`, :meth:`rotary`, the decoder and :meth:`postprocess`.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, *,
-                 pre_process: bool, post_process: bool, fp16_lm_cross_entropy: bool, parallel_output: bool,
-                 share_embeddings_and_output_weights: bool, position_embedding_type: str,
-                 rotary_percent: float = 1.0, rotary_base: float = 10000, rope_scaling: bool = False,
-                 rope_scaling_factor: float = 8.0, scatter_embedding_sequence_parallel: bool = True,
-                 seq_len_interpolation_factor: float | None = None, mtp_block_spec=None,
-                 pg_collection: ProcessGroupCollection | None = None, logit_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        *,
+        pre_process: bool,
+        post_process: bool,
+        fp16_lm_cross_entropy: bool,
+        parallel_output: bool,
+        share_embeddings_and_output_weights: bool,
+        position_embedding_type: str,
+        rotary_percent: float = 1.0,
+        rotary_base: float = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        mtp_block_spec=None,
+        pg_collection: ProcessGroupCollection | None = None,
+        logit_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         check_position_embedding_type(position_embedding_type)
         self.config = config
@@ -94,9 +109,12 @@ class LanguageModule(nn.Module):
         if pre_process or (post_process and (share_embeddings_and_output_weights or self.mtp_enabled)):
             needs_positions = pre_process or self.mtp_enabled
             self.embedding = LanguageModelEmbedding(
-                config, self.padded_vocab_size, max_sequence_length,
+                config,
+                self.padded_vocab_size,
+                max_sequence_length,
                 position_embedding_type if needs_positions else "none",
-                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, pg_collection=self.pg_collection,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                pg_collection=self.pg_collection,
             )
             if copied_across_stages:
                 self.embedding.word_embeddings.weight.shared_embedding = True
@@ -106,8 +124,12 @@ class LanguageModule(nn.Module):
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, rotary_percent, rotary_base, seq_len_interpolation_factor,
-                rope_scaling, rope_scaling_factor,
+                config.kv_channels,
+                rotary_percent,
+                rotary_base,
+                seq_len_interpolation_factor,
+                rope_scaling,
+                rope_scaling_factor,
             )
 
         self.output_layer = None
@@ -133,16 +155,27 @@ class LanguageModule(nn.Module):
         layer_config = dataclasses.replace(config, perform_initialization=False) if tied else config
         with init_rng_scope(config, "output_layer"):
             output_layer = ColumnParallelLinear(
-                config.hidden_size, self.padded_vocab_size, config=layer_config, init_method=init_method(config),
-                bias=False, gather_output=False, pg_collection=self.pg_collection,
+                config.hidden_size,
+                self.padded_vocab_size,
+                config=layer_config,
+                init_method=init_method(config),
+                bias=False,
+                gather_output=False,
+                pg_collection=self.pg_collection,
             )
         if tied:
             output_layer.weight = self.embedding.word_embeddings.weight
         return output_layer
 
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                decoder_input: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+        inference_context=None,
+    ) -> torch.Tensor:
         """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
         hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
         embedding on the first stage; ``inference_context`` reaches every attention and Mamba
@@ -151,12 +184,17 @@ class LanguageModule(nn.Module):
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
         rotary_pos_emb = self.rotary(position_ids)
-        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                     inference_context=inference_context)
+        hidden_states = self.decoder(
+            decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
+        )
         if not self.post_process:
             return hidden_states
-        return self.postprocess(hidden_states, input_ids, position_ids, labels,
-                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return self.postprocess(
+            hidden_states, input_ids, position_ids, labels, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+        )
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""
@@ -167,8 +205,9 @@ class LanguageModule(nn.Module):
         self.decoder.set_input_tensor(input_tensor)
 
     @staticmethod
-    def position_ids_for(input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                         labels: torch.Tensor | None = None) -> torch.Tensor | None:
+    def position_ids_for(
+        input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``position_ids`` when given, else ``0..s-1`` for every sequence of the batch."""
         if position_ids is not None:
             return position_ids
@@ -202,10 +241,15 @@ class LanguageModule(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
         return loss.transpose(0, 1).contiguous()
 
-    def postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, labels: torch.Tensor | None,
-                    attention_mask: torch.Tensor | None = None,
-                    rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def postprocess(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Last stage: per-token loss [b, s] (with the MTP terms) when ``labels`` are given,
         else logits [b, s, V] (or [b, s, V_padded/tp] with ``parallel_output``)."""
         logits = self.vocab_logits(hidden_states)
@@ -219,10 +263,17 @@ class LanguageModule(nn.Module):
             return loss
         if input_ids is None:
             raise ValueError("multi-token prediction needs input_ids on the last pipeline stage")
-        depth_hidden = self.mtp(input_ids, position_ids, hidden_states, self.embed,
-                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        depth_hidden = self.mtp(
+            input_ids,
+            position_ids,
+            hidden_states,
+            self.embed,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+        )
         depth_losses = [
-            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth)) * shifted_target_mask(labels, depth)
+            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth))
+            * shifted_target_mask(labels, depth)
             for depth, hidden in enumerate(depth_hidden, start=1)
         ]
         return combine_mtp_losses(loss, depth_losses, self.config.mtp_loss_scaling_factor)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.multi_token_prediction import get_mtp_block_spec
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 
@@ -26,8 +26,9 @@ def get_gpt_layer_local_spec() -> ModuleSpec:
                 ),
             ),
             pre_mlp_layernorm=build_norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                               linear_fc2=RowParallelLinear)),
+            mlp=ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+            ),
         ),
     )
 

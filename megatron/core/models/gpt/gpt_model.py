@@ -49,16 +49,27 @@ class GPTModel(LanguageModule):
         check_no_context_parallel(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         super().__init__(
-            config, vocab_size, max_sequence_length, pre_process=pre_process, post_process=post_process,
-            fp16_lm_cross_entropy=fp16_lm_cross_entropy, parallel_output=parallel_output,
+            config,
+            vocab_size,
+            max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy,
+            parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
-            rotary_base=rotary_base, rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+            position_embedding_type=position_embedding_type,
+            rotary_percent=rotary_percent,
+            rotary_base=rotary_base,
+            rope_scaling=rope_scaling,
+            rope_scaling_factor=rope_scaling_factor,
             scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
-            seq_len_interpolation_factor=seq_len_interpolation_factor, mtp_block_spec=mtp_block_spec,
-            pg_collection=pg_collection, logit_dtype=logit_dtype,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            mtp_block_spec=mtp_block_spec,
+            pg_collection=pg_collection,
+            logit_dtype=logit_dtype,
         )
         self.transformer_layer_spec = transformer_layer_spec
         self.vp_stage = vp_stage
-        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process, post_process,
-                                        pg_collection, vp_stage)
+        self.decoder = TransformerBlock(
+            config, transformer_layer_spec, pre_process, post_process, pg_collection, vp_stage
+        )

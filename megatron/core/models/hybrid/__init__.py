@@ -11,6 +11,13 @@ from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_mtp_block_
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = [
-    "HybridStack", "HybridStackSubmodules", "HybridLayerPattern", "HybridPatternError", "parse_hybrid_pattern",
-    "select_stage_layers", "get_hybrid_mtp_block_spec", "get_hybrid_stack_local_spec", "HybridModel",
+    "HybridStack",
+    "HybridStackSubmodules",
+    "HybridLayerPattern",
+    "HybridPatternError",
+    "parse_hybrid_pattern",
+    "select_stage_layers",
+    "get_hybrid_mtp_block_spec",
+    "get_hybrid_stack_local_spec",
+    "HybridModel",
 ]

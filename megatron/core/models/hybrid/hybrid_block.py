@@ -34,8 +34,13 @@ class HybridStackSubmodules:
     mlp_layer: Any = field(default_factory=lambda: ModuleSpec(module=MLPLayer))
 
 
-def build_hybrid_layer(submodules: HybridStackSubmodules, symbol: str, config: TransformerConfig,
-                       layer_number: int, pg_collection: ProcessGroupCollection) -> nn.Module:
+def build_hybrid_layer(
+    submodules: HybridStackSubmodules,
+    symbol: str,
+    config: TransformerConfig,
+    layer_number: int,
+    pg_collection: ProcessGroupCollection,
+) -> nn.Module:
     """The layer for pattern character ``symbol`` (already validated by the pattern parser)."""
     spec = {MAMBA: submodules.mamba_layer, ATTENTION: submodules.attention_layer, MLP: submodules.mlp_layer}[symbol]
     return build_module(spec, config=config, layer_number=layer_number, pg_collection=pg_collection)
@@ -45,16 +50,24 @@ class HybridStack(StageLayerStack):
     """This pipeline stage's layers of the main pattern (chosen by :func:`select_stage_layers`)
     and, on the last stage, the final norm; ``forward`` is TransformerBlock's."""
 
-    def __init__(self, config: TransformerConfig, submodules: HybridStackSubmodules, layer_pattern: HybridLayerPattern,
-                 pre_process: bool = True, post_process: bool = True,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: HybridStackSubmodules,
+        layer_pattern: HybridLayerPattern,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         pg_collection = resolve_pg_collection(pg_collection)
         stage = select_stage_layers(layer_pattern, pg_collection.size("pp"), pg_collection.rank("pp"))
         symbols = dict(stage)
         super().__init__(
-            config, [number for number, _ in stage],
+            config,
+            [number for number, _ in stage],
             lambda number: build_hybrid_layer(submodules, symbols[number], config, number, pg_collection),
-            pre_process, post_process,
+            pre_process,
+            post_process,
         )
         self.layer_symbols = "".join(symbol for _, symbol in stage)
 
@@ -64,8 +77,14 @@ class HybridMTPLayers(nn.Module):
     the k-th ``/`` pattern. Used as the ``transformer_layer`` of the shared MTP block; every
     inner layer gets the depth's ``layer_number``."""
 
-    def __init__(self, config: TransformerConfig, submodules: HybridStackSubmodules, layer_number: int,
-                 mtp_patterns: tuple[str, ...], pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: HybridStackSubmodules,
+        layer_number: int,
+        mtp_patterns: tuple[str, ...],
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         pg_collection = resolve_pg_collection(pg_collection)
         pattern = mtp_patterns[layer_number - config.num_layers - 1]

@@ -19,8 +19,7 @@ MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 STAGE_SEPARATOR, MTP_SEPARATOR = "|", "/"
 LAYER_SYMBOLS = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP"}
 _ACCEPTED = (
-    "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), '|' (pipeline stage boundary), "
-    "'/' (starts an MTP pattern)"
+    "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), '|' (pipeline stage boundary), '/' (starts an MTP pattern)"
 )
 
 

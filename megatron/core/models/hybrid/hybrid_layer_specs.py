@@ -37,7 +37,8 @@ def get_hybrid_stack_local_spec() -> ModuleSpec:
                         module=SelfAttention,
                         params={"attn_mask_type": "causal"},
                         submodules=SelfAttentionSubmodules(
-                            linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                            linear_qkv=ColumnParallelLinear,
+                            core_attention=DotProductAttention,
                             linear_proj=RowParallelLinear,
                         ),
                     ),
@@ -47,8 +48,10 @@ def get_hybrid_stack_local_spec() -> ModuleSpec:
                 module=MLPLayer,
                 submodules=MLPLayerSubmodules(
                     norm=build_norm,
-                    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+                    mlp=ModuleSpec(
+                        module=MLP,
+                        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                    ),
                 ),
             ),
         ),
@@ -58,6 +61,7 @@ def get_hybrid_stack_local_spec() -> ModuleSpec:
 def get_hybrid_mtp_block_spec(hybrid_stack_spec: ModuleSpec, mtp_patterns: tuple[str, ...]) -> ModuleSpec:
     """MTP block whose depth k runs the layers of the k-th ``/`` pattern, built with the
     layer specs of ``hybrid_stack_spec``."""
-    inner = ModuleSpec(module=HybridMTPLayers, params={"mtp_patterns": tuple(mtp_patterns)},
-                       submodules=hybrid_stack_spec.submodules)
+    inner = ModuleSpec(
+        module=HybridMTPLayers, params={"mtp_patterns": tuple(mtp_patterns)}, submodules=hybrid_stack_spec.submodules
+    )
     return get_mtp_block_spec(inner)

@@ -39,8 +39,13 @@ class AttentionLayerSubmodules:
 class AttentionLayer(nn.Module):
     """``h + attention(norm(h))``; ``layer_number`` is global and 1-based."""
 
-    def __init__(self, config: TransformerConfig, submodules: AttentionLayerSubmodules | None = None,
-                 layer_number: int = 1, pg_collection=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: AttentionLayerSubmodules | None = None,
+        layer_number: int = 1,
+        pg_collection=None,
+    ):
         super().__init__()
         submodules = submodules or AttentionLayerSubmodules()
         self.config = config
@@ -52,7 +57,9 @@ class AttentionLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         out, bias = self.self_attention(
-            self.norm(hidden_states), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            self.norm(hidden_states),
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
             inference_context=inference_context,
         )
         return _bias_dropout_add(self.config, self.training, out, bias, hidden_states)
@@ -67,8 +74,13 @@ class MLPLayerSubmodules:
 class MLPLayer(nn.Module):
     """``h + mlp(norm(h))``; masks, rotary embeddings and inference contexts do not concern it."""
 
-    def __init__(self, config: TransformerConfig, submodules: MLPLayerSubmodules | None = None,
-                 layer_number: int = 1, pg_collection=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPLayerSubmodules | None = None,
+        layer_number: int = 1,
+        pg_collection=None,
+    ):
         super().__init__()
         submodules = submodules or MLPLayerSubmodules()
         self.config = config

@@ -56,26 +56,44 @@ class HybridModel(LanguageModule):
         check_no_context_parallel(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         layer_pattern = resolve_hybrid_pattern(
-            config.num_layers, config.mtp_num_layers, hybrid_layer_pattern, hybrid_attention_ratio,
-            hybrid_mlp_ratio, hybrid_override_pattern,
+            config.num_layers,
+            config.mtp_num_layers,
+            hybrid_layer_pattern,
+            hybrid_attention_ratio,
+            hybrid_mlp_ratio,
+            hybrid_override_pattern,
         )
         mtp_block_spec = (
             get_hybrid_mtp_block_spec(hybrid_stack_spec, layer_pattern.mtp_patterns)
-            if layer_pattern.mtp_patterns else None
+            if layer_pattern.mtp_patterns
+            else None
         )
         super().__init__(
-            config, vocab_size, max_sequence_length, pre_process=pre_process, post_process=post_process,
-            fp16_lm_cross_entropy=fp16_lm_cross_entropy, parallel_output=parallel_output,
+            config,
+            vocab_size,
+            max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy,
+            parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
-            rotary_base=rotary_base, scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
-            seq_len_interpolation_factor=seq_len_interpolation_factor, mtp_block_spec=mtp_block_spec,
-            pg_collection=pg_collection, logit_dtype=logit_dtype,
+            position_embedding_type=position_embedding_type,
+            rotary_percent=rotary_percent,
+            rotary_base=rotary_base,
+            scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            mtp_block_spec=mtp_block_spec,
+            pg_collection=pg_collection,
+            logit_dtype=logit_dtype,
         )
         self.layer_pattern = layer_pattern
         self.hybrid_stack_spec = hybrid_stack_spec
         self.vp_stage = vp_stage
         self.decoder = build_module(
-            hybrid_stack_spec, config=config, layer_pattern=layer_pattern, pre_process=pre_process,
-            post_process=post_process, pg_collection=pg_collection,
+            hybrid_stack_spec,
+            config=config,
+            layer_pattern=layer_pattern,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
         )

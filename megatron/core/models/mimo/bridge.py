@@ -42,8 +42,9 @@ class Route:
     count: int
 
 
-def _routes(src_layout: RankLayout, src_mbs: int, src_all: bool,
-            dst_layout: RankLayout, dst_mbs: int, dst_all: bool) -> list[Route]:
+def _routes(
+    src_layout: RankLayout, src_mbs: int, src_all: bool, dst_layout: RankLayout, dst_mbs: int, dst_all: bool
+) -> list[Route]:
     """Routes from the senders of ``src_layout`` (every rank, or shard roots only) to the
     receivers of ``dst_layout`` (every rank, or shard roots only), sample ranges intersected."""
     routes = []
@@ -72,9 +73,16 @@ class EmbeddingBridge:
         group: the process group spanning both modules (default: the world); ranks are global.
     """
 
-    def __init__(self, encoder_layout: RankLayout, language_layout: RankLayout, language_micro_batch_size: int,
-                 sample_shape: tuple[int, int], dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", group=None):
+    def __init__(
+        self,
+        encoder_layout: RankLayout,
+        language_layout: RankLayout,
+        language_micro_batch_size: int,
+        sample_shape: tuple[int, int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        group=None,
+    ):
         self.encoder_layout, self.language_layout = encoder_layout, language_layout
         self.language_micro_batch_size = language_micro_batch_size
         samples = language_micro_batch_size * data_width(language_layout)
@@ -88,10 +96,12 @@ class EmbeddingBridge:
         self.grad_scale = data_width(encoder_layout) / data_width(language_layout)
         self.sample_shape = tuple(sample_shape)
         self.dtype, self.device, self.group = dtype, torch.device(device), group
-        self.forward_routes = _routes(encoder_layout, self.encoder_micro_batch_size, False,
-                                      language_layout, language_micro_batch_size, True)
-        self.backward_routes = _routes(language_layout, language_micro_batch_size, False,
-                                       encoder_layout, self.encoder_micro_batch_size, True)
+        self.forward_routes = _routes(
+            encoder_layout, self.encoder_micro_batch_size, False, language_layout, language_micro_batch_size, True
+        )
+        self.backward_routes = _routes(
+            language_layout, language_micro_batch_size, False, encoder_layout, self.encoder_micro_batch_size, True
+        )
 
     def _exchange(self, routes: list[Route], local: torch.Tensor | None, out_rows: int | None) -> torch.Tensor | None:
         """Send this rank's routed rows of ``local`` and receive its rows of a new

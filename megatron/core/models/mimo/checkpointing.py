@@ -59,8 +59,9 @@ def mimo_checkpoint_params(model: MimoModel) -> dict[str, list[CheckpointParam]]
     }
 
 
-def mimo_sharded_state_dict(model: MimoModel, collections: dict[str, ProcessGroupCollection],
-                            optimizer: MimoOptimizer | None = None) -> dict:
+def mimo_sharded_state_dict(
+    model: MimoModel, collections: dict[str, ProcessGroupCollection], optimizer: MimoOptimizer | None = None
+) -> dict:
     """``{"model": {module: pieces}, "optimizer": {module: pieces}}`` of the modules this rank
     holds, each over ``collections[module]`` (the optimizer part only when ``optimizer`` is
     given; a collective over each module's ``dp_cp`` with the distributed optimizer)."""
@@ -77,8 +78,9 @@ def mimo_sharded_state_dict(model: MimoModel, collections: dict[str, ProcessGrou
     if optimizer is not None:
         params = mimo_checkpoint_params(model)
         state["optimizer"] = {
-            name: optimizer_sharded_state_dict(optimizer.optimizers[name], params[name], collections[name],
-                                               optimizer_key_prefix(name))
+            name: optimizer_sharded_state_dict(
+                optimizer.optimizers[name], params[name], collections[name], optimizer_key_prefix(name)
+            )
             for name in parts
         }
     return state

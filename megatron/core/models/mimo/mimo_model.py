@@ -39,8 +39,9 @@ class ModalitySubmodule(nn.Module):
         return self.projection(self.encoder(inputs)).transpose(0, 1).contiguous()
 
 
-def place_modality_embeddings(hidden: torch.Tensor, input_ids: torch.Tensor, token_id: int,
-                              embeddings: torch.Tensor) -> torch.Tensor:
+def place_modality_embeddings(
+    hidden: torch.Tensor, input_ids: torch.Tensor, token_id: int, embeddings: torch.Tensor
+) -> torch.Tensor:
     """``hidden`` [s, b, h] with the positions where ``input_ids`` [b, s] equal ``token_id``
     replaced, in order, by ``embeddings`` [b, n, h] (each sample must hold exactly n such ids)."""
     mask = input_ids == token_id
@@ -72,8 +73,12 @@ class MimoModel(nn.Module):
     ``.projection.*``.
     """
 
-    def __init__(self, language_model: nn.Module | None, modality_submodules: dict[str, ModalitySubmodule],
-                 special_token_ids: dict[str, int]):
+    def __init__(
+        self,
+        language_model: nn.Module | None,
+        modality_submodules: dict[str, ModalitySubmodule],
+        special_token_ids: dict[str, int],
+    ):
         super().__init__()
         unknown = sorted(set(modality_submodules) - set(special_token_ids))
         if unknown:
@@ -103,8 +108,13 @@ class MimoModel(nn.Module):
             raise MimoInputError(f"no inputs given for modalities {missing}; got {sorted(modality_inputs)}")
         return {name: module(modality_inputs[name]) for name, module in self.modality_submodules.items()}
 
-    def language_forward(self, input_ids: torch.Tensor, modality_embeddings: dict[str, torch.Tensor],
-                         position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def language_forward(
+        self,
+        input_ids: torch.Tensor,
+        modality_embeddings: dict[str, torch.Tensor],
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The language model on text with modality embeddings placed at their special tokens:
         per-token loss [b, s] (zero where the label is a special token) with ``labels``, else logits."""
         lm = self.language_model
@@ -126,9 +136,14 @@ class MimoModel(nn.Module):
             special |= labels == token_id
         return output.masked_fill(special, 0.0)
 
-    def forward(self, input_ids: torch.Tensor, modality_inputs: dict[str, torch.Tensor],
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                bridges: dict[str, EmbeddingBridge] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        modality_inputs: dict[str, torch.Tensor],
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        bridges: dict[str, EmbeddingBridge] | None = None,
+    ) -> torch.Tensor:
         """Encode, move and place every modality in one autograd graph (a rank holding every
         module). Without ``bridges`` the encoder's batch is the language model's batch."""
         embeddings = self.encode(modality_inputs)

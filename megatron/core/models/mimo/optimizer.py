@@ -82,8 +82,9 @@ class MimoOptimizer(ChainedOptimizer):
             opt.load_state_dict(state_dict[name])
 
 
-def get_mimo_optimizer(config: OptimizerConfig, modules: dict[str, torch.nn.Module], collections: dict, module_names: list[str],
-                       group=None) -> MimoOptimizer:
+def get_mimo_optimizer(
+    config: OptimizerConfig, modules: dict[str, torch.nn.Module], collections: dict, module_names: list[str], group=None
+) -> MimoOptimizer:
     """Build each held module's optimizer over its own collection and chain them.
 
     ``modules`` and ``collections`` map the names of this rank's modules to their (DDP-wrapped)

@@ -20,20 +20,35 @@ class MultimodalProjection(nn.Module):
     ``config.ffn_hidden_size``.
     """
 
-    def __init__(self, config: TransformerConfig, input_size: int, output_size: int,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        input_size: int,
+        output_size: int,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         self.config = config
         pg_collection = resolve_pg_collection(pg_collection)
         with init_rng_scope(config, "projection_fc1"):
             self.linear_fc1 = ColumnParallelLinear(
-                input_size, config.ffn_hidden_size, config=config, init_method=init_method(config), bias=True,
-                gather_output=False, pg_collection=pg_collection,
+                input_size,
+                config.ffn_hidden_size,
+                config=config,
+                init_method=init_method(config),
+                bias=True,
+                gather_output=False,
+                pg_collection=pg_collection,
             )
         with init_rng_scope(config, "projection_fc2"):
             self.linear_fc2 = RowParallelLinear(
-                config.ffn_hidden_size, output_size, config=config, init_method=init_method(config), bias=True,
-                input_is_parallel=True, pg_collection=pg_collection,
+                config.ffn_hidden_size,
+                output_size,
+                config=config,
+                init_method=init_method(config),
+                bias=True,
+                input_is_parallel=True,
+                pg_collection=pg_collection,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,9 @@ class MimoRoles:
         }
 
     @classmethod
-    def build(cls, world_size: int, *, language: dict, modalities: dict[str, dict],
-              placement: str = "colocated") -> "MimoRoles":
+    def build(
+        cls, world_size: int, *, language: dict, modalities: dict[str, dict], placement: str = "colocated"
+    ) -> MimoRoles:
         """Roles from per-module sizes: ``tp``, ``gtp`` and optionally ``dp`` (by default DP
         fills the module's ranks; when given it must do so exactly).
 
@@ -117,8 +118,8 @@ class MimoRoles:
         """
         if placement == "colocated":
             ranks = {name: (0, world_size) for name in [LANGUAGE_MODEL, *modalities]}
-        elif placement.startswith("first-") and placement[len("first-"):].isdigit():
-            n = int(placement[len("first-"):])
+        elif placement.startswith("first-") and placement[len("first-") :].isdigit():
+            n = int(placement[len("first-") :])
             if not 0 < n < world_size:
                 raise MimoRolesError(f"placement {placement!r} needs 0 < N < world size {world_size}")
             ranks = {name: (0, n) for name in modalities} | {LANGUAGE_MODEL: (n, world_size - n)}

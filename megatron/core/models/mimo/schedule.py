@@ -15,7 +15,7 @@ modules on disjoint ranks. There is no pipelining between the modules.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,10 +29,16 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def forward_backward(model: MimoModel, bridges: dict[str, EmbeddingBridge], language_batches: Iterator[dict] | None,
-                     modality_batches: dict[str, Iterator[dict]], num_microbatches: int, *,
-                     forward_only: bool = False,
-                     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+def forward_backward(
+    model: MimoModel,
+    bridges: dict[str, EmbeddingBridge],
+    language_batches: Iterator[dict] | None,
+    modality_batches: dict[str, Iterator[dict]],
+    num_microbatches: int,
+    *,
+    forward_only: bool = False,
+    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """Run ``num_microbatches`` micro-batches; return their mean losses on language-model
     ranks (an empty list elsewhere).
 

@@ -47,8 +47,14 @@ class VisionEncoder(nn.Module):
     encoder is layout-invariant like the language models (give it its own ``init_seed``).
     """
 
-    def __init__(self, config: TransformerConfig, image_size: int, patch_size: int, in_channels: int = 3,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        image_size: int,
+        patch_size: int,
+        in_channels: int = 3,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__()
         if patch_size < 1 or image_size % patch_size:
             raise ConfigError(f"image_size ({image_size}) must be a positive multiple of patch_size ({patch_size})")
@@ -60,8 +66,13 @@ class VisionEncoder(nn.Module):
         self.num_patches = (image_size // patch_size) ** 2
         with init_rng_scope(config, "patch_embedding"):
             self.patch_embedding = ColumnParallelLinear(
-                in_channels * patch_size**2, config.hidden_size, config=config, init_method=init_method(config),
-                bias=True, gather_output=True, pg_collection=self.pg_collection,
+                in_channels * patch_size**2,
+                config.hidden_size,
+                config=config,
+                init_method=init_method(config),
+                bias=True,
+                gather_output=True,
+                pg_collection=self.pg_collection,
             )
         with init_rng_scope(config, "vision_position_embedding"):
             table = torch.zeros(self.num_patches, config.hidden_size, dtype=torch.float32)

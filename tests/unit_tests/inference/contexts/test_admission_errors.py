@@ -17,8 +17,9 @@ from megatron.core.inference.contexts import (
 
 def make_context():
     spec = StageCacheSpec((1,), (), num_kv_heads=1, head_dim=2, block_size=4)
-    return DynamicInferenceContext(spec, Capacity(num_blocks=5, max_requests=4), max_sequence_length=16,
-                                   max_tokens_per_step=8)
+    return DynamicInferenceContext(
+        spec, Capacity(num_blocks=5, max_requests=4), max_sequence_length=16, max_tokens_per_step=8
+    )
 
 
 def test_prompt_longer_than_max_sequence_length():
@@ -64,11 +65,14 @@ def test_prefilled_import_skips_only_the_step_limit():
         ctx.check_admission(12)
 
 
-@pytest.mark.parametrize("error", [
-    PromptTooLongError(prompt_length=17, max_sequence_length=16),
-    RequestExceedsPoolError(num_tokens=21, blocks_needed=6, pool_blocks=5, block_size=4),
-    PromptExceedsStepTokenLimitError(prompt_length=12, max_tokens_per_step=8),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        PromptTooLongError(prompt_length=17, max_sequence_length=16),
+        RequestExceedsPoolError(num_tokens=21, blocks_needed=6, pool_blocks=5, block_size=4),
+        PromptExceedsStepTokenLimitError(prompt_length=12, max_tokens_per_step=8),
+    ],
+)
 def test_errors_serialize_through_msgpack(error):
     wire = msgpack.packb(error.to_dict())
     rebuilt = InferenceRequestError.from_dict(msgpack.unpackb(wire))

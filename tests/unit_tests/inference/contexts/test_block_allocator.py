@@ -20,7 +20,10 @@ BS = 4
 def make_context(num_blocks=8, prefix_caching=True):
     spec = StageCacheSpec((1,), (), num_kv_heads=1, head_dim=2, block_size=BS)
     return DynamicInferenceContext(
-        spec, Capacity(num_blocks=num_blocks, max_requests=8), max_sequence_length=64, max_tokens_per_step=64,
+        spec,
+        Capacity(num_blocks=num_blocks, max_requests=8),
+        max_sequence_length=64,
+        max_tokens_per_step=64,
         enable_prefix_caching=prefix_caching,
     )
 

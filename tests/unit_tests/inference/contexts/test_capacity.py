@@ -26,19 +26,29 @@ HYBRID_STAGE = StageCacheSpec((2,), (1,), num_kv_heads=2, head_dim=4, block_size
 def test_stage_sizes_from_budget_by_hand():
     assert ATTENTION_STAGE.bytes_per_block == 2 * 2 * 4 * 2 * 4 * 4
     assert MAMBA_STAGE.bytes_per_mamba_slot == 2 * 224
-    local = plan_stage_capacity(ATTENTION_STAGE, CapacityConfig(buffer_size_bytes=512 * 20),
-                                max_sequence_length=16, enable_prefix_caching=False)
+    local = plan_stage_capacity(
+        ATTENTION_STAGE, CapacityConfig(buffer_size_bytes=512 * 20), max_sequence_length=16, enable_prefix_caching=False
+    )
     assert (local.num_blocks, local.num_mamba_slots, local.max_requests) == (19, NEUTRAL, NEUTRAL)  # dummy inside
     # hybrid stage, ratio 0.25 of 8192: 2048 B of Mamba -> 2048 // 224 slots; rest -> (6144 // 256) - 1 blocks
-    local = plan_stage_capacity(HYBRID_STAGE, CapacityConfig(buffer_size_bytes=8192, mamba_memory_ratio=0.25),
-                                max_sequence_length=16, enable_prefix_caching=False)
+    local = plan_stage_capacity(
+        HYBRID_STAGE,
+        CapacityConfig(buffer_size_bytes=8192, mamba_memory_ratio=0.25),
+        max_sequence_length=16,
+        enable_prefix_caching=False,
+    )
     assert (local.num_blocks, local.num_mamba_slots, local.max_requests) == (23, 9, 9)
     # prefix caching reserves a snapshot entry and a scratch row per request inside the budget
-    local = plan_stage_capacity(HYBRID_STAGE, CapacityConfig(buffer_size_bytes=8192, mamba_memory_ratio=0.25),
-                                max_sequence_length=16, enable_prefix_caching=True)
+    local = plan_stage_capacity(
+        HYBRID_STAGE,
+        CapacityConfig(buffer_size_bytes=8192, mamba_memory_ratio=0.25),
+        max_sequence_length=16,
+        enable_prefix_caching=True,
+    )
     assert local.num_mamba_slots == 2048 // (3 * 224)
-    local = plan_stage_capacity(HYBRID_STAGE, CapacityConfig(num_blocks=7, max_requests=3),
-                                max_sequence_length=16, enable_prefix_caching=False)
+    local = plan_stage_capacity(
+        HYBRID_STAGE, CapacityConfig(num_blocks=7, max_requests=3), max_sequence_length=16, enable_prefix_caching=False
+    )
     assert (local.num_blocks, local.num_mamba_slots, local.max_requests) == (7, 3, 3)
 
 
@@ -48,8 +58,9 @@ def test_capacity_config_errors_name_fields():
     with pytest.raises(InferenceContextError, match="not both"):
         CapacityConfig(buffer_size_bytes=10, mamba_memory_ratio=0.5, mamba_budget_bytes=3)
     with pytest.raises(InferenceContextError, match="needs buffer_size_bytes or num_blocks"):
-        plan_stage_capacity(ATTENTION_STAGE, CapacityConfig(max_requests=2), max_sequence_length=8,
-                            enable_prefix_caching=False)
+        plan_stage_capacity(
+            ATTENTION_STAGE, CapacityConfig(max_requests=2), max_sequence_length=8, enable_prefix_caching=False
+        )
 
 
 def _create_on_stage(mamba_budget_bytes):
@@ -58,8 +69,14 @@ def _create_on_stage(mamba_budget_bytes):
     config = CapacityConfig(buffer_size_bytes=512 * 20, mamba_budget_bytes=mamba_budget_bytes)
     try:
         ctx = DynamicInferenceContext.create(
-            spec, config, max_sequence_length=16, max_tokens_per_step=16, is_hybrid_model=True,
-            enable_prefix_caching=True, pg_collection=pg, negotiation_timeout_s=20,
+            spec,
+            config,
+            max_sequence_length=16,
+            max_tokens_per_step=16,
+            is_hybrid_model=True,
+            enable_prefix_caching=True,
+            pg_collection=pg,
+            negotiation_timeout_s=20,
         )
     except CapacityError as err:
         return {"error": str(err), "limiting_stage": err.limiting_stage}
@@ -85,8 +102,9 @@ def test_pipeline_stages_with_and_without_mamba_agree_in_bounded_time():
 def test_remote_limiting_stage_is_named_on_the_fitting_stage():
     attention_stage, mamba_stage = run_distributed(_create_on_stage, 2, 1000, timeout_s=60)
     assert attention_stage["limiting_stage"] == mamba_stage["limiting_stage"] == 1
-    assert "pipeline stage 1 (a remote stage; this is stage 0) cannot fit the state of one request" in (
-        attention_stage["error"]
+    assert (
+        "pipeline stage 1 (a remote stage; this is stage 0) cannot fit the state of one request"
+        in (attention_stage["error"])
     )
     assert mamba_stage["error"].startswith(
         "pipeline stage 1 (this stage) cannot fit the state of one request: 1000 bytes of Mamba budget, "
@@ -106,8 +124,13 @@ def _only_stage_zero_joins():
     start = time.monotonic()
     with pytest.raises(CapacityNegotiationTimeoutError, match="not every pipeline stage joined"):
         DynamicInferenceContext.create(
-            ATTENTION_STAGE, CapacityConfig(buffer_size_bytes=512 * 20), max_sequence_length=16,
-            max_tokens_per_step=16, is_hybrid_model=False, pg_collection=pg, negotiation_timeout_s=1,
+            ATTENTION_STAGE,
+            CapacityConfig(buffer_size_bytes=512 * 20),
+            max_sequence_length=16,
+            max_tokens_per_step=16,
+            is_hybrid_model=False,
+            pg_collection=pg,
+            negotiation_timeout_s=1,
         )
     return time.monotonic() - start
 

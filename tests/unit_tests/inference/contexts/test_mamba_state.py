@@ -12,8 +12,12 @@ SHAPES = MambaStateShapes(conv=(3, 2), ssm=(2, 2, 2))
 def make_context(prefix_caching=True):
     spec = StageCacheSpec((2,), (1,), num_kv_heads=1, head_dim=2, block_size=4, mamba_shapes=SHAPES)
     return DynamicInferenceContext(
-        spec, Capacity(num_blocks=12, max_requests=3, num_mamba_slots=3, num_mamba_snapshots=3),
-        max_sequence_length=32, max_tokens_per_step=32, is_hybrid_model=True, enable_prefix_caching=prefix_caching,
+        spec,
+        Capacity(num_blocks=12, max_requests=3, num_mamba_slots=3, num_mamba_snapshots=3),
+        max_sequence_length=32,
+        max_tokens_per_step=32,
+        is_hybrid_model=True,
+        enable_prefix_caching=prefix_caching,
     )
 
 
@@ -63,8 +67,12 @@ def test_snapshot_at_block_end_is_restored_for_a_sharing_request():
 def test_attention_only_stage_of_hybrid_model_keeps_snapshot_keys_only():
     spec = StageCacheSpec((1,), (), num_kv_heads=1, head_dim=2, block_size=4)
     ctx = DynamicInferenceContext(
-        spec, Capacity(num_blocks=12, max_requests=3, num_mamba_slots=3, num_mamba_snapshots=3),
-        max_sequence_length=32, max_tokens_per_step=32, is_hybrid_model=True, enable_prefix_caching=True,
+        spec,
+        Capacity(num_blocks=12, max_requests=3, num_mamba_slots=3, num_mamba_snapshots=3),
+        max_sequence_length=32,
+        max_tokens_per_step=32,
+        is_hybrid_model=True,
+        enable_prefix_caching=True,
     )
     assert ctx.mamba_slots is None and ctx.mamba_snapshots.conv is None
     ctx.add_request("a", list(range(10)))

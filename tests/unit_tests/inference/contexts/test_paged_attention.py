@@ -15,7 +15,10 @@ def dense_reference(q, k, v):
     n, length = q.shape[0], k.shape[0]
     mask = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask[None, None],
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask[None, None],
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
@@ -30,7 +33,7 @@ def test_paged_attention_matches_dense_on_scattered_blocks_with_nan_tails():
     requests = [(7, 7), (10, 3), (5, 1), (13, 1)]
     tables = [[3, 9], [0, 14, 5], [11, 2], [6, 1, 12, 8]]
     dense_k, dense_v, queries = [], [], []
-    for (kv_len, q_len), table in zip(requests, tables):
+    for (kv_len, q_len), table in zip(requests, tables, strict=True):
         k = torch.randn(kv_len, KV_HEADS, DIM, generator=gen)
         v = torch.randn(kv_len, KV_HEADS, DIM, generator=gen)
         for pos in range(kv_len):
@@ -42,10 +45,14 @@ def test_paged_attention_matches_dense_on_scattered_blocks_with_nan_tails():
     for row, table in enumerate(tables):
         block_tables[row, : len(table)] = torch.tensor(table)
     out = paged_attention(
-        torch.cat(queries), key_cache, value_cache, block_tables,
-        torch.tensor([q for _, q in requests]), torch.tensor([kv for kv, _ in requests]),
+        torch.cat(queries),
+        key_cache,
+        value_cache,
+        block_tables,
+        torch.tensor([q for _, q in requests]),
+        torch.tensor([kv for kv, _ in requests]),
     )
-    expected = torch.cat([dense_reference(q, k, v) for q, k, v in zip(queries, dense_k, dense_v)])
+    expected = torch.cat([dense_reference(q, k, v) for q, k, v in zip(queries, dense_k, dense_v, strict=True)])
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -55,13 +62,24 @@ def test_context_hook_over_steps_matches_dense_attention_of_whole_sequences():
     step's hook output equals dense attention over the sequence so far."""
     gen = torch.Generator().manual_seed(1)
     spec = StageCacheSpec((3,), (), num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BS)
-    ctx = DynamicInferenceContext(spec, Capacity(num_blocks=10, max_requests=4), max_sequence_length=32,
-                                  max_tokens_per_step=16, enable_chunked_prefill=True)
+    ctx = DynamicInferenceContext(
+        spec,
+        Capacity(num_blocks=10, max_requests=4),
+        max_sequence_length=32,
+        max_tokens_per_step=16,
+        enable_chunked_prefill=True,
+    )
     ctx._skip_private_page_init_for_tests = True  # pages keep their stale NaN tails
     ctx.kv_cache.data.fill_(float("nan"))  # stale bytes everywhere, including the dummy block
     lengths = {"a": 11, "b": 6}
-    full = {r: (torch.randn(n + 3, Q_HEADS, DIM, generator=gen), torch.randn(n + 3, KV_HEADS, DIM, generator=gen),
-                torch.randn(n + 3, KV_HEADS, DIM, generator=gen)) for r, n in lengths.items()}
+    full = {
+        r: (
+            torch.randn(n + 3, Q_HEADS, DIM, generator=gen),
+            torch.randn(n + 3, KV_HEADS, DIM, generator=gen),
+            torch.randn(n + 3, KV_HEADS, DIM, generator=gen),
+        )
+        for r, n in lengths.items()
+    }
     ctx.add_request("a", list(range(11)))
     ctx.add_request("b", list(range(6)))
     ctx.build_step([("a", 5), ("b", 6)], pad_to_tokens=12)  # prefill chunk + whole prompt, 1 padding
@@ -79,7 +97,7 @@ def test_context_hook_over_steps_matches_dense_attention_of_whole_sequences():
         out = ctx.store_kv_and_attend(3, q, k, v)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out[: batch.num_tokens, 0], torch.cat(expected), rtol=1e-5, atol=1e-6)
-        assert torch.equal(out[batch.num_tokens:], torch.zeros_like(out[batch.num_tokens:]))
+        assert torch.equal(out[batch.num_tokens :], torch.zeros_like(out[batch.num_tokens :]))
         ctx.commit_step()
         if step_index == 3:
             break
@@ -93,8 +111,9 @@ def test_context_hook_over_steps_matches_dense_attention_of_whole_sequences():
 
 def test_padding_tokens_write_only_the_dummy_block():
     spec = StageCacheSpec((1,), (), num_kv_heads=1, head_dim=2, block_size=BS)
-    ctx = DynamicInferenceContext(spec, Capacity(num_blocks=4, max_requests=2), max_sequence_length=16,
-                                  max_tokens_per_step=8)
+    ctx = DynamicInferenceContext(
+        spec, Capacity(num_blocks=4, max_requests=2), max_sequence_length=16, max_tokens_per_step=8
+    )
     ctx.add_request("a", [1, 2, 3])
     ctx.kv_cache.data.fill_(0)
     batch = ctx.build_step([("a", 3)], pad_to_tokens=8)

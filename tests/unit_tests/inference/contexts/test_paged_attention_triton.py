@@ -73,15 +73,16 @@ def test_kernel_matches_torch_reference_on_mixed_batch_with_nan_tails(block_size
 
 def test_kernel_honours_softmax_scale():
     args = poisoned_batch(4, 8)
-    torch.testing.assert_close(triton_paged_attention(*args, 0.3), torch_paged_attention(*args, 0.3),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(triton_paged_attention(*args, 0.3), torch_paged_attention(*args, 0.3), rtol=0, atol=1e-5)
 
 
 def test_kernel_keeps_bf16_and_agrees_with_reference_to_bf16_rounding():
     args = poisoned_batch(4, 8, dtype=torch.bfloat16)
     out = triton_paged_attention(*args)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), torch_paged_attention(*args).float(), rtol=1.6e-2, atol=1e-2)  # one bf16 ulp
+    torch.testing.assert_close(
+        out.float(), torch_paged_attention(*args).float(), rtol=1.6e-2, atol=1e-2
+    )  # one bf16 ulp
 
 
 def test_kernel_result_of_a_token_does_not_depend_on_the_rest_of_the_step():
@@ -90,8 +91,14 @@ def test_kernel_result_of_a_token_does_not_depend_on_the_rest_of_the_step():
     start = 0
     for row in range(len(REQUESTS)):
         end = start + int(query_lengths[row])
-        alone = triton_paged_attention(query[start:end], key_cache, value_cache, block_tables[row : row + 1],
-                                       query_lengths[row : row + 1], kv_lengths[row : row + 1])
+        alone = triton_paged_attention(
+            query[start:end],
+            key_cache,
+            value_cache,
+            block_tables[row : row + 1],
+            query_lengths[row : row + 1],
+            kv_lengths[row : row + 1],
+        )
         assert torch.equal(alone, batched[start:end]), row
         start = end
 
@@ -112,13 +119,15 @@ def test_backend_resolution_argument_then_environment_then_device(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "triton"
     assert resolve_backend("torch", torch.device("cuda")) == "torch"
     monkeypatch.setenv(BACKEND_ENV, "cuda")
-    with pytest.raises(PagedAttentionBackendError,
-                       match=r"backend 'cuda' is unknown; accepted: \('auto', 'torch', 'triton'\)"):
+    with pytest.raises(
+        PagedAttentionBackendError, match=r"backend 'cuda' is unknown; accepted: \('auto', 'torch', 'triton'\)"
+    ):
         resolve_backend("auto", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("forced, implementation", [("torch", torch_paged_attention),
-                                                     ("triton", triton_paged_attention)])
+@pytest.mark.parametrize(
+    "forced, implementation", [("torch", torch_paged_attention), ("triton", triton_paged_attention)]
+)
 def test_forced_backend_runs_that_implementation(monkeypatch, forced, implementation):
     args = poisoned_batch(4, 8)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
@@ -132,8 +141,9 @@ def test_context_hook_uses_the_backend_forced_by_the_environment(monkeypatch):
     the reference's result when the Triton backend is forced."""
     gen = torch.Generator().manual_seed(2)
     spec = StageCacheSpec((1,), (), num_kv_heads=KV_HEADS, head_dim=8, block_size=4)
-    ctx = DynamicInferenceContext(spec, Capacity(num_blocks=8, max_requests=2), max_sequence_length=16,
-                                  max_tokens_per_step=16, device=DEVICE)
+    ctx = DynamicInferenceContext(
+        spec, Capacity(num_blocks=8, max_requests=2), max_sequence_length=16, max_tokens_per_step=16, device=DEVICE
+    )
     ctx._skip_private_page_init_for_tests = True  # pages keep their stale NaN tails
     ctx.kv_cache.data.fill_(float("nan"))
     ctx.add_request("a", list(range(6)))

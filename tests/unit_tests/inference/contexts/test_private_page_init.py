@@ -13,7 +13,10 @@ BS = 4
 def make_context(num_blocks=12):
     spec = StageCacheSpec((1, 2), (), num_kv_heads=2, head_dim=3, block_size=BS)
     return DynamicInferenceContext(
-        spec, Capacity(num_blocks=num_blocks, max_requests=8), max_sequence_length=64, max_tokens_per_step=64,
+        spec,
+        Capacity(num_blocks=num_blocks, max_requests=8),
+        max_sequence_length=64,
+        max_tokens_per_step=64,
         enable_prefix_caching=True,
     )
 
@@ -69,9 +72,7 @@ def test_admission_zeroes_fresh_pages_and_leaves_shared_cached_and_unrelated_pag
     assert ctx.private_page_init_counts["admission"] == 3 + 1 + 1
 
 
-@pytest.mark.parametrize(
-    "reason", [PageReason.DECODE_GROWTH, PageReason.LOOKAHEAD, PageReason.ASYNC_PREPARATION]
-)
+@pytest.mark.parametrize("reason", [PageReason.DECODE_GROWTH, PageReason.LOOKAHEAD, PageReason.ASYNC_PREPARATION])
 def test_growth_paths_zero_the_new_page(reason):
     ctx = make_context()
     ctx.add_request("a", list(range(8)))

@@ -15,8 +15,9 @@ from megatron.core.inference.contexts import (
 
 def make_context():
     spec = StageCacheSpec((2, 5), (), num_kv_heads=1, head_dim=2, block_size=4)
-    return DynamicInferenceContext(spec, Capacity(num_blocks=6, max_requests=2), max_sequence_length=16,
-                                   max_tokens_per_step=8)
+    return DynamicInferenceContext(
+        spec, Capacity(num_blocks=6, max_requests=2), max_sequence_length=16, max_tokens_per_step=8
+    )
 
 
 def test_hook_on_a_layer_of_another_stage():
@@ -24,7 +25,9 @@ def test_hook_on_a_layer_of_another_stage():
     ctx.add_request("a", [1, 2])
     ctx.build_step([("a", 2)])
     x = torch.zeros(2, 1, 1, 2)
-    with pytest.raises(LayerNotOnStageError, match=r"layer 3 is not a attention layer of this stage; its attention layers are \[2, 5\]"):
+    with pytest.raises(
+        LayerNotOnStageError, match=r"layer 3 is not a attention layer of this stage; its attention layers are \[2, 5\]"
+    ):
         ctx.store_kv_and_attend(3, x, x, x)
 
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 
@@ -26,7 +26,9 @@ def running_cluster(engines, **coordinator_options) -> Iterator[InferenceCoordin
 def serving(coordinator: InferenceCoordinator, engines) -> Iterator[list[EngineEndpoint]]:
     """Serve ``engines`` behind a running coordinator, one endpoint thread each, until exit."""
     before = len(coordinator.router.engines)
-    endpoints = [EngineEndpoint(engine, coordinator.address, engine_id=f"engine-{i}") for i, engine in enumerate(engines)]
+    endpoints = [
+        EngineEndpoint(engine, coordinator.address, engine_id=f"engine-{i}") for i, engine in enumerate(engines)
+    ]
     threads = [threading.Thread(target=endpoint.run, daemon=True) for endpoint in endpoints]
     for thread in threads:
         thread.start()

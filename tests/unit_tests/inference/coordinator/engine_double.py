@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.sampling import SamplingParams
@@ -100,7 +100,9 @@ class HashEngine:
 
     # -- contract ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_tokens: list[int], sampling_params: SamplingParams, *, prefilled_import=False):
+    def add_request(
+        self, request_id: str, prompt_tokens: list[int], sampling_params: SamplingParams, *, prefilled_import=False
+    ):
         with self._lock:
             self.log.append(("add", request_id))
             if len(prompt_tokens) > self.max_sequence_length:
@@ -205,7 +207,8 @@ class HashEngine:
         top = None
         if params.top_logprobs:
             top = [
-                [[t, token_log_prob(t)]] + [[c, -5.0 - k] for k, c in enumerate(range(97, 97 + params.top_logprobs - 1))]
+                [[t, token_log_prob(t)]]
+                + [[c, -5.0 - k] for k, c in enumerate(range(97, 97 + params.top_logprobs - 1))]
                 for t in tokens
             ]
         return DoubleOutput(

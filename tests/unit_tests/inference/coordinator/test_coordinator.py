@@ -39,7 +39,7 @@ def test_streamed_tokens_match_the_engine_and_end_with_one_terminal_output():
             return [await collect(h) for h in handles], [await h.result() for h in handles]
 
         streams, results = run_with_client(coordinator, scenario)
-        for i, (stream, result) in enumerate(zip(streams, results)):
+        for i, (stream, result) in enumerate(zip(streams, results, strict=True)):
             assert [t for out in stream for t in out["new_token_ids"]] == expected_tokens([i, i + 1], 6)
             assert [out["finished"] for out in stream] == [False] * 5 + [True]
             assert result is stream[-1] and result["finish_reason"] == "length"
@@ -67,7 +67,9 @@ def test_aborts_end_waiting_active_and_paused_requests():
 
         async def scenario(client):
             long = SamplingParams(temperature=0.0, max_tokens=10_000)
-            handles = {name: await client.submit([1], long, request_id=name) for name in ("active", "paused", "waiting")}
+            handles = {
+                name: await client.submit([1], long, request_id=name) for name in ("active", "paused", "waiting")
+            }
             await async_wait_until(lambda: engine.state_of("paused") == "active", "two requests to be active")
             engine.park("paused")
             assert [engine.state_of(n) for n in handles] == ["active", "paused", "waiting"]
@@ -147,7 +149,9 @@ def test_admission_errors_come_back_typed_and_the_engine_keeps_serving():
 
         bad, good = run_with_client(coordinator, scenario)
         assert bad["finish_reason"] == "error"
-        assert InferenceRequestError.from_dict(bad["error"]) == PromptTooLongError(prompt_length=9, max_sequence_length=8)
+        assert InferenceRequestError.from_dict(bad["error"]) == PromptTooLongError(
+            prompt_length=9, max_sequence_length=8
+        )
         assert good["finish_reason"] == "length"
         assert_no_routing_state(coordinator)
 

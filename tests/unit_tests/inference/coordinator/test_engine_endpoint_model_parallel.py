@@ -47,4 +47,8 @@ def test_both_ranks_apply_the_same_commands_in_the_same_order():
     (leader_log, results), (follower_log, _) = run_distributed(_serve_one_replica, 2, timeout_s=60)
     assert results == {"short": expected_tokens([1, 2], 5), "long": "abort"}
     assert leader_log == follower_log
-    assert [entry for entry in leader_log if entry[0] != "step"] == [("add", "short"), ("add", "long"), ("abort", "long")]
+    assert [entry for entry in leader_log if entry[0] != "step"] == [
+        ("add", "short"),
+        ("add", "long"),
+        ("abort", "long"),
+    ]

@@ -20,7 +20,9 @@ from megatron.core.inference.sampling import InvalidSamplingParamsError, Samplin
 
 def test_submit_round_trips_with_sampling_params():
     params = SamplingParams(temperature=0.5, top_k=3, seed=2**63, max_tokens=7, stop=["\n", "END"], logprobs=True)
-    data = encode(MessageKind.SUBMIT, request_id="r1", prompt_tokens=[1, 2, 3], sampling_params=sampling_params_to_dict(params))
+    data = encode(
+        MessageKind.SUBMIT, request_id="r1", prompt_tokens=[1, 2, 3], sampling_params=sampling_params_to_dict(params)
+    )
     kind, payload = decode(data)
     assert kind is MessageKind.SUBMIT
     assert payload["request_id"] == "r1" and payload["prompt_tokens"] == [1, 2, 3]

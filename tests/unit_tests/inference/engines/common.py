@@ -19,30 +19,64 @@ VOCAB, MAX_SEQ = 96, 128
 
 def tiny_config(**overrides) -> TransformerConfig:
     base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", add_bias_linear=False, mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2,
-        mamba_state_dim=8, mamba_d_conv=4, mamba_chunk_size=4, init_method_std=0.2,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        mamba_state_dim=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=4,
+        init_method_std=0.2,
     )
     return TransformerConfig(**(base | overrides))
 
 
 def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: int = VOCAB, **overrides) -> GPTModel:
-    config = tiny_config(mtp_num_layers=mtp_depths or None, tensor_model_parallel_size=tp,
-                         pipeline_model_parallel_size=pp, **overrides)
+    config = tiny_config(
+        mtp_num_layers=mtp_depths or None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **overrides
+    )
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     torch.manual_seed(0)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size, MAX_SEQ, pre_process=pp_rank == 0,
-                    post_process=pp_rank == pp_size - 1, position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None,
-                    pg_collection=pg).eval().to(device())
+    return (
+        GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size,
+            MAX_SEQ,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == pp_size - 1,
+            position_embedding_type="rope",
+            mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None,
+            pg_collection=pg,
+        )
+        .eval()
+        .to(device())
+    )
 
 
 def hybrid_model(pg, pattern: str = "M*-M", **overrides) -> HybridModel:
     config = tiny_config(num_layers=len(pattern.replace("|", "")), **overrides)
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
-    return HybridModel(config, get_hybrid_stack_local_spec(), VOCAB, MAX_SEQ, hybrid_layer_pattern=pattern,
-                       pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
-                       pg_collection=pg).eval().to(device())
+    return (
+        HybridModel(
+            config,
+            get_hybrid_stack_local_spec(),
+            VOCAB,
+            MAX_SEQ,
+            hybrid_layer_pattern=pattern,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == pp_size - 1,
+            pg_collection=pg,
+        )
+        .eval()
+        .to(device())
+    )
 
 
 def prompts(lengths, seed: int = 0) -> list[list[int]]:
@@ -57,7 +91,7 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     for _ in range(num_tokens):
         logits = model(torch.tensor([tokens], device=device()))
         tokens.append(int(logits[0, -1, :VOCAB].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def assert_same_outputs(got: dict, want: dict) -> None:
@@ -97,12 +131,16 @@ def collect(results: dict, outputs) -> None:
             result["error"] = output.error
 
 
-def run(engine: DynamicInferenceEngine, requests: list[list[int]], params: SamplingParams | list[SamplingParams],
-        on_step=None) -> dict:
+def run(
+    engine: DynamicInferenceEngine,
+    requests: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    on_step=None,
+) -> dict:
     """Drive ``engine`` to completion; per request id the record of :func:`collect`."""
     params = params if isinstance(params, list) else [params] * len(requests)
     results = {}
-    for index, (prompt, p) in enumerate(zip(requests, params)):
+    for index, (prompt, p) in enumerate(zip(requests, params, strict=True)):
         engine.add_request(str(index), prompt, p)
         results[str(index)] = new_result()
     while engine.has_unfinished_requests():

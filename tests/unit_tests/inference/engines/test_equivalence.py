@@ -28,14 +28,17 @@ MODELS = {"gpt": gpt_model, "hybrid": hybrid_model}
 def test_chunked_prefill_gives_the_unchunked_outputs(pg, kind):
     lengths = [20, 7, 13, 2]
     model = MODELS[kind](pg)
-    whole = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
-                prompts(lengths), GREEDY)
-    chunked_engine = DynamicInferenceEngine(model, max_tokens_per_step=6, enable_chunked_prefill=True,
-                                            pg_collection=pg, **ARGS)
+    whole = run(
+        DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS), prompts(lengths), GREEDY
+    )
+    chunked_engine = DynamicInferenceEngine(
+        model, max_tokens_per_step=6, enable_chunked_prefill=True, pg_collection=pg, **ARGS
+    )
     steps = []
     build_step = chunked_engine.context.build_step
-    chunked_engine.context.build_step = lambda schedule, **kw: steps.append(list(schedule)) or build_step(
-        schedule, **kw)
+    chunked_engine.context.build_step = lambda schedule, **kw: (
+        steps.append(list(schedule)) or build_step(schedule, **kw)
+    )
     chunked = run(chunked_engine, prompts(lengths), GREEDY)
     reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
     # Different step sizes (6 vs 32 tokens) run different GEMM shapes: tokens are equal, log-probs
@@ -43,8 +46,7 @@ def test_chunked_prefill_gives_the_unchunked_outputs(pg, kind):
     for request_id, want in whole.items():
         assert chunked[request_id]["tokens"] == want["tokens"]
         torch.testing.assert_close(chunked[request_id]["log_probs"], want["log_probs"], rtol=0, atol=1e-5)
-        torch.testing.assert_close(chunked[request_id]["prompt_log_probs"], want["prompt_log_probs"], rtol=0,
-                                   atol=1e-5)
+        torch.testing.assert_close(chunked[request_id]["prompt_log_probs"], want["prompt_log_probs"], rtol=0, atol=1e-5)
     assert [whole[str(i)]["tokens"] for i in range(len(lengths))] == reference
     # Each prompt longer than a step was split into several chunks, none of them a lone final token.
     for request_id, length in (("0", 20), ("2", 13)):
@@ -63,8 +65,13 @@ def test_prefix_cache_hits_skip_prefill_and_keep_outputs(pg, kind):
     followers = [shared + tail for tail in prompts([5, 9, 3], seed=6)]
 
     def generate(enable_prefix_caching):
-        engine = DynamicInferenceEngine(MODELS[kind](pg), max_tokens_per_step=32,
-                                        enable_prefix_caching=enable_prefix_caching, pg_collection=pg, **ARGS)
+        engine = DynamicInferenceEngine(
+            MODELS[kind](pg),
+            max_tokens_per_step=32,
+            enable_prefix_caching=enable_prefix_caching,
+            pg_collection=pg,
+            **ARGS,
+        )
         first = run(engine, [shared], GREEDY)
         rest = {}
         for index, prompt in enumerate(followers):  # ids must be fresh: prefix them
@@ -103,12 +110,13 @@ def _mtp_model_with_tied_heads(pg):
 @on_single_rank
 def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_outputs(pg):
     params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)] * 3 + [
-        SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, logprobs=True)]
+        SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, logprobs=True)
+    ]
     model = _mtp_model_with_tied_heads(pg)
-    plain = run(DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS),
-                prompts([5, 9, 3, 6]), params)
-    engine = DynamicInferenceEngine(model, max_tokens_per_step=32, num_speculative_tokens=2, pg_collection=pg,
-                                    **ARGS)
+    plain = run(
+        DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS), prompts([5, 9, 3, 6]), params
+    )
+    engine = DynamicInferenceEngine(model, max_tokens_per_step=32, num_speculative_tokens=2, pg_collection=pg, **ARGS)
     speculative = run(engine, prompts([5, 9, 3, 6]), params)
     assert_same_outputs(speculative, plain)
     assert engine.stats["drafts_accepted"] > 0 and engine.stats["drafts_rejected"] > 0
@@ -122,12 +130,14 @@ def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_output
 def test_unpadded_steps_give_the_reference_greedy_tokens(pg, kind):
     lengths = [9, 4, 14]
     model = MODELS[kind](pg)
-    engine = DynamicInferenceEngine(model, max_tokens_per_step=8, enable_chunked_prefill=True,
-                                    batch_invariant=False, pg_collection=pg, **ARGS)
+    engine = DynamicInferenceEngine(
+        model, max_tokens_per_step=8, enable_chunked_prefill=True, batch_invariant=False, pg_collection=pg, **ARGS
+    )
     sizes = []
     build_step = engine.context.build_step
-    engine.context.build_step = lambda schedule, **kw: sizes.append(build_step(schedule, **kw).num_padded_tokens) \
-        or engine.context.step
+    engine.context.build_step = lambda schedule, **kw: (
+        sizes.append(build_step(schedule, **kw).num_padded_tokens) or engine.context.step
+    )
     results = run(engine, prompts(lengths), GREEDY)
     reference = [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(lengths)]
     assert [results[str(i)]["tokens"] for i in range(len(lengths))] == reference

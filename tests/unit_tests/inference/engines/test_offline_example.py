@@ -17,9 +17,25 @@ from tests.unit_tests.dist_harness import device, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 EXAMPLE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
-FLAGS = ["--num-tokens-to-generate", "6", "--kv-block-size", "4", "--kv-block-count", "8", "--max-sequence-length",
-         "32", "--max-tokens-per-step", "8", "--enable-chunked-prefill", "--paused-block-budget", "1",
-         "--hidden-size", "32", "--seed", "7"]
+FLAGS = [
+    "--num-tokens-to-generate",
+    "6",
+    "--kv-block-size",
+    "4",
+    "--kv-block-count",
+    "8",
+    "--max-sequence-length",
+    "32",
+    "--max-tokens-per-step",
+    "8",
+    "--enable-chunked-prefill",
+    "--paused-block-budget",
+    "1",
+    "--hidden-size",
+    "32",
+    "--seed",
+    "7",
+]
 
 
 def _plain_env() -> dict:
@@ -42,10 +58,21 @@ def _llm_run_of_the_example_model(token_prompts, ids_file):
     tokenizer = ByteLevelTokenizer()
     pg = ProcessGroupCollection.from_layout(RankLayout())
     model = example.build_random_model(args, tokenizer.vocab_size, pg).to(device())
-    llm = LLM(model, tokenizer, pg_collection=pg, block_size=4, num_blocks=64, max_tokens_per_step=8,
-              max_sequence_length=32, enable_chunked_prefill=True)
-    return llm.generate(token_prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True,
-                                                       return_prompt_logprobs=True)] * len(token_prompts))
+    llm = LLM(
+        model,
+        tokenizer,
+        pg_collection=pg,
+        block_size=4,
+        num_blocks=64,
+        max_tokens_per_step=8,
+        max_sequence_length=32,
+        enable_chunked_prefill=True,
+    )
+    return llm.generate(
+        token_prompts,
+        [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, return_prompt_logprobs=True)]
+        * len(token_prompts),
+    )
 
 
 def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
@@ -54,8 +81,13 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
     ids_file.write_text("".join(json.dumps(p) + "\n" for p in token_prompts))
     report_file = tmp_path / "out.json"
     env = _plain_env()
-    done = subprocess.run([sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json",
-                           str(report_file), *FLAGS], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json", str(report_file), *FLAGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "output tokens/s" in done.stdout
     report = json.loads(report_file.read_text())
@@ -64,7 +96,7 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
 
     outputs = run_distributed(_llm_run_of_the_example_model, 1, token_prompts, str(ids_file))[0]
     assert [r["prompt_tokens"] for r in report["requests"]] == token_prompts
-    for row, output in zip(report["requests"], outputs):
+    for row, output in zip(report["requests"], outputs, strict=True):
         assert row["generated_tokens"] == output.token_ids
         assert row["generated_text"] == output.text
         assert row["generated_log_probs"] == output.log_probs
@@ -76,9 +108,16 @@ def _save_example_model(ids_file, root):
     args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
     pg = ProcessGroupCollection.from_layout(RankLayout())
     model = example.build_random_model(args, ByteLevelTokenizer().vocab_size, pg)
-    record = model_config_record("gpt", model.config, {
-        "vocab_size": model.vocab_size, "max_sequence_length": model.max_sequence_length,
-        "position_embedding_type": "rope"}, "ByteLevelTokenizer")
+    record = model_config_record(
+        "gpt",
+        model.config,
+        {
+            "vocab_size": model.vocab_size,
+            "max_sequence_length": model.max_sequence_length,
+            "position_embedding_type": "rope",
+        },
+        "ByteLevelTokenizer",
+    )
     save_model_checkpoint({"model": model.sharded_state_dict()}, root, 1, record)
 
 
@@ -89,8 +128,13 @@ def test_load_reads_config_and_weights_from_a_checkpoint(tmp_path):
     reports = []
     for source in (FLAGS, ["--load", str(tmp_path / "ckpt"), *FLAGS[:-4]]):  # --load: no model flags
         out = tmp_path / f"out{len(reports)}.json"
-        done = subprocess.run([sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json",
-                               str(out), *source], env=_plain_env(), capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json", str(out), *source],
+            env=_plain_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         reports.append(json.loads(out.read_text())["requests"])
     assert reports[1] == reports[0]

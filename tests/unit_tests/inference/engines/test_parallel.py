@@ -11,7 +11,8 @@ from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, p
 from tests.unit_tests.models.hybrid.common import collection
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=True, return_prompt_logprobs=True)] * 3 + [
-    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, logprobs=True)]
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, logprobs=True)
+]
 LENGTHS = [6, 13, 3, 9]
 
 
@@ -21,12 +22,22 @@ def _generate(kind: str, tp: int, pp: int):
     if kind.startswith("gpt"):
         model = gpt_model(pg, tp=tp, pp=pp, mtp_depths=2 if speculative else 0)
     else:
-        model = hybrid_model(pg, pattern="M*|-M" if pp > 1 else "M*-M", tensor_model_parallel_size=tp,
-                             pipeline_model_parallel_size=pp)
+        model = hybrid_model(
+            pg, pattern="M*|-M" if pp > 1 else "M*-M", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
     # A tight pool, so pauses and evictions run in lockstep on every rank too.
-    engine = DynamicInferenceEngine(model, block_size=4, num_blocks=12, max_requests=4, max_tokens_per_step=8,
-                                    max_sequence_length=48, enable_chunked_prefill=True, paused_block_budget=2,
-                                    num_speculative_tokens=2 if speculative else 0, pg_collection=pg)
+    engine = DynamicInferenceEngine(
+        model,
+        block_size=4,
+        num_blocks=12,
+        max_requests=4,
+        max_tokens_per_step=8,
+        max_sequence_length=48,
+        enable_chunked_prefill=True,
+        paused_block_budget=2,
+        num_speculative_tokens=2 if speculative else 0,
+        pg_collection=pg,
+    )
     results = run(engine, prompts(LENGTHS), PARAMS)
     return results, engine.stats
 
@@ -36,8 +47,17 @@ def _single_and_parallel(kind: str, tp: int, pp: int):
     return _generate(kind, 1, 1), _generate(kind, tp, pp)
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("gpt", 2, 1), ("gpt", 1, 2), ("hybrid", 2, 1), ("hybrid", 1, 2),
-                                        ("gpt_speculative", 2, 1), ("gpt_speculative", 1, 2)])
+@pytest.mark.parametrize(
+    "kind,tp,pp",
+    [
+        ("gpt", 2, 1),
+        ("gpt", 1, 2),
+        ("hybrid", 2, 1),
+        ("hybrid", 1, 2),
+        ("gpt_speculative", 2, 1),
+        ("gpt_speculative", 1, 2),
+    ],
+)
 def test_tensor_and_pipeline_parallel_engines_match_one_process(kind, tp, pp):
     outcomes = run_distributed(_single_and_parallel, 2, kind, tp, pp)
     (single, single_stats), ranks = outcomes[0][0], [parallel for _, parallel in outcomes]

@@ -36,13 +36,20 @@ def test_each_admission_error_is_typed_serializable_and_the_engine_keeps_serving
     engine = _engine(model, pg)
     engine.add_request("ok", prompts([5])[0], GREEDY)
     cases = [
-        (prompts([25])[0], GREEDY, PromptTooLongError,
-         "prompt has 25 tokens but the maximum sequence length is 24"),
-        (prompts([20])[0], SamplingParams(max_tokens=10), MaxSequenceLengthOverflowError,
-         "prompt of 20 tokens plus max_tokens=10 exceeds the maximum sequence length 24; ask for at most 4"),
+        (prompts([25])[0], GREEDY, PromptTooLongError, "prompt has 25 tokens but the maximum sequence length is 24"),
+        (
+            prompts([20])[0],
+            SamplingParams(max_tokens=10),
+            MaxSequenceLengthOverflowError,
+            "prompt of 20 tokens plus max_tokens=10 exceeds the maximum sequence length 24; ask for at most 4",
+        ),
         (prompts([24])[0], GREEDY, MaxSequenceLengthOverflowError, "ask for at most 0 new tokens"),
-        (prompts([12])[0], SamplingParams(max_tokens=12), PromptExceedsStepTokenLimitError,
-         "prompt has 12 tokens but one step processes at most 8 tokens and chunked prefill is off"),
+        (
+            prompts([12])[0],
+            SamplingParams(max_tokens=12),
+            PromptExceedsStepTokenLimitError,
+            "prompt has 12 tokens but one step processes at most 8 tokens and chunked prefill is off",
+        ),
         ([], GREEDY, InvalidPromptError, "invalid prompt: empty prompt"),
         ([0, 96], GREEDY, InvalidPromptError, "token id out of range; send a non-empty list of token ids in [0, 96)"),
         (prompts([5])[0], GREEDY, DuplicateRequestIdError, "request id 'ok' is already in use"),
@@ -110,8 +117,7 @@ def test_abort_in_waiting_active_and_paused_states_gives_one_terminal_output(pg)
 
 
 def _sampled(model, pg, batch_prompts, params):
-    return run(_engine(model, pg, num_blocks=64, max_tokens_per_step=32, max_sequence_length=64), batch_prompts,
-               params)
+    return run(_engine(model, pg, num_blocks=64, max_tokens_per_step=32, max_sequence_length=64), batch_prompts, params)
 
 
 @on_single_rank
@@ -121,10 +127,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(pg):
     seeded = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=1234, max_tokens=10)
     alone = _sampled(model, pg, [target], [seeded])["0"]["tokens"]
     others = prompts([4, 9, 5], seed=4)
-    crowd = _sampled(model, pg, others + [target], [SamplingParams(temperature=1.0, seed=s, max_tokens=14)
-                                                   for s in range(3)] + [seeded])["3"]["tokens"]
-    reseeded = _sampled(model, pg, [target], [SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=99,
-                                                             max_tokens=10)])["0"]["tokens"]
+    crowd = _sampled(
+        model,
+        pg,
+        others + [target],
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=14) for s in range(3)] + [seeded],
+    )["3"]["tokens"]
+    reseeded = _sampled(
+        model, pg, [target], [SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=99, max_tokens=10)]
+    )["0"]["tokens"]
     assert alone == crowd and len(alone) == 10
     assert reseeded != alone
 
@@ -136,8 +147,11 @@ def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
     engine = _engine(model, pg, eos_token_id=greedy[2])
     result = run(engine, prompts([5]), [SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)])["0"]
     assert result["tokens"] == greedy[:3] and result["finish_reason"] == "stop" and len(result["log_probs"]) == 3
-    ignoring = run(_engine(model, pg, eos_token_id=greedy[2]), prompts([5]),
-                   [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)])["0"]
+    ignoring = run(
+        _engine(model, pg, eos_token_id=greedy[2]),
+        prompts([5]),
+        [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)],
+    )["0"]
     assert ignoring["tokens"] == greedy[:6] and ignoring["finish_reason"] == "length"
     output = RequestOutput("r", [1, 2], [-0.5, -1.0], True, "stop", None, [-2.0], 5, 2)
     assert RequestOutput.from_dict(output.to_dict()) == output

@@ -14,8 +14,9 @@ from tests.unit_tests.transformer.single_rank import on_single_rank
 PROMPT_LENGTHS = [3, 11, 6, 14, 9, 4, 13, 7]
 NEW_TOKENS = 64
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=True, return_prompt_logprobs=True)
-ENGINE_ARGS = dict(block_size=8, max_tokens_per_step=16, max_sequence_length=80, max_requests=8,
-                   enable_chunked_prefill=True)
+ENGINE_ARGS = dict(
+    block_size=8, max_tokens_per_step=16, max_sequence_length=80, max_requests=8, enable_chunked_prefill=True
+)
 
 
 class PoolWatch:
@@ -54,8 +55,9 @@ class PoolWatch:
 
 
 def _generate(pg, build_model, num_blocks: int, paused_block_budget: int, skip_page_init: bool = False):
-    engine = DynamicInferenceEngine(build_model(pg), num_blocks=num_blocks,
-                                    paused_block_budget=paused_block_budget, pg_collection=pg, **ENGINE_ARGS)
+    engine = DynamicInferenceEngine(
+        build_model(pg), num_blocks=num_blocks, paused_block_budget=paused_block_budget, pg_collection=pg, **ENGINE_ARGS
+    )
     engine.context._skip_private_page_init_for_tests = skip_page_init
     watch = PoolWatch(engine)
     results = run(engine, prompts(PROMPT_LENGTHS), PARAMS, on_step=watch.after_step)
@@ -76,7 +78,7 @@ def test_tight_pool_pauses_and_evicts_without_changing_outputs(pg, kind):
     assert page_inits["admission"] > 0 and page_inits["decode_growth"] > 0 and page_inits["resume"] > 0
     assert watch.nonfinite_owned_pages == 0
     assert_same_outputs(tight, roomy)
-    for request_id, want in roomy.items():
+    for request_id in roomy:
         got = tight[request_id]
         assert got["terminal"] == 1 and got["finish_reason"] == "length"
         assert len(got["tokens"]) == NEW_TOKENS

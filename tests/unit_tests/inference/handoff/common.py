@@ -36,9 +36,14 @@ def build_model(kind: str, pg, **overrides):
 
 
 def build_engine(model, pg, *, num_blocks: int = 32, prefix_caching: bool = True, **overrides):
-    return DynamicInferenceEngine(model, **(ENGINE | dict(num_blocks=num_blocks, max_requests=8,
-                                                          enable_prefix_caching=prefix_caching, pg_collection=pg)
-                                           | overrides))
+    return DynamicInferenceEngine(
+        model,
+        **(
+            ENGINE
+            | dict(num_blocks=num_blocks, max_requests=8, enable_prefix_caching=prefix_caching, pg_collection=pg)
+            | overrides
+        ),
+    )
 
 
 def nixl(role: str) -> NixlTransport:
@@ -77,15 +82,14 @@ def run_handoff(prefill: PrefillSide, decode: DecodeSide, requests, params, on_r
     return results
 
 
-def pair(kind: str, pg, *, decode_overrides=None, prefill_overrides=None, model_overrides=None,
-         decode_transport=None):
+def pair(kind: str, pg, *, decode_overrides=None, prefill_overrides=None, model_overrides=None, decode_transport=None):
     """A prefill side and a decode side over NIXL, each on its own engine of the same model."""
     model_overrides = model_overrides or {}
-    prefill_engine = build_engine(build_model(kind, pg, **model_overrides), pg, prefix_caching=False,
-                                  **(prefill_overrides or {}))
+    prefill_engine = build_engine(
+        build_model(kind, pg, **model_overrides), pg, prefix_caching=False, **(prefill_overrides or {})
+    )
     decode_engine = build_engine(build_model(kind, pg, **model_overrides), pg, **(decode_overrides or {}))
-    return (PrefillSide(prefill_engine, nixl("prefill")),
-            DecodeSide(decode_engine, decode_transport or nixl("decode")))
+    return (PrefillSide(prefill_engine, nixl("prefill")), DecodeSide(decode_engine, decode_transport or nixl("decode")))
 
 
 def prefill_records(prefill: PrefillSide, requests: dict, params=GREEDY) -> dict:

@@ -34,7 +34,7 @@ def test_continuation_pages_zeroed_imported_pages_untouched_and_cached_prefix_no
     records = prefill_records(prefill, {"a": first})
     decode.submit("a", records["a"], GREEDY)
     decode.step()  # starts the pull
-    handle, = decode.pulling["a"].handles
+    (handle,) = decode.pulling["a"].handles
     while decode.transport.poll(handle).value == "pending":
         pass
     source_blocks = prefill.pins["a"].state.block_ids[:3]
@@ -56,7 +56,9 @@ def test_continuation_pages_zeroed_imported_pages_untouched_and_cached_prefix_no
     imp = decode.pulling["b"]
     assert imp.plan.first_block_index == 2 and imp.plan.block_ids == decode.context.request("b").block_ids[2:4]
     cached_parent = decode.context.request("b").block_ids[1]
-    assert decode.context.pool.block_hash(cached_parent) == records["b"].block_hashes[1]  # the pulled suffix's predecessor
+    assert (
+        decode.context.pool.block_hash(cached_parent) == records["b"].block_hashes[1]
+    )  # the pulled suffix's predecessor
     assert imp.handles[0].nbytes == 2 * block_bytes(decode.engine)  # blocks 2 (full) and 3 (partial) only
     results = drain(decode, prefill, results)
     reference = run(build_engine(build_model("gpt", pg), pg), [first, second], GREEDY)
@@ -136,8 +138,7 @@ def test_import_over_the_step_limit_enters_decode_at_its_prompt_length(pg):
 def test_admitted_positions_blocks_and_mamba_slot_are_the_expected_ones(pg, kind):
     speculative = dict(num_speculative_tokens=2) if kind == "gpt" else {}
     model = dict(mtp_depths=2) if kind == "gpt" else {}
-    prefill, decode = pair(kind, pg, decode_overrides=speculative, prefill_overrides=speculative,
-                           model_overrides=model)
+    prefill, decode = pair(kind, pg, decode_overrides=speculative, prefill_overrides=speculative, model_overrides=model)
     prompt = prompts([6], seed=8)[0]
     records = prefill_records(prefill, {"r": prompt}, SamplingParams(temperature=0.0, max_tokens=8))
     record = records["r"]
@@ -153,6 +154,9 @@ def test_admitted_positions_blocks_and_mamba_slot_are_the_expected_ones(pg, kind
     assert state.num_computed_tokens == 6 and state.tokens[6:] == record.resume_tokens
     assert state.num_draft_tokens == len(record.resume_tokens) - 1
     results = drain(decode, prefill)
-    reference = run(build_engine(build_model(kind, pg, **model), pg, **speculative), [prompt],
-                    SamplingParams(temperature=0.0, max_tokens=8))
+    reference = run(
+        build_engine(build_model(kind, pg, **model), pg, **speculative),
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=8),
+    )
     assert results["r"]["tokens"] == reference["0"]["tokens"]

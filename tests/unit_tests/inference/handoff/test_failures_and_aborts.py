@@ -36,7 +36,8 @@ def test_submission_failure_releases_everything_once_and_the_next_request_comple
     collect(results, decode.step())  # the pull cannot start
     assert results["a"]["finish_reason"] == "error" and results["a"]["terminal"] == 1
     assert InferenceRequestError.from_dict(results["a"]["error"]) == TransferSubmitError(
-        request_id="a", transport="nixl", reason="injected: the peer refused the connection")
+        request_id="a", transport="nixl", reason="injected: the peer refused the connection"
+    )
     assert baseline(decode.engine) == before[0] and not decode.quarantined  # released exactly once
     decode.submit("b", records["b"], GREEDY)
     with pytest.raises(TransferSubmitError, match="injected"):  # a direct caller gets the exception
@@ -62,8 +63,9 @@ def test_peer_failure_quarantines_the_pull_targets_and_releases_the_rest(pg, kin
     results = drain(decode, prefill)
     assert results["a"]["terminal"] == 1 and results["a"]["finish_reason"] == "error"
     assert InferenceRequestError.from_dict(results["a"]["error"]) == TransferFailedError(
-        request_id="a", transport="nixl", reason="injected: the peer reported an error")
-    quarantined, = decode.quarantined
+        request_id="a", transport="nixl", reason="injected: the peer reported an error"
+    )
+    (quarantined,) = decode.quarantined
     assert len(quarantined.block_ids) == 3  # the import targets; the continuation page was released
     assert decode.context.num_free_blocks == free_blocks - 3
     if kind == "hybrid":
@@ -80,8 +82,10 @@ def test_aborts_in_every_state_end_the_request_without_stray_pulls_or_steps(pg):
     before = baseline(decode.engine)
     scheduled = []
     build_step = decode.context.build_step
-    decode.context.build_step = lambda schedule, **kw: (scheduled.extend(r for r, _ in schedule),
-                                                        build_step(schedule, **kw))[1]
+    decode.context.build_step = lambda schedule, **kw: (
+        scheduled.extend(r for r, _ in schedule),
+        build_step(schedule, **kw),
+    )[1]
     local, queued, pulling, admitted = prompts([12, 12, 5, 5], seed=11)
     records = prefill_records(prefill, {"queued": queued, "pulling": pulling, "admitted": admitted})
     results = {}

@@ -1,7 +1,6 @@
 """Prefill on one engine, decode on another (one process, real NIXL between two agents)."""
 
 import pytest
-import torch
 
 from megatron.core.inference.handoff.decode_side import DecodeSide
 from megatron.core.inference.handoff.prefill_side import PrefillSide

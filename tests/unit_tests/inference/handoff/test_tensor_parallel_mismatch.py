@@ -36,8 +36,14 @@ def _tp1_to_tp2():
         words += decode.take_words()
     dist.barrier()  # the other rank's pulls from this rank's pins ended
     heads = {record["sources"][0]["kv_head_stop"] for record in records}
-    return dict(reference=reference, results=results, words=len(words), local_heads=decode.layout.num_local_heads,
-                source_heads=heads, bytes=decode.stats["transferred_bytes"])
+    return dict(
+        reference=reference,
+        results=results,
+        words=len(words),
+        local_heads=decode.layout.num_local_heads,
+        source_heads=heads,
+        bytes=decode.stats["transferred_bytes"],
+    )
 
 
 def test_tp1_prefill_feeds_a_tp2_decode_engine():

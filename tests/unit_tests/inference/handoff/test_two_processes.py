@@ -79,10 +79,18 @@ def _decode_rank(model_kind: str, transport_kind: str, pg, store):
         per_request = (slots.conv[:, 0].numel() + slots.ssm[:, 0].numel()) * slots.conv.element_size()
         expected_bytes += len(REQUESTS) * per_request
     transport = decode.transport
-    return dict(reference=reference, results=results, prefill_tokens=engine.stats["prefill_tokens_computed"],
-                transferred=decode.stats["transferred_bytes"], expected_bytes=expected_bytes,
-                posted=transport.num_posted, done=transport.num_done, failed=transport.num_failed,
-                baseline_kept=baseline(engine) == before, quarantined=len(decode.quarantined))
+    return dict(
+        reference=reference,
+        results=results,
+        prefill_tokens=engine.stats["prefill_tokens_computed"],
+        transferred=decode.stats["transferred_bytes"],
+        expected_bytes=expected_bytes,
+        posted=transport.num_posted,
+        done=transport.num_done,
+        failed=transport.num_failed,
+        baseline_kept=baseline(engine) == before,
+        quarantined=len(decode.quarantined),
+    )
 
 
 def _handoff(model_kind: str, transport_kind: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from megatron.core.inference.coordinator import InferenceClient
 from megatron.core.inference.server import ServerConfig, ServerThread
@@ -13,7 +13,9 @@ from ..coordinator.cluster import running_cluster
 from ..coordinator.engine_double import HashEngine
 
 TOKENIZER = ByteLevelTokenizer()
-TOOL_OUTPUT = '<think>need weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TOOL_OUTPUT = (
+    '<think>need weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+)
 THINK_OUTPUT = "<think>two plus two</think>four"
 
 

@@ -45,8 +45,13 @@ def test_200_concurrent_streams_all_complete_with_their_tokens():
     with openai_server(engines) as (server, coordinator):
 
         async def one(client: httpx.AsyncClient, i: int):
-            body = {"model": "megatron", "prompt": f"p{i}", "max_tokens": 8 + i % 5, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": "megatron",
+                "prompt": f"p{i}",
+                "max_tokens": 8 + i % 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             text, usage = "", None
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
@@ -98,5 +103,5 @@ def test_metrics_count_requests_tokens_queue_and_kv_use():
     assert 'megatron_requests_total{endpoint="/v1/completions",status="404"} 1' in lines
     assert "megatron_prompt_tokens_total 3" in lines and "megatron_generation_tokens_total 4" in lines
     assert "megatron_queue_depth 0" in lines
-    assert 'megatron_time_to_first_token_seconds_count 1' in lines
+    assert "megatron_time_to_first_token_seconds_count 1" in lines
     assert any(line.startswith('megatron_engine_kv_usage_fraction{engine="engine-0"}') for line in lines)

@@ -19,7 +19,10 @@ def test_builtin_template_marks_turns_and_writes_back_tool_calls():
     messages = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "c"},
     ]
     assert render_chat(ByteLevelTokenizer(), messages, [TOOL]) == (
@@ -33,8 +36,13 @@ def test_builtin_template_marks_turns_and_writes_back_tool_calls():
 
 def test_a_huggingface_chat_template_is_used_when_present(tmp_path):
     Tokenizer(WordLevel({"<eos>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
-    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
     tokenizer = HuggingFaceTokenizer(tmp_path)
     assert render_chat(tokenizer, [{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
-    assert render_chat(tokenizer, [{"role": "user", "content": "hi"}], [TOOL]) == f"[system]{TOOL_TEXT}[user]hi[assistant]"
+    assert (
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], [TOOL]) == f"[system]{TOOL_TEXT}[user]hi[assistant]"
+    )

@@ -31,7 +31,11 @@ def test_invalid_sampling_values_are_400_naming_the_field(server):
     error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": "a", "temperature": -1}), 400)
     assert error["param"] == "temperature" and error["message"].startswith("temperature: Input should be greater")
     error = error_of(
-        post(server, "/v1/chat/completions", json={"model": "megatron", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}),
+        post(
+            server,
+            "/v1/chat/completions",
+            json={"model": "megatron", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        ),
         400,
     )
     assert error["message"] == "top_logprobs=2 needs logprobs=True" and error["param"] == "top_logprobs"
@@ -47,7 +51,15 @@ def test_schema_errors_are_400_not_422(server):
 
 
 def test_malformed_json_is_400(server):
-    error = error_of(post(server, "/v1/completions", content=b'{"model": "megatron", "prompt":', headers={"content-type": "application/json"}), 400)
+    error = error_of(
+        post(
+            server,
+            "/v1/completions",
+            content=b'{"model": "megatron", "prompt":',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+    )
     assert error["message"].startswith("request body is not valid JSON") and error["code"] == "invalid_json"
 
 
@@ -58,13 +70,18 @@ def test_oversize_body_and_prompt_are_413(server):
     assert error["message"] == "prompt has 101 tokens but this server accepts at most 100; shorten it"
     # Over the engine's own limit (64) but under the server's: the engine's typed error, as 413, streamed or not.
     for stream in (False, True):
-        error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 80, "stream": stream}), 413)
+        error = error_of(
+            post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 80, "stream": stream}), 413
+        )
         assert error["message"].startswith("prompt has 80 tokens but the maximum sequence length is 64")
 
 
 def test_unknown_model_is_404_and_bad_token_ids_are_400(server):
     error = error_of(post(server, "/v1/completions", json={"model": "gpt-9", "prompt": "a"}), 404)
-    assert error["code"] == "model_not_found" and error["message"] == "model 'gpt-9' does not exist; this server serves 'megatron'"
+    assert (
+        error["code"] == "model_not_found"
+        and error["message"] == "model 'gpt-9' does not exist; this server serves 'megatron'"
+    )
     error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": [1, 999]}), 400)
     assert error["message"] == "prompt holds token ids [999] outside 0..258"
     error_of(httpx.get(server[0].url + "/v1/nothing-here"), 404)

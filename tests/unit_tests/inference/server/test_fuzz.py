@@ -20,7 +20,9 @@ def test_generated_requests_never_get_a_server_error():
         for result in schema.get_all_operations():
             operation = result.ok()
             # GET routes take no input, so there is nothing to make invalid.
-            modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+            modes = [GenerationMode.POSITIVE] + (
+                [GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else []
+            )
             for mode in modes:
 
                 @settings(

@@ -15,7 +15,12 @@ from .harness import TOKENIZER, openai_server
 def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_are_4xx(pg):
     model = gpt_model(pg)
     engine = DynamicInferenceEngine(
-        model, max_tokens_per_step=32, block_size=4, num_blocks=64, max_requests=8, max_sequence_length=48,
+        model,
+        max_tokens_per_step=32,
+        block_size=4,
+        num_blocks=64,
+        max_requests=8,
+        max_sequence_length=48,
         pg_collection=pg,
     )
     requests = prompts([5, 9, 3])
@@ -23,7 +28,9 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
     with openai_server([engine]) as (server, coordinator):
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         whole = api.completions.create(model="megatron", prompt=requests, max_tokens=6, temperature=0, logprobs=1)
-        streamed = api.completions.create(model="megatron", prompt=requests[0], max_tokens=6, temperature=0, stream=True)
+        streamed = api.completions.create(
+            model="megatron", prompt=requests[0], max_tokens=6, temperature=0, stream=True
+        )
         streamed_text = "".join(chunk.choices[0].text for chunk in streamed)
         with pytest.raises(openai.APIStatusError) as too_long:
             api.completions.create(model="megatron", prompt=[1] * 40, max_tokens=20)
@@ -35,5 +42,8 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
     assert too_long.value.status_code == 413
     expected = MaxSequenceLengthOverflowError(prompt_length=40, max_tokens=20, max_sequence_length=48)
     assert too_long.value.body == {
-        "message": str(expected), "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"
+        "message": str(expected),
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
     }

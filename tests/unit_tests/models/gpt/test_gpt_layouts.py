@@ -26,25 +26,50 @@ VOCAB, SEQ, MICRO_BATCH = 100, 8, 2
 
 VARIANTS = {
     # RMSNorm, SwiGLU, RoPE, GQA, untied, no biases
-    "llama": dict(config=dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                              add_bias_linear=False, num_query_groups=2),
-                  model=dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)),
+    "llama": dict(
+        config=dict(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            num_query_groups=2,
+        ),
+        model=dict(position_embedding_type="rope", share_embeddings_and_output_weights=False),
+    ),
     # LayerNorm, GELU, learned positions, biases, tied embeddings
-    "gpt2": dict(config=dict(normalization="LayerNorm", add_bias_linear=True),
-                 model=dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)),
+    "gpt2": dict(
+        config=dict(normalization="LayerNorm", add_bias_linear=True),
+        model=dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True),
+    ),
 }
 
 
 def make_config(variant: str, mtp: bool, **parallel) -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                             mtp_num_layers=1 if mtp else None, **VARIANTS[variant]["config"], **parallel)
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        mtp_num_layers=1 if mtp else None,
+        **VARIANTS[variant]["config"],
+        **parallel,
+    )
 
 
 def build_model(variant: str, mtp: bool, config: TransformerConfig, pg: ProcessGroupCollection) -> GPTModel:
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, pp_rank == 0, pp_rank == pp_size - 1,
-                     parallel_output=False, mtp_block_spec=get_gpt_mtp_block_spec() if mtp else None,
-                     pg_collection=pg, **VARIANTS[variant]["model"])
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        pp_rank == 0,
+        pp_rank == pp_size - 1,
+        parallel_output=False,
+        mtp_block_spec=get_gpt_mtp_block_spec() if mtp else None,
+        pg_collection=pg,
+        **VARIANTS[variant]["model"],
+    )
     return model.to(device())
 
 
@@ -106,10 +131,17 @@ def assert_close(actual, expected, rel, what):
 
 
 def _layout_case(variant, mtp, tp, pp, gtp_size, sp):
-    pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                  generalized_tensor_parallel_size=gtp_size)
-    config = make_config(variant, mtp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         generalized_tensor_parallel_size=gtp_size, sequence_parallel=sp)
+    pg = parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, generalized_tensor_parallel_size=gtp_size
+    )
+    config = make_config(
+        variant,
+        mtp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        generalized_tensor_parallel_size=gtp_size,
+        sequence_parallel=sp,
+    )
     data_rank, data_size = pg.rank("dp_cp_gtp"), pg.size("dp_cp_gtp")
     tokens = torch.randint(0, VOCAB, (data_size * MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
     tokens = tokens.to(device())
@@ -168,6 +200,7 @@ LAYOUTS = {
 def test_layout_matches_single_process(layout):
     case = LAYOUTS[layout]
     world = case["tp"] * case["pp"] * case["gtp_size"]
-    checked = run_distributed(_layout_case, world, case["variant"], case["mtp"], case["tp"], case["pp"],
-                              case["gtp_size"], case["sp"])
+    checked = run_distributed(
+        _layout_case, world, case["variant"], case["mtp"], case["tp"], case["pp"], case["gtp_size"], case["sp"]
+    )
     assert all(n > 0 for n in checked)

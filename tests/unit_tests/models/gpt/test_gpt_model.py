@@ -12,13 +12,26 @@ from megatron.core.transformer import ContextParallelNotSupportedError, Pipeline
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 SIGNATURE = [
-    ("config", inspect.Parameter.empty), ("transformer_layer_spec", inspect.Parameter.empty),
-    ("vocab_size", inspect.Parameter.empty), ("max_sequence_length", inspect.Parameter.empty),
-    ("pre_process", True), ("post_process", True), ("fp16_lm_cross_entropy", False), ("parallel_output", True),
-    ("share_embeddings_and_output_weights", False), ("position_embedding_type", "learned_absolute"),
-    ("rotary_percent", 1.0), ("rotary_base", 10000), ("rope_scaling", False), ("rope_scaling_factor", 8.0),
-    ("scatter_embedding_sequence_parallel", True), ("seq_len_interpolation_factor", None),
-    ("mtp_block_spec", None), ("pg_collection", None), ("vp_stage", None), ("logit_dtype", None),
+    ("config", inspect.Parameter.empty),
+    ("transformer_layer_spec", inspect.Parameter.empty),
+    ("vocab_size", inspect.Parameter.empty),
+    ("max_sequence_length", inspect.Parameter.empty),
+    ("pre_process", True),
+    ("post_process", True),
+    ("fp16_lm_cross_entropy", False),
+    ("parallel_output", True),
+    ("share_embeddings_and_output_weights", False),
+    ("position_embedding_type", "learned_absolute"),
+    ("rotary_percent", 1.0),
+    ("rotary_base", 10000),
+    ("rope_scaling", False),
+    ("rope_scaling_factor", 8.0),
+    ("scatter_embedding_sequence_parallel", True),
+    ("seq_len_interpolation_factor", None),
+    ("mtp_block_spec", None),
+    ("pg_collection", None),
+    ("vp_stage", None),
+    ("logit_dtype", None),
 ]
 
 
@@ -70,16 +83,18 @@ def test_padded_vocabulary_never_reaches_logits_or_loss(pg):
 
 @on_single_rank
 def test_tied_output_layer_uses_the_embedding_weight(pg):
-    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, share_embeddings_and_output_weights=True,
-                     pg_collection=pg)
+    model = GPTModel(
+        tiny_config(), get_gpt_layer_local_spec(), 128, 32, share_embeddings_and_output_weights=True, pg_collection=pg
+    )
     assert model.output_layer.weight is model.embedding.word_embeddings.weight
     assert not hasattr(model.embedding.word_embeddings.weight, "shared_embedding")  # one stage: nothing to sync
 
 
 @on_single_rank
 def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
-    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="rope",
-                     pg_collection=pg).eval()
+    model = GPTModel(
+        tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="rope", pg_collection=pg
+    ).eval()
     ids = torch.randint(0, 128, (1, 6))
     with torch.no_grad():
         full = model(ids)
@@ -103,7 +118,6 @@ def test_unsupported_construction_arguments_are_rejected(pg):
     with pytest.raises(PipelineLayoutError, match="vp_stage=1"):
         GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, vp_stage=1)
     with pytest.raises(ValueError, match="position_embedding_type must be one of"):
-        GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="alibi",
-                 pg_collection=pg)
+        GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="alibi", pg_collection=pg)
     with pytest.raises(ValueError, match="needs both config.mtp_num_layers >= 1 and an mtp_block_spec"):
         GPTModel(tiny_config(mtp_num_layers=1), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)

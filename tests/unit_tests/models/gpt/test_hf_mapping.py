@@ -24,24 +24,54 @@ def _randomized(model: torch.nn.Module) -> torch.nn.Module:
 def _llama(tied: bool, rope_scaling: dict | None):
     torch.manual_seed(1)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, rope_scaling=rope_scaling,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rope_scaling=rope_scaling,
         rope_theta=500000.0 if rope_scaling else 10000.0,
     )
-    return _randomized(LlamaForCausalLM(config)), hf_mapping.llama_config_from_hf, hf_mapping.llama_state_dict_from_hf, \
-        hf_mapping.llama_state_dict_to_hf
+    return (
+        _randomized(LlamaForCausalLM(config)),
+        hf_mapping.llama_config_from_hf,
+        hf_mapping.llama_state_dict_from_hf,
+        hf_mapping.llama_state_dict_to_hf,
+    )
 
 
 def _gpt2():
     torch.manual_seed(2)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
-    return _randomized(GPT2LMHeadModel(config)), hf_mapping.gpt2_config_from_hf, hf_mapping.gpt2_state_dict_from_hf, \
-        hf_mapping.gpt2_state_dict_to_hf
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
+    return (
+        _randomized(GPT2LMHeadModel(config)),
+        hf_mapping.gpt2_config_from_hf,
+        hf_mapping.gpt2_state_dict_from_hf,
+        hf_mapping.gpt2_state_dict_to_hf,
+    )
 
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 CASES = {
     "llama": lambda: _llama(tied=False, rope_scaling=None),
     "llama_tied_llama3_rope": lambda: _llama(tied=True, rope_scaling=LLAMA3_SCALING),
@@ -90,10 +120,13 @@ def test_unsupported_hf_settings_are_rejected_with_the_setting_named():
     with pytest.raises(hf_mapping.HFMappingError, match="hidden_act must be 'silu'"):
         hf_mapping.llama_config_from_hf(LlamaConfig(hidden_size=32, num_attention_heads=2, hidden_act="gelu"))
     with pytest.raises(hf_mapping.HFMappingError, match="rope_type 'yarn' is not supported"):
-        hf_mapping.llama_config_from_hf(LlamaConfig(
-            hidden_size=32, num_attention_heads=2,
-            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
-        ))
+        hf_mapping.llama_config_from_hf(
+            LlamaConfig(
+                hidden_size=32,
+                num_attention_heads=2,
+                rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+            )
+        )
 
 
 def test_hf_state_dict_with_unknown_keys_is_rejected():

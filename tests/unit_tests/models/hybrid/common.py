@@ -16,9 +16,19 @@ VOCAB, SEQ = 100, 8
 def hybrid_config(**overrides) -> TransformerConfig:
     """A tiny hybrid config: 4 attention heads (2 KV groups), 8 Mamba heads in 2 groups."""
     base = dict(
-        num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", add_bias_linear=False, mamba_num_heads=8, mamba_head_dim=8,
-        mamba_num_groups=2, mamba_state_dim=8, mamba_d_conv=4, mamba_chunk_size=4,
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        mamba_state_dim=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=4,
     )
     return TransformerConfig(**(base | overrides))
 
@@ -31,8 +41,15 @@ def collection(tp: int = 1, gtp: int = 1, pp: int = 1) -> ProcessGroupCollection
 def build_model(config, pattern, pg, **kwargs) -> HybridModel:
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     return HybridModel(
-        config, get_hybrid_stack_local_spec(), VOCAB, SEQ, hybrid_layer_pattern=pattern,
-        pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1, pg_collection=pg, **kwargs,
+        config,
+        get_hybrid_stack_local_spec(),
+        VOCAB,
+        SEQ,
+        hybrid_layer_pattern=pattern,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        pg_collection=pg,
+        **kwargs,
     )
 
 

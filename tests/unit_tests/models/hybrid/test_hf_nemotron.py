@@ -23,11 +23,26 @@ PATTERN = "M*-M-*"
 
 def hf_config(**overrides):
     base = dict(
-        vocab_size=100, hidden_size=32, layers_block_type=None, hybrid_override_pattern=PATTERN,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_hidden_act="relu2",
-        mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
-        layer_norm_epsilon=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
-        time_step_min=1e-3, time_step_max=0.1,
+        vocab_size=100,
+        hidden_size=32,
+        layers_block_type=None,
+        hybrid_override_pattern=PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        mlp_hidden_act="relu2",
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=4,
+        layer_norm_epsilon=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        time_step_min=1e-3,
+        time_step_max=0.1,
     )
     return NemotronHConfig(**(base | overrides))
 
@@ -45,8 +60,9 @@ def hf_model():
 def _logits_vs_hf():
     hf = hf_model()
     config, kwargs = nemotron_h_config_from_hf(hf.config)
-    model = HybridModel(config, get_hybrid_stack_local_spec(), **kwargs, parallel_output=False,
-                        pg_collection=collection()).eval()
+    model = HybridModel(
+        config, get_hybrid_stack_local_spec(), **kwargs, parallel_output=False, pg_collection=collection()
+    ).eval()
     pattern = kwargs["hybrid_layer_pattern"]
     model.load_state_dict(nemotron_h_state_dict_from_hf(hf.state_dict(), config, pattern), strict=True)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -60,7 +76,7 @@ def _logits_vs_hf():
 
 
 def test_hybrid_model_matches_hf_nemotron_h_logits():
-    (shape, diff, scale, same_keys, roundtrip), = run_distributed(_logits_vs_hf, 1)
+    ((shape, diff, scale, same_keys, roundtrip),) = run_distributed(_logits_vs_hf, 1)
     assert shape == (2, 12, 100)
     assert scale > 0.1 and diff <= 1e-4
     assert same_keys and roundtrip
@@ -68,8 +84,13 @@ def test_hybrid_model_matches_hf_nemotron_h_logits():
 
 def test_config_translation():
     c, kwargs = nemotron_h_config_from_hf(hf_config(), tensor_model_parallel_size=2)
-    assert kwargs == dict(vocab_size=100, max_sequence_length=64, hybrid_layer_pattern=PATTERN,
-                          position_embedding_type="none", share_embeddings_and_output_weights=False)
+    assert kwargs == dict(
+        vocab_size=100,
+        max_sequence_length=64,
+        hybrid_layer_pattern=PATTERN,
+        position_embedding_type="none",
+        share_embeddings_and_output_weights=False,
+    )
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (6, 32, 4, 2, 8)
     assert (c.mamba_num_heads, c.mamba_head_dim, c.mamba_num_groups, c.mamba_state_dim) == (8, 8, 2, 8)
     assert c.activation_func is squared_relu and c.normalization == "RMSNorm" and not c.add_bias_linear

@@ -40,8 +40,13 @@ def test_moe_is_rejected_as_not_supported_yet():
 
 @pytest.mark.parametrize(
     "pattern, index, what",
-    [("|M*", 0, "empty pipeline segment"), ("M*||-", 3, "empty pipeline segment"),
-     ("M*|", 3, "empty pipeline segment"), ("M*/", 3, "empty MTP pattern"), ("M*/-//*", 5, "empty MTP pattern")],
+    [
+        ("|M*", 0, "empty pipeline segment"),
+        ("M*||-", 3, "empty pipeline segment"),
+        ("M*|", 3, "empty pipeline segment"),
+        ("M*/", 3, "empty MTP pattern"),
+        ("M*/-//*", 5, "empty MTP pattern"),
+    ],
 )
 def test_empty_segments_are_pointed_at(pattern, index, what):
     with pytest.raises(HybridPatternError) as err:
@@ -62,8 +67,16 @@ def test_non_string_pattern_is_rejected():
 
 def test_stages_get_their_segments_with_global_layer_numbers():
     parsed = parse_hybrid_pattern("M*|--|*M|M-")
-    assert select_stage_layers(parsed, 1, 0) == [(1, "M"), (2, "*"), (3, "-"), (4, "-"), (5, "*"), (6, "M"),
-                                                (7, "M"), (8, "-")]
+    assert select_stage_layers(parsed, 1, 0) == [
+        (1, "M"),
+        (2, "*"),
+        (3, "-"),
+        (4, "-"),
+        (5, "*"),
+        (6, "M"),
+        (7, "M"),
+        (8, "-"),
+    ]
     assert select_stage_layers(parsed, 2, 0) == [(1, "M"), (2, "*"), (3, "-"), (4, "-")]
     assert select_stage_layers(parsed, 2, 1) == [(5, "*"), (6, "M"), (7, "M"), (8, "-")]
     assert select_stage_layers(parsed, 4, 3) == [(7, "M"), (8, "-")]
@@ -75,8 +88,10 @@ def test_uneven_stage_split_says_so():
     parsed = parse_hybrid_pattern("M*|--|*M")
     with pytest.raises(HybridPatternError) as err:
         select_stage_layers(parsed, 2, 0)
-    assert ("has 3 pipeline segment(s) separated by '|', which do not divide evenly among 2 pipeline stage(s); "
-            "use a multiple of 2 segments") in str(err.value)
+    assert (
+        "has 3 pipeline segment(s) separated by '|', which do not divide evenly among 2 pipeline stage(s); "
+        "use a multiple of 2 segments"
+    ) in str(err.value)
     with pytest.raises(HybridPatternError, match="divide evenly among 2 pipeline stage"):
         select_stage_layers(parse_hybrid_pattern("M*--"), 2, 1)
 
@@ -86,7 +101,9 @@ def test_ratio_allocation_spreads_each_kind():
     assert allocate_layer_pattern(8, attention_ratio=0.25) == "MM*MMM*M"
     pattern = allocate_layer_pattern(10, attention_ratio=0.2, mlp_ratio=0.4)
     assert len(pattern) == 10 and pattern.count("*") == 2 and pattern.count("-") == 4 and pattern.count("M") == 4
-    with pytest.raises(HybridPatternError, match=r"hybrid_attention_ratio \(0.7\) \+ hybrid_mlp_ratio \(0.5\) must not exceed 1"):
+    with pytest.raises(
+        HybridPatternError, match=r"hybrid_attention_ratio \(0.7\) \+ hybrid_mlp_ratio \(0.5\) must not exceed 1"
+    ):
         allocate_layer_pattern(4, 0.7, 0.5)
     with pytest.raises(HybridPatternError, match=r"hybrid_mlp_ratio must be in \[0, 1\], got -0.1"):
         allocate_layer_pattern(4, 0.0, -0.1)

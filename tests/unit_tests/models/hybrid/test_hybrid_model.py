@@ -17,14 +17,27 @@ from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.models.hybrid.common import SEQ, VOCAB, batch, build_model, collection, hybrid_config
 
 EXPECTED_SIGNATURE = [
-    ("config", inspect.Parameter.empty), ("hybrid_stack_spec", inspect.Parameter.empty),
-    ("vocab_size", inspect.Parameter.empty), ("max_sequence_length", inspect.Parameter.empty),
-    ("hybrid_layer_pattern", None), ("hybrid_attention_ratio", None), ("hybrid_mlp_ratio", None),
-    ("hybrid_override_pattern", None), ("pre_process", True), ("post_process", True),
-    ("fp16_lm_cross_entropy", False), ("parallel_output", True), ("share_embeddings_and_output_weights", False),
-    ("position_embedding_type", "none"), ("rotary_percent", 1.0), ("rotary_base", 10000),
-    ("scatter_embedding_sequence_parallel", True), ("seq_len_interpolation_factor", None),
-    ("pg_collection", None), ("vp_stage", None), ("logit_dtype", None),
+    ("config", inspect.Parameter.empty),
+    ("hybrid_stack_spec", inspect.Parameter.empty),
+    ("vocab_size", inspect.Parameter.empty),
+    ("max_sequence_length", inspect.Parameter.empty),
+    ("hybrid_layer_pattern", None),
+    ("hybrid_attention_ratio", None),
+    ("hybrid_mlp_ratio", None),
+    ("hybrid_override_pattern", None),
+    ("pre_process", True),
+    ("post_process", True),
+    ("fp16_lm_cross_entropy", False),
+    ("parallel_output", True),
+    ("share_embeddings_and_output_weights", False),
+    ("position_embedding_type", "none"),
+    ("rotary_percent", 1.0),
+    ("rotary_base", 10000),
+    ("scatter_embedding_sequence_parallel", True),
+    ("seq_len_interpolation_factor", None),
+    ("pg_collection", None),
+    ("vp_stage", None),
+    ("logit_dtype", None),
 ]
 
 
@@ -37,24 +50,64 @@ def test_signature_is_frozen_at_every_positional_index():
 def _positional_call_binds_every_index():
     pg = collection()
     config = hybrid_config()
-    args = [config, get_hybrid_stack_local_spec(), VOCAB, SEQ, None, 0.25, 0.5, "M-*-", True, True, True, False,
-            True, "rope", 0.5, 500, False, 2.0, pg, None, torch.float64]
+    args = [
+        config,
+        get_hybrid_stack_local_spec(),
+        VOCAB,
+        SEQ,
+        None,
+        0.25,
+        0.5,
+        "M-*-",
+        True,
+        True,
+        True,
+        False,
+        True,
+        "rope",
+        0.5,
+        500,
+        False,
+        2.0,
+        pg,
+        None,
+        torch.float64,
+    ]
     model = HybridModel(*args)
     return dict(
-        pattern=model.layer_pattern.layers, vocab=model.vocab_size, max_seq=model.max_sequence_length,
-        pre=model.pre_process, post=model.post_process, fp16_ce=model.fp16_lm_cross_entropy,
-        parallel_output=model.parallel_output, tied=model.share_embeddings_and_output_weights,
+        pattern=model.layer_pattern.layers,
+        vocab=model.vocab_size,
+        max_seq=model.max_sequence_length,
+        pre=model.pre_process,
+        post=model.post_process,
+        fp16_ce=model.fp16_lm_cross_entropy,
+        parallel_output=model.parallel_output,
+        tied=model.share_embeddings_and_output_weights,
         tied_weight=model.output_layer.weight is model.embedding.word_embeddings.weight,
-        position=model.position_embedding_type, rotary=model.rotary_pos_emb is not None,
-        pg=model.pg_collection is pg, logit_dtype=model.logit_dtype,
+        position=model.position_embedding_type,
+        rotary=model.rotary_pos_emb is not None,
+        pg=model.pg_collection is pg,
+        logit_dtype=model.logit_dtype,
     )
 
 
 def test_positional_arguments_bind_to_their_names():
     (got,) = run_distributed(_positional_call_binds_every_index, 1)
-    assert got == dict(pattern="M-*-", vocab=VOCAB, max_seq=SEQ, pre=True, post=True, fp16_ce=True,
-                       parallel_output=False, tied=True, tied_weight=True, position="rope", rotary=True, pg=True,
-                       logit_dtype=torch.float64)
+    assert got == dict(
+        pattern="M-*-",
+        vocab=VOCAB,
+        max_seq=SEQ,
+        pre=True,
+        post=True,
+        fp16_ce=True,
+        parallel_output=False,
+        tied=True,
+        tied_weight=True,
+        position="rope",
+        rotary=True,
+        pg=True,
+        logit_dtype=torch.float64,
+    )
 
 
 def _logits_dtypes():
@@ -67,8 +120,13 @@ def _logits_dtypes():
         with torch.no_grad():
             logits = model(ids)
             loss = model(ids, labels=labels)
-        out[str(logit_dtype)] = (model.output_layer.weight.dtype, logits.dtype, tuple(logits.shape),
-                                 bool(torch.isfinite(logits).all()), loss.dtype)
+        out[str(logit_dtype)] = (
+            model.output_layer.weight.dtype,
+            logits.dtype,
+            tuple(logits.shape),
+            bool(torch.isfinite(logits).all()),
+            loss.dtype,
+        )
     return out
 
 
@@ -89,7 +147,7 @@ def _errors_from_the_constructor():
 
 
 def test_pattern_errors_surface_from_the_model_constructor():
-    (moe, count, bad_char), = run_distributed(_errors_from_the_constructor, 1)
+    ((moe, count, bad_char),) = run_distributed(_errors_from_the_constructor, 1)
     assert "MoE layers ('E') are not supported yet, found at index 2" in moe
     assert "has 3 layers in its main part but config.num_layers is 4" in count
     assert "invalid character 'x' at index 2" in bad_char and bad_char.endswith("    M*x-\n      ^")
@@ -123,7 +181,8 @@ def _mtp_single_process():
     loss.mean().backward()
     mtp_grads = {n: p.grad for n, p in model.named_parameters() if n.startswith("mtp.")}
     return dict(
-        loss=loss.detach(), plain_loss=plain(ids, labels=labels).detach(),
+        loss=loss.detach(),
+        plain_loss=plain(ids, labels=labels).detach(),
         inner=[type(layer).__name__ for layer in model.mtp.layers[0].transformer_layer.layers],
         mtp_grads={n: (g is not None and bool(g.abs().sum() > 0)) for n, g in mtp_grads.items()},
         grads={n: p.grad.clone() for n, p in model.named_parameters()},

@@ -62,5 +62,7 @@ def test_uneven_split_and_wrong_shapes_are_rejected():
         bridge = EmbeddingBridge(RankLayout(), RankLayout(), 2, SHAPE)
         bridge.to_language(torch.zeros(2, 3, 5))
 
-    with pytest.raises(Exception, match=r"encoder embeddings must have shape \[2, 3, 2\] \(batch first\), got \[2, 3, 5\]"):
+    with pytest.raises(
+        Exception, match=r"encoder embeddings must have shape \[2, 3, 2\] \(batch first\), got \[2, 3, 5\]"
+    ):
         run_distributed(wrong_shape, 1)

@@ -40,6 +40,7 @@ from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharde
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.sharding import gather_full_tensor
 from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.models.mimo.test_train_mimo import ARGV, load_script
 from tests.unit_tests.models.mimo.tiny import (
     IMAGE,
     IMAGE_TOKEN,
@@ -52,7 +53,6 @@ from tests.unit_tests.models.mimo.tiny import (
     encoder_config,
     iterators,
 )
-from tests.unit_tests.models.mimo.test_train_mimo import ARGV, load_script
 
 HYBRID_PATTERN = "M*"
 
@@ -72,12 +72,22 @@ def hybrid_language_model(seed: int):
 
     def provide(pg):
         config = TransformerConfig(
-            num_layers=2, hidden_size=LM_HIDDEN, num_attention_heads=4, ffn_hidden_size=64, normalization="RMSNorm",
-            add_bias_linear=False, mamba_head_dim=8, mamba_state_dim=8, mamba_num_groups=2,
-            tensor_model_parallel_size=pg.size("tp"), generalized_tensor_parallel_size=pg.size("gtp"), init_seed=seed,
+            num_layers=2,
+            hidden_size=LM_HIDDEN,
+            num_attention_heads=4,
+            ffn_hidden_size=64,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            mamba_head_dim=8,
+            mamba_state_dim=8,
+            mamba_num_groups=2,
+            tensor_model_parallel_size=pg.size("tp"),
+            generalized_tensor_parallel_size=pg.size("gtp"),
+            init_seed=seed,
         )
-        return HybridModel(config, get_hybrid_stack_local_spec(), VOCAB, SEQ, hybrid_layer_pattern=HYBRID_PATTERN,
-                           pg_collection=pg)
+        return HybridModel(
+            config, get_hybrid_stack_local_spec(), VOCAB, SEQ, hybrid_layer_pattern=HYBRID_PATTERN, pg_collection=pg
+        )
 
     return provide
 
@@ -86,9 +96,12 @@ def build_job(roles: MimoRoles, collections: dict, seed: int):
     """This rank's MIMO model (hybrid language model, ViT), DDP modules, optimizer chain, bridges."""
     enc = roles.layouts["images"]
     encoder_cfg = dataclasses.replace(encoder_config(enc.tp, enc.gtp), init_seed=seed + 1)
-    model = build_mimo_model(collections, hybrid_language_model(seed),
-                             {"images": image_submodule_provider(encoder_cfg, IMAGE, PATCH, LM_HIDDEN)},
-                             {"images": IMAGE_TOKEN})
+    model = build_mimo_model(
+        collections,
+        hybrid_language_model(seed),
+        {"images": image_submodule_provider(encoder_cfg, IMAGE, PATCH, LM_HIDDEN)},
+        {"images": IMAGE_TOKEN},
+    )
     ddp = wrap_with_ddp(model, collections, DistributedDataParallelConfig())
     optimizer = get_mimo_optimizer(OptimizerConfig(lr=1e-2), ddp, collections, [LANGUAGE_MODEL, *roles.modality_names])
     bridges = build_bridges(roles, 2, {"images": (NUM_IMAGE_TOKENS, LM_HIDDEN)})
@@ -116,8 +129,11 @@ def full_tensor(local: torch.Tensor, param, part, pg) -> torch.Tensor:
 
 def full_weights(model, collections) -> dict:
     """``{"<module>.<param>": full weight}`` of the modules this rank holds."""
-    return {f"{name}.{pname}": full_tensor(param, param, part, collections[name])
-            for name, part in module_parts(model).items() for pname, param in part.named_parameters()}
+    return {
+        f"{name}.{pname}": full_tensor(param, param, part, collections[name])
+        for name, part in module_parts(model).items()
+        for pname, param in part.named_parameters()
+    }
 
 
 def snapshot(model, optimizer, collections) -> dict:
@@ -206,8 +222,10 @@ def test_tp2_gtp2_language_model_checkpoints_through_its_own_groups(tmp_path):
         lm = "language_model.decoder.layers.0.mixer."
         # in_proj: 84 TP-local rows [z 32, x 32, B 8, C 8, dt 4], 42 per GTP peer; GTP-sharded: dp_cp replica id
         assert pieces.get(lm + "in_proj.weight.part0") == (((32 * t, 0), (32, 32), (0, 0, 0)), None)[g]
-        assert pieces[lm + "in_proj.weight.part1"] == (((32 * t, 0), (10, 32), (0, 0, 0)),
-                                                       ((32 * t + 10, 0), (22, 32), (0, 0, 0)))[g]
+        assert (
+            pieces[lm + "in_proj.weight.part1"]
+            == (((32 * t, 0), (10, 32), (0, 0, 0)), ((32 * t + 10, 0), (22, 32), (0, 0, 0)))[g]
+        )
         assert pieces[lm + "out_proj.weight"][::2] == ((16 * g, 32 * t), (0, 0, 0))  # row-parallel: GTP on dim 0
         for replicated in ("A_log", "D", "dt_bias", "conv1d_weight.part0", "conv1d_bias.part1", "norm.weight"):
             assert pieces[lm + replicated][2] == (0, g, 0), replicated  # TP-sharded, whole on GTP peers
@@ -228,8 +246,10 @@ def test_tp2_gtp2_language_model_checkpoints_through_its_own_groups(tmp_path):
         assert pieces["optimizer.images.param_groups"][2] == (0, 0, d, g)
     for _, _, _, saved, before, after, iteration in results:
         assert iteration == 1
-        assert not torch.equal(before["weight:language_model.embedding.word_embeddings.weight"],
-                               saved["weight:language_model.embedding.word_embeddings.weight"])
+        assert not torch.equal(
+            before["weight:language_model.embedding.word_embeddings.weight"],
+            saved["weight:language_model.embedding.word_embeddings.weight"],
+        )
         assert_snapshots_equal(after, saved)
 
 
@@ -257,8 +277,9 @@ def test_size_one_and_absent_gtp_keep_the_plain_tp_pp_dp_election():
     for out, coords in results:
         assert out["no gtp"] == out["size-one gtp"]
         singletons = [r for r in out["no gtp"] if r.kind == "object"]
-        assert {r.key for r in singletons} == {f"optimizer.{m}.{k}" for m in (LANGUAGE_MODEL, "images")
-                                               for k in ("param_groups", "format")}
+        assert {r.key for r in singletons} == {
+            f"optimizer.{m}.{k}" for m in (LANGUAGE_MODEL, "images") for k in ("param_groups", "format")
+        }
         for record in singletons:
             assert record.replica_id == coords[record.key.split(".")[1]]  # (tp, pp, dp), nothing appended
         for record in out["no gtp"]:
@@ -288,8 +309,19 @@ def _disjoint_train_save_resume(straight_dir, resumed_dir):
     differently seeded modules loading the final checkpoint."""
     forbid_global_groups()
     script = load_script()
-    flags = ARGV + ["--tensor-model-parallel-size", "2", "--encoder-ranks", "first-2", "--train-iters", "4",
-                    "--hidden-dropout", "0.1", "--use-distributed-optimizer", "--lr-warmup-iters", "1"]
+    flags = ARGV + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--encoder-ranks",
+        "first-2",
+        "--train-iters",
+        "4",
+        "--hidden-dropout",
+        "0.1",
+        "--use-distributed-optimizer",
+        "--lr-warmup-iters",
+        "1",
+    ]
     straight = _trainer(script, flags + ["--save", straight_dir, "--save-interval", "2"])
     if dist.get_rank() == 0:
         write_latest_iteration(straight_dir, 2)

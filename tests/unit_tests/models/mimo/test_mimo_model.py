@@ -19,7 +19,9 @@ def test_embeddings_replace_special_positions_in_order():
 
 
 def test_wrong_number_of_special_tokens_names_the_sample():
-    with pytest.raises(MimoInputError, match=r"sample\(s\) \[1\] hold \[1\] copies of special token 9; each sample needs exactly 2"):
+    with pytest.raises(
+        MimoInputError, match=r"sample\(s\) \[1\] hold \[1\] copies of special token 9; each sample needs exactly 2"
+    ):
         place_modality_embeddings(torch.zeros(3, 2, 1), torch.tensor([[9, 9, 0], [9, 0, 0]]), 9, torch.zeros(2, 2, 1))
 
 

@@ -28,8 +28,9 @@ def reference(micro_batch_size, num_microbatches):
     ],
     ids=["lm_tp2_encoder_dp2", "lm_dp2_encoder_tp2", "lm_tp2xgtp2_encoder_tp2xdp2"],
 )
-def test_colocated_forward_backward_matches_single_process(world, language, encoder, micro_batch_size,
-                                                           num_microbatches, reference_microbatches):
+def test_colocated_forward_backward_matches_single_process(
+    world, language, encoder, micro_batch_size, num_microbatches, reference_microbatches
+):
     ref_loss, ref_grads = reference(micro_batch_size, reference_microbatches)
     results = run_distributed(grads_after_one_batch, world, language, encoder, num_microbatches, micro_batch_size)
     for loss, grads in results:

@@ -33,7 +33,10 @@ def test_data_index_counts_gtp_peers_as_data_shards_and_tp_peers_as_one():
     [
         ({LANGUAGE_MODEL: RankLayout(dp=4), "images": RankLayout(dp=2, rank_offset=2)}, "partly overlap"),
         ({LANGUAGE_MODEL: RankLayout(dp=2, rank_offset=3), "images": RankLayout(dp=2)}, "without holes"),
-        ({LANGUAGE_MODEL: RankLayout(pp=2), "images": RankLayout(dp=2)}, "pipeline and context parallel sizes must be 1"),
+        (
+            {LANGUAGE_MODEL: RankLayout(pp=2), "images": RankLayout(dp=2)},
+            "pipeline and context parallel sizes must be 1",
+        ),
         ({"images": RankLayout(dp=2)}, "need a 'language_model' layout"),
     ],
 )

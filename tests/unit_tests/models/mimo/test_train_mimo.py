@@ -11,9 +11,11 @@ from megatron.training.arguments import ArgumentError
 from tests.unit_tests.dist_harness import run_distributed
 
 SCRIPT = pathlib.Path(__file__).parents[4] / "examples" / "mimo" / "train_mimo.py"
-ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--global-batch-size 8 --train-iters 6 --lr 3e-3 --image-size 8 --patch-size 4 --encoder-num-layers 1 "
-        "--encoder-hidden-size 16 --log-interval 3").split()
+ARGV = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 8 --train-iters 6 --lr 3e-3 --image-size 8 --patch-size 4 --encoder-num-layers 1 "
+    "--encoder-hidden-size 16 --log-interval 3"
+).split()
 
 
 def load_script():

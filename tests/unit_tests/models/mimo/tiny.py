@@ -33,13 +33,27 @@ LM_HIDDEN = 32
 
 
 def language_config(tp=1, gtp=1) -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=LM_HIDDEN, num_attention_heads=4, ffn_hidden_size=64,
-                             tensor_model_parallel_size=tp, generalized_tensor_parallel_size=gtp, init_seed=7)
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=LM_HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        tensor_model_parallel_size=tp,
+        generalized_tensor_parallel_size=gtp,
+        init_seed=7,
+    )
 
 
 def encoder_config(tp=1, gtp=1) -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
-                             tensor_model_parallel_size=tp, generalized_tensor_parallel_size=gtp, init_seed=8)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        tensor_model_parallel_size=tp,
+        generalized_tensor_parallel_size=gtp,
+        init_seed=8,
+    )
 
 
 def dataset(num_samples=64) -> SyntheticImageCaptionDataset:
@@ -48,8 +62,9 @@ def dataset(num_samples=64) -> SyntheticImageCaptionDataset:
 
 def build_job(language: dict, encoder: dict, placement="colocated", micro_batch_size=2):
     """(roles, collections, model, ddp modules, bridges) of this rank."""
-    roles = MimoRoles.build(dist.get_world_size(), language=language, modalities={"images": encoder},
-                            placement=placement)
+    roles = MimoRoles.build(
+        dist.get_world_size(), language=language, modalities={"images": encoder}, placement=placement
+    )
     collections = roles.build_collections()
     lm_cfg = language_config(language.get("tp", 1), language.get("gtp", 1))
     enc_cfg = encoder_config(encoder.get("tp", 1), encoder.get("gtp", 1))
@@ -57,9 +72,12 @@ def build_job(language: dict, encoder: dict, placement="colocated", micro_batch_
     def language_model(pg):
         return GPTModel(lm_cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, pg_collection=pg)
 
-    model = build_mimo_model(collections, language_model,
-                             {"images": image_submodule_provider(enc_cfg, IMAGE, PATCH, LM_HIDDEN)},
-                             {"images": IMAGE_TOKEN})
+    model = build_mimo_model(
+        collections,
+        language_model,
+        {"images": image_submodule_provider(enc_cfg, IMAGE, PATCH, LM_HIDDEN)},
+        {"images": IMAGE_TOKEN},
+    )
     ddp = wrap_with_ddp(model, collections, DistributedDataParallelConfig())
     bridges = build_bridges(roles, micro_batch_size, {"images": (NUM_IMAGE_TOKENS, LM_HIDDEN)})
     return roles, collections, model, ddp, bridges
@@ -73,13 +91,24 @@ def iterators(roles, collections, bridges, data, start=0):
     language, images = None, {}
     if LANGUAGE_MODEL in collections:
         layout = roles.layouts[LANGUAGE_MODEL]
-        language = microbatches(data, start_sample=start, micro_batch_size=bridges["images"].language_micro_batch_size,
-                                data_rank=data_index(layout, me), data_width=data_width(layout), device="cpu")
+        language = microbatches(
+            data,
+            start_sample=start,
+            micro_batch_size=bridges["images"].language_micro_batch_size,
+            data_rank=data_index(layout, me),
+            data_width=data_width(layout),
+            device="cpu",
+        )
     if "images" in collections:
         layout = roles.layouts["images"]
-        images["images"] = microbatches(data, start_sample=start,
-                                        micro_batch_size=bridges["images"].encoder_micro_batch_size,
-                                        data_rank=data_index(layout, me), data_width=data_width(layout), device="cpu")
+        images["images"] = microbatches(
+            data,
+            start_sample=start,
+            micro_batch_size=bridges["images"].encoder_micro_batch_size,
+            data_rank=data_index(layout, me),
+            data_width=data_width(layout),
+            device="cpu",
+        )
     return language, images
 
 
