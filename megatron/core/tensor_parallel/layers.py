@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.backend import fused_backend
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import gtp as gtp_ops
 from megatron.core.tensor_parallel.mappings import (
@@ -128,9 +129,13 @@ class ColumnParallelLinear(torch.nn.Module):
             x = gather_from_sequence_parallel_region(x, tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, tp_group)
-        out = _linear(x, self.weight, self.pg_collection, self.config)
-        if self.bias is not None and not self.skip_bias_add:
-            out = out + self.bias
+        add_bias = self.bias is not None and not self.skip_bias_add
+        if add_bias and not self.weight.gtp_sharded and fused_backend("linear_bias", x.device) == "triton":
+            out = F.linear(x, self.weight, self.bias)  # the bias is added in the GEMM's epilogue
+        else:
+            out = _linear(x, self.weight, self.pg_collection, self.config)
+            if add_bias:
+                out = out + self.bias
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, tp_group)
             out = unpack_tp_gathered(out, out.dim() - 1, self.output_partition_sizes, self.pg_collection.size("tp"))
