@@ -62,7 +62,7 @@ class _GatedTorch(torch.autograd.Function):
 def activation(x: torch.Tensor, bias: torch.Tensor | None, func, gated: bool) -> torch.Tensor:
     """``func(x + bias)`` (``bias`` may be None); gated: ``func(gate) * up`` of the biased ``x``."""
     fusable = _FUSABLE.get(func)
-    if fusable is None:
+    if fusable is None or torch.compiler.is_compiling():  # compiled: Inductor fuses the plain ops
         return activation_reference(x, bias, func, gated)
     name, func_backward, backward_kwargs = fusable
     if fused_backend("activation", x.device) == "torch" or (bias is not None and bias.dtype != x.dtype):

@@ -55,18 +55,19 @@ def _rotate_into(out, x, cos, sin, inverse: bool) -> None:
 
     With ``h = rot / 2`` halves, the forward ``x * cos + rotate_half(x) * sin`` is
     ``[x1 cos1 - x2 sin1, x2 cos2 + x1 sin2]`` element for element, and the gradient autograd
-    derives for it is ``[g1 cos1 + g2 sin2, g2 cos2 - g1 sin1]``: the same rounding, without
-    temporaries of the full width or a concatenation.
+    derives for it is ``[g1 cos1 + g2 sin2, g2 cos2 - g1 sin1]``: the same rounding, with one
+    full-width product and two half-width updates in place of a concatenation.
     """
     rot = cos.shape[-1]
     half = rot // 2
     x1, x2 = x[..., :half], x[..., half:rot]
+    torch.mul(x[..., :rot], cos, out=out[..., :rot])
     if inverse:
-        torch.add(x1 * cos[..., :half], x2 * sin[..., half:], out=out[..., :half])
-        torch.sub(x2 * cos[..., half:], x1 * sin[..., :half], out=out[..., half:rot])
+        out[..., :half].add_(x2 * sin[..., half:])
+        out[..., half:rot].sub_(x1 * sin[..., :half])
     else:
-        torch.sub(x1 * cos[..., :half], x2 * sin[..., :half], out=out[..., :half])
-        torch.add(x2 * cos[..., half:], x1 * sin[..., half:], out=out[..., half:rot])
+        out[..., :half].sub_(x2 * sin[..., :half])
+        out[..., half:rot].add_(x1 * sin[..., half:])
     if rot < x.shape[-1]:
         out[..., rot:] = x[..., rot:]
 
@@ -110,6 +111,8 @@ def split_qkv(
     q and k rotated by ``freqs`` when given."""
     if freqs is None:
         return _split_views(qkv, heads, groups, head_dim)
+    if torch.compiler.is_compiling():  # Inductor fuses the plain ops
+        return split_qkv_reference(qkv, heads, groups, head_dim, freqs)
     if fused_backend("rope", qkv.device) == "torch":
         if not needs_autograd(qkv):
             return _split_rotate(qkv, freqs, heads, groups, head_dim)[:3]
