@@ -2,10 +2,11 @@
 
 One program per token: it reads the token's packed ``[Q | K | V]`` row, rotates every query
 and key head by the token's angles (cos/sin computed in fp32 from ``freqs``; channels past
-``rot`` pass through) and writes q ``[s, b, heads, d]`` and k ``[s, b, groups, d]``; v stays a
-view of the packed input. The backward applies the inverse rotation to the incoming q/k
-gradients (any strides, as attention backward returns them), copies the v gradient, and writes
-the packed ``[s, b, (heads + 2 * groups) * d]`` gradient in one pass: no concatenation.
+``rot`` pass through) and writes q ``[s, b, heads, d]``, k and v ``[s, b, groups, d]``, all
+stored batch-major (``[b, s, n, d]`` memory: the layout attention kernels read contiguously).
+The backward applies the inverse rotation to the incoming q/k gradients (any strides, as
+attention backward returns them), copies the v gradient, and writes the packed
+``[s, b, (heads + 2 * groups) * d]`` gradient in one pass: no concatenation.
 ``freqs`` may broadcast over the batch (stride 0).
 """
 
@@ -33,9 +34,12 @@ def _split_rotary_fwd_kernel(
     freqs_ptr,
     q_ptr,
     k_ptr,
+    v_ptr,
     batch,
     f_stride_s,
     f_stride_b,
+    out_stride_s,
+    out_stride_b,
     HEADS: tl.constexpr,
     GROUPS: tl.constexpr,
     DIM: tl.constexpr,
@@ -47,14 +51,22 @@ def _split_rotary_fwd_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     rot, partner, cos, sin, _ = _rotation(freqs_ptr, token, batch, f_stride_s, f_stride_b, cols, ROT)
-    mask = (heads < HEADS + GROUPS) & (cols < DIM)
+    mask = (heads < HEADS + 2 * GROUPS) & (cols < DIM)
     row = qkv_ptr + token * (HEADS + 2 * GROUPS) * DIM + heads * DIM
     x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(row + partner, mask=mask & rot, other=0.0).to(tl.float32)
+    rotated = rot & (heads < HEADS + GROUPS)  # v passes unrotated
+    x_partner = tl.load(row + partner, mask=mask & rotated, other=0.0).to(tl.float32)
     x_partner = tl.where(cols < ROT // 2, -x_partner, x_partner)
-    y = tl.where(rot, x * cos + x_partner * sin, x).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + token * HEADS * DIM + heads * DIM + cols, y, mask=mask & (heads < HEADS))
-    tl.store(k_ptr + token * GROUPS * DIM + (heads - HEADS) * DIM + cols, y, mask=mask & (heads >= HEADS))
+    y = tl.where(rotated, x * cos + x_partner * sin, x).to(q_ptr.dtype.element_ty)
+    # Outputs share the [s, b] strides (in elements per head of DIM: q has HEADS heads a token, k and v GROUPS).
+    s_idx, b_idx = token // batch, token % batch
+    q_out = q_ptr + (s_idx * out_stride_s + b_idx * out_stride_b) * HEADS * DIM + heads * DIM
+    kv_token = (s_idx * out_stride_s + b_idx * out_stride_b) * GROUPS * DIM
+    tl.store(q_out + cols, y, mask=mask & (heads < HEADS))
+    k_out = k_ptr + kv_token + (heads - HEADS) * DIM
+    tl.store(k_out + cols, y, mask=mask & (heads >= HEADS) & (heads < HEADS + GROUPS))
+    v_out = v_ptr + kv_token + (heads - HEADS - GROUPS) * DIM
+    tl.store(v_out + cols, y, mask=mask & (heads >= HEADS + GROUPS))
 
 
 @triton.jit
@@ -106,7 +118,7 @@ def _split_rotary_bwd_kernel(
 
 
 def _blocks(heads: int, groups: int, head_dim: int) -> tuple[int, int, int]:
-    block_h, block_d = triton.next_power_of_2(heads + groups), triton.next_power_of_2(head_dim)
+    block_h, block_d = triton.next_power_of_2(heads + 2 * groups), triton.next_power_of_2(head_dim)
     return block_h, block_d, min(max(block_h * block_d // 512, 1), 8)
 
 
@@ -118,19 +130,26 @@ def _freqs_strides(freqs: torch.Tensor, batch: int) -> tuple[int, int]:
 
 
 def split_rotary_forward(qkv, freqs, heads, groups, head_dim):
-    """``(q, k, v)`` of :func:`megatron.core.fusions.rope.split_qkv` (q, k new tensors, v a view)."""
+    """``(q, k, v)`` of :func:`megatron.core.fusions.rope.split_qkv`: new tensors of shape
+    ``[s, b, n, d]`` stored batch-major (``[b, s, n, d]`` memory, as attention kernels read it)."""
     qkv = qkv.contiguous()
     s, b, _ = qkv.shape
-    q = torch.empty(s, b, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    k = torch.empty(s, b, groups, head_dim, device=qkv.device, dtype=qkv.dtype)
+
+    def batch_major(n):
+        return torch.empty(b, s, n, head_dim, device=qkv.device, dtype=qkv.dtype).transpose(0, 1)
+
+    q, k, v = batch_major(heads), batch_major(groups), batch_major(groups)
     block_h, block_d, warps = _blocks(heads, groups, head_dim)
     _split_rotary_fwd_kernel[(s * b,)](
         qkv,
         freqs,
         q,
         k,
+        v,
         b,
         *_freqs_strides(freqs, b),
+        q.stride(0) // (heads * head_dim),  # the outputs' [s, b] strides, in tokens
+        q.stride(1) // (heads * head_dim),
         heads,
         groups,
         head_dim,
@@ -139,7 +158,6 @@ def split_rotary_forward(qkv, freqs, heads, groups, head_dim):
         block_d,
         num_warps=warps,
     )
-    v = qkv[..., (heads + groups) * head_dim :].view(s, b, groups, head_dim)
     return q, k, v
 
 
