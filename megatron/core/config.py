@@ -1,7 +1,7 @@
 """Model-parallel and transformer configuration dataclasses, validated once in __post_init__.
 
-Every error is a :class:`ConfigError` (a ``ValueError``) naming the fields at fault and
-what would be accepted.
+Every error is a :class:`ConfigError` (a :class:`~megatron.core.errors.MegatronConfigError`,
+so a ``ValueError``) naming the fields at fault and what would be accepted.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import ACTIVATIONS
+from megatron.core.errors import MegatronConfigError
 
 
-class ConfigError(ValueError):
+class ConfigError(MegatronConfigError):
     """An invalid configuration; the message names the fields that disagree."""
 
 
