@@ -186,12 +186,18 @@ class TransformerConfig(ModelParallelConfig):
 
     @classmethod
     def from_dict(cls, data: dict) -> TransformerConfig:
-        """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError. Fields this
-        version does not know are ignored."""
+        """Inverse of :meth:`to_dict`. Raises ConfigError naming every field this version does
+        not know (a record from a newer version, or a typo: nothing is silently dropped) and for
+        unknown activation names."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.__name__} field(s) {', '.join(map(repr, unknown))}; accepted fields: {', '.join(known)}"
+            )
         data = dict(data)
         if isinstance(data.get("params_dtype"), str):
             data["params_dtype"] = getattr(torch, data["params_dtype"])
         if isinstance(data.get("activation_func"), str):
             data["activation_func"] = activation_from_name(data["activation_func"])
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**data)
