@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from megatron.core.errors import MegatronInputError
 from megatron.core.inference.engines import DynamicInferenceEngine, RequestOutput
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.stop_words import StopSequenceMatcher
@@ -41,7 +42,7 @@ from megatron.core.process_groups import ProcessGroupCollection
 Prompt = str | Sequence[int]
 
 
-class PromptTypeError(ValueError):
+class PromptTypeError(MegatronInputError):
     """A prompt that is neither a string (with a tokenizer) nor a list of token ids."""
 
 

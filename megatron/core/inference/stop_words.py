@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron.core.errors import MegatronInputError
 
-class InvalidStopSequencesError(ValueError):
+
+class InvalidStopSequencesError(MegatronInputError):
     """``stop`` was not a string or a list of non-empty strings."""
 
 
@@ -27,7 +29,7 @@ def normalize_stop_sequences(stop: str | Sequence[str] | None) -> tuple[str, ...
     return tuple(sequences)
 
 
-class StopSequenceFinishedError(ValueError):
+class StopSequenceFinishedError(MegatronInputError):
     """The matcher was fed after it stopped or was finished."""
 
 

@@ -18,11 +18,14 @@ from typing import Any
 
 import msgpack
 
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
 
 
-class ProtocolError(ValueError):
-    """Bytes that are not a well-formed message of this protocol."""
+class ProtocolError(MegatronRuntimeError):
+    """Bytes that are not a well-formed message of this protocol (a fault of the peer that sent
+    them, or of the code that built them; never of a request's values, which are checked on
+    their own)."""
 
 
 class MessageKind(enum.StrEnum):

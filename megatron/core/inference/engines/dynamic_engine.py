@@ -27,7 +27,6 @@ from torch import nn
 from megatron.core.inference.contexts.capacity import CapacityConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
 from megatron.core.inference.engines.errors import (
-    DuplicateRequestIdError,
     EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
@@ -35,6 +34,7 @@ from megatron.core.inference.engines.errors import (
 from megatron.core.inference.engines.requests import EngineRequest, RequestOutput, RequestStatus
 from megatron.core.inference.engines.scheduler import ScheduledRequest, Scheduler
 from megatron.core.inference.engines.speculative import MTPDrafter
+from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.sampling import SamplingParams, make_generator, sample, token_logprobs
 from megatron.core.inference.stop_words import StopSequenceMatcher

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.inference.coordinator.client import InferenceClient, RequestHandle
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
 from megatron.core.inference.sampling import SamplingParams
@@ -28,7 +29,7 @@ _TOO_LARGE = {
 _UNAVAILABLE = {"EngineLostError", "CoordinatorStoppedError", "ClientClosedError"}
 
 
-class ServerConfigError(ValueError):
+class ServerConfigError(MegatronConfigError):
     """A server option out of range or naming an unknown parser."""
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from megatron.core.inference.contexts.errors import PromptTooLongError
+from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.sampling import SamplingParams
 
 EOS_ID = 257  # the byte-level tokenizer's <eos>
@@ -108,7 +109,7 @@ class HashEngine:
             if len(prompt_tokens) > self.max_sequence_length:
                 raise PromptTooLongError(prompt_length=len(prompt_tokens), max_sequence_length=self.max_sequence_length)
             if request_id in self.requests:
-                raise ValueError(f"request {request_id!r} is already in the engine")
+                raise DuplicateRequestIdError(request_id=request_id)
             self.requests[request_id] = _Request(list(prompt_tokens), sampling_params)
 
     def abort(self, request_id: str) -> None:

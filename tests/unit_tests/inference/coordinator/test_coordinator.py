@@ -5,14 +5,16 @@ import asyncio
 import pytest
 import zmq
 
-from megatron.core.inference.contexts.errors import InferenceRequestError, PromptTooLongError
+from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.coordinator import (
     ClientStateError,
+    DuplicateRequestIdError,
     EngineLostError,
     InferenceClient,
     InferenceCoordinator,
 )
 from megatron.core.inference.coordinator.messages import MessageKind, encode
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
 
 from .cluster import async_wait_until, run_with_client, running_cluster, serving, wait_until
@@ -163,13 +165,13 @@ def test_a_duplicate_id_from_another_client_is_refused_without_touching_the_firs
             first = await client.submit([1], SamplingParams(temperature=0.0, max_tokens=30), request_id="same")
             async with InferenceClient(coordinator.address) as other:
                 duplicate = await (await other.submit([2], GREEDY, request_id="same")).result()
-            with pytest.raises(ClientStateError, match="request id 'same' is already in flight on this client"):
+            with pytest.raises(DuplicateRequestIdError, match="request id 'same' is already in use"):
                 await client.submit([3], GREEDY, request_id="same")
             return duplicate, await first.result()
 
         duplicate, first = run_with_client(coordinator, scenario)
         assert duplicate["finish_reason"] == "error"
-        assert "request id 'same' is already in flight" in duplicate["error"]["message"]
+        assert InferenceRequestError.from_dict(duplicate["error"]) == DuplicateRequestIdError(request_id="same")
         assert first["finish_reason"] == "length" and first["generated_tokens"] == 30
         assert_no_routing_state(coordinator)
 

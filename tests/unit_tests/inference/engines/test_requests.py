@@ -7,7 +7,6 @@ import pytest
 
 from megatron.core.inference.contexts.errors import (
     CapacityError,
-    InferenceRequestError,
     PromptExceedsStepTokenLimitError,
     PromptTooLongError,
 )
@@ -18,6 +17,7 @@ from megatron.core.inference.engines import (
     MaxSequenceLengthOverflowError,
     RequestOutput,
 )
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import gpt_model, prompts, run
 from tests.unit_tests.transformer.single_rank import on_single_rank
