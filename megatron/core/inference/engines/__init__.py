@@ -7,6 +7,7 @@ from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
+    StopSequencesNeedTokenizerError,
 )
 from megatron.core.inference.engines.requests import RequestOutput, RequestStatus
 
@@ -18,4 +19,5 @@ __all__ = [
     "MaxSequenceLengthOverflowError",
     "RequestOutput",
     "RequestStatus",
+    "StopSequencesNeedTokenizerError",
 ]

@@ -21,6 +21,7 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
         num_blocks=64,
         max_requests=8,
         max_sequence_length=48,
+        tokenizer=TOKENIZER,
         pg_collection=pg,
     )
     requests = prompts([5, 9, 3])
