@@ -16,21 +16,24 @@ from collections.abc import Sequence
 from megatron.core.inference.stop_words import StopSequenceMatcher
 
 REPLACEMENT_CHARACTER = "\ufffd"
-# A UTF-8 character has at most 4 bytes and a token at least one, so a character still incomplete
-# at the end of the text lies within its last 3 tokens: beyond that many, text is not held back.
-MAX_HELD_TOKENS = 3
+# An incomplete UTF-8 character at the end of a text has at most 3 bytes, and a token at least
+# one, so it lies within the last 3 tokens; a window longer than _MAX_WINDOW is cut back to them.
+_TAIL_TOKENS = 3
+_MAX_WINDOW = 5
 
 
 class IncrementalDetokenizer:
-    """Decodes a growing token list into text deltas.
+    """Decodes a growing token list into text deltas that never change once emitted.
 
-    The window of ids decoded is the previously emitted piece (context: tokenizers that render a
-    token differently at the start of a text, e.g. SentencePiece's leading space, then decode the
-    new ids as they would mid-text) followed by the ids not emitted yet. Text ending in U+FFFD (a
-    multi-byte character split across tokens) is held back while at most :data:`MAX_HELD_TOKENS`
-    ids are pending; past that, the longest prefix of the pending ids whose text ends on a whole
-    character is emitted (or the first pending id when none does: its bytes cannot be completed by
-    later tokens), so the window, and the work per token, stay bounded.
+    Each :meth:`add` decodes a short window of recent ids and emits the characters of its text
+    past those already emitted, except the last one when it is U+FFFD: that may be a multi-byte
+    character split across tokens, which a later token completes. After a token that ends on a
+    whole character the window keeps only that token (as context: tokenizers that render a token
+    differently at the start of a text, like SentencePiece's leading space, then render the next
+    one as mid-text); while the text ends in U+FFFD the window grows, up to ``_MAX_WINDOW`` ids,
+    then keeps the last ``_TAIL_TOKENS`` (which hold any incomplete character). So the ids decoded
+    per token are bounded (about 3 for ordinary text, at most 6 on average for invalid UTF-8),
+    and the deltas concatenate to the decode of the whole list (for tokens of at least one byte).
 
     Args:
         tokenizer: has ``detokenize(ids, skip_special_tokens=...)``.
@@ -40,43 +43,38 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._window: list[int] = []  # context ids, then pending ids
-        self._num_context = 0
-        self._context_text: str | None = ""  # decoded context; None until needed again
+        self._window: list[int] = []
+        self._emitted = 0  # characters of the window's text already emitted
 
     def add(self, token_id: int) -> str:
-        """Append one token id; return the text it completes ("" while a character is incomplete)."""
+        """Append one token id; return the text it settles ("" while a character is incomplete)."""
         self._window.append(int(token_id))
-        text = self._decode(len(self._window))
-        if not text.endswith(REPLACEMENT_CHARACTER):
-            return self._emit(len(self._window), text)
-        if len(self._window) - self._num_context <= MAX_HELD_TOKENS:
-            return ""
-        for end in range(len(self._window) - 1, self._num_context + 1, -1):
-            text = self._decode(end)
-            if not text.endswith(REPLACEMENT_CHARACTER):
-                return self._emit(end, text)
-        end = self._num_context + 1
-        return self._emit(end, self._decode(end))
-
-    def flush(self) -> str:
-        """The text still held back (an incomplete character decodes to U+FFFD); nothing stays pending."""
-        return self._emit(len(self._window), self._decode(len(self._window)))
-
-    def _emit(self, end: int, text: str) -> str:
-        """Emit the text of the pending ids before ``end`` (``text`` decodes ``window[:end]``); they
-        become the context of the next window."""
-        if self._context_text is None:
-            self._context_text = self._decode(self._num_context)
-        delta = text[len(self._context_text) :]
-        del self._window[: self._num_context]
-        self._num_context = end - self._num_context
-        self._context_text = None
+        text = self._decode()
+        settled = len(text) - text.endswith(REPLACEMENT_CHARACTER)
+        delta = text[self._emitted : settled]
+        self._emitted = max(self._emitted, settled)
+        if settled == len(text):
+            self._rebase(1, holds_incomplete=False)
+        elif len(self._window) > _MAX_WINDOW:
+            self._rebase(_TAIL_TOKENS, holds_incomplete=True)
         return delta
 
-    def _decode(self, end: int) -> str:
-        ids = self._window[:end]
-        return self._tokenizer.detokenize(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes to U+FFFD); resets the window."""
+        delta = self._decode()[self._emitted :]
+        self._window, self._emitted = [], 0
+        return delta
+
+    def _rebase(self, keep: int, holds_incomplete: bool) -> None:
+        """Keep the last ``keep`` ids. Their text is emitted already, but for the trailing U+FFFD
+        of a character they may still complete (``holds_incomplete``)."""
+        if len(self._window) > keep:
+            del self._window[:-keep]
+            text = self._decode()
+            self._emitted = len(text) - (holds_incomplete and text.endswith(REPLACEMENT_CHARACTER))
+
+    def _decode(self) -> str:
+        return self._tokenizer.detokenize(self._window, skip_special_tokens=self._skip_special_tokens)
 
 
 class TextStream:
