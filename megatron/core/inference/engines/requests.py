@@ -39,14 +39,14 @@ class RequestOutput:
     """What one step reports for one request (a streaming delta, or its terminal output).
 
     ``new_token_ids`` / ``new_log_probs``: tokens produced since this request's previous output
-    (log-probs only when ``SamplingParams.logprobs``). ``new_text``: the text those outputs settle
+    (log-probs only when ``SamplingParams.logprobs``). ``new_text``: the text settled since then
     (see :class:`~megatron.core.inference.text_stream.TextStream`: an incomplete character or a
-    possible start of a stop sequence waits for a later output; the text of a stop sequence and
-    after it never comes); the ``new_text`` of all outputs concatenate to the request's text. None
-    when the engine has no tokenizer. ``generated_tokens`` counts exactly the tokens reported (a
-    stop sequence ends generation at the token that completes it). ``prompt_log_probs`` (log-prob of prompt
-    tokens 1..n-1) comes on the first output when ``return_prompt_logprobs``. ``error`` is the
-    serialized ``InferenceRequestError`` when ``finish_reason == "error"``.
+    possible start of a stop sequence waits for a later output; a stop sequence and what follows
+    never come); the ``new_text`` of all outputs concatenate to the request's text; None when the
+    engine has no tokenizer. ``generated_tokens`` counts exactly the tokens reported (a stop
+    sequence ends generation at the token that completes it). ``prompt_log_probs`` (log-prob of
+    prompt tokens 1..n-1) comes on the first output when ``return_prompt_logprobs``. ``error`` is
+    the serialized ``InferenceRequestError`` when ``finish_reason == "error"``.
     """
 
     request_id: str
