@@ -42,10 +42,14 @@ class StopCheck:
 
 
 class StopSequenceMatcher:
-    """Watches the detokenized output of one request for its stop sequences."""
+    """Watches the detokenized output of one request for its stop sequences.
 
-    def __init__(self, stop: str | Sequence[str] | None) -> None:
-        self._stops = normalize_stop_sequences(stop)
+    ``stops``: the request's normalized stop sequences (``SamplingParams.stop``, see
+    :func:`normalize_stop_sequences`).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
         self._pending = ""
         self._done = False
 

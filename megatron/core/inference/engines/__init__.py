@@ -6,6 +6,7 @@ from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
+    StopSequencesNeedTokenizerError,
 )
 from megatron.core.inference.engines.requests import RequestOutput, RequestStatus
 from megatron.core.inference.errors import DuplicateRequestIdError
@@ -18,4 +19,5 @@ __all__ = [
     "MaxSequenceLengthOverflowError",
     "RequestOutput",
     "RequestStatus",
+    "StopSequencesNeedTokenizerError",
 ]

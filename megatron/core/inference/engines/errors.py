@@ -38,5 +38,14 @@ class InvalidPromptError(RequestRejectedError):
         return f"invalid prompt: {reason}; send a non-empty list of token ids in [0, {vocab_size})"
 
 
+class StopSequencesNeedTokenizerError(RequestRejectedError):
+    """Stop sequences sent to an engine without a tokenizer (it cannot see text)."""
+
+    fields = ("stop",)
+
+    def describe(self, stop):
+        return f"stop sequences {stop!r} need an engine built with a tokenizer; this one has none, send no stop"
+
+
 class EngineConfigError(MegatronConfigError):
     """The engine was configured with values it does not accept (message names them)."""

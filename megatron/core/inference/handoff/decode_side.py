@@ -364,6 +364,7 @@ class DecodeSide:
                 request_id=imp.request_id,
                 new_token_ids=[],
                 new_log_probs=[],
+                new_text="",
                 finished=True,
                 finish_reason=reason,
                 error=error.to_dict() if error is not None else None,

@@ -122,6 +122,7 @@ def _terminal(request_id: str, reason: str, prompt_tokens: int, error: dict | No
         request_id=request_id,
         new_token_ids=[],
         new_log_probs=[],
+        new_text="",
         finished=True,
         finish_reason=reason,
         error=error,

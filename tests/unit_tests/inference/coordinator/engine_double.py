@@ -4,7 +4,9 @@ Generated token ``i`` of a prompt is a lowercase ASCII letter picked by a hash o
 (prompt, i) (:func:`expected_tokens`), one token per step for every active request.
 Requests move waiting -> active (at most ``max_active`` at a time) -> finished; a test can
 also park an active request in the ``paused`` state (as memory pressure would) with
-:meth:`HashEngine.park`. Aborts are honored in every state with one terminal output.
+:meth:`HashEngine.park`. Aborts are honored in every state with one terminal output. Text and
+stop sequences come from the engine's own :class:`TextStream` over the byte-level tokenizer,
+with the engine's finish rules (EOS, then a completed stop sequence, then the length budget).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from dataclasses import asdict, dataclass, field
 from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.text_stream import TextStream
+from megatron.core.tokenizers import ByteLevelTokenizer
 
 EOS_ID = 257  # the byte-level tokenizer's <eos>
+TOKENIZER = ByteLevelTokenizer()
 
 
 def expected_token(prompt_tokens: Sequence[int], index: int) -> int:
@@ -42,6 +47,7 @@ class DoubleOutput:
     request_id: str
     new_token_ids: list[int]
     new_log_probs: list[float]
+    new_text: str
     finished: bool
     finish_reason: str | None
     error: dict | None
@@ -61,6 +67,7 @@ class DoubleOutput:
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    text: TextStream
     state: str = "waiting"  # waiting | active | paused
     generated: list[int] = field(default_factory=list)
     first_output_sent: bool = False
@@ -110,7 +117,9 @@ class HashEngine:
                 raise PromptTooLongError(prompt_length=len(prompt_tokens), max_sequence_length=self.max_sequence_length)
             if request_id in self.requests:
                 raise DuplicateRequestIdError(request_id=request_id)
-            self.requests[request_id] = _Request(list(prompt_tokens), sampling_params)
+            self.requests[request_id] = _Request(
+                list(prompt_tokens), sampling_params, TextStream(TOKENIZER, sampling_params.stop)
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -185,9 +194,12 @@ class HashEngine:
         limit = request.params.max_tokens or self.max_sequence_length - len(request.prompt)
         reason = None
         if token == EOS_ID and not request.params.ignore_eos:
+            request.text.finish()
+            reason = "stop"
+        elif request.text.add_token(token):
             reason = "stop"
         elif len(request.generated) >= limit:
-            reason = "length"
+            reason = "stop" if request.text.finish() else "length"
         output = self._output(rid, request, [token], reason)
         if reason is not None:
             del self.requests[rid]
@@ -216,6 +228,7 @@ class HashEngine:
             request_id=rid,
             new_token_ids=tokens,
             new_log_probs=[token_log_prob(t) for t in tokens] if params.logprobs else [],
+            new_text=request.text.take(),
             finished=reason is not None,
             finish_reason=reason,
             error=None,

@@ -153,5 +153,5 @@ def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
         [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)],
     )["0"]
     assert ignoring["tokens"] == greedy[:6] and ignoring["finish_reason"] == "length"
-    output = RequestOutput("r", [1, 2], [-0.5, -1.0], True, "stop", None, [-2.0], 5, 2)
+    output = RequestOutput("r", [1, 2], [-0.5, -1.0], "hi", True, "stop", None, [-2.0], 5, 2)
     assert RequestOutput.from_dict(output.to_dict()) == output
