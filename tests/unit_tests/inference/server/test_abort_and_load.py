@@ -18,7 +18,7 @@ from .harness import TOKENIZER, openai_server
 def test_closing_a_stream_mid_generation_aborts_the_request_in_the_engine():
     engine = HashEngine(step_delay_s=0.005)
     with openai_server([engine]) as (server, coordinator):
-        body = {"model": "megatron", "prompt": "long", "max_tokens": 5000, "stream": True}
+        body = {"model": "megatron", "prompt": "long", "max_tokens": 4000, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=10) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: {")
@@ -31,7 +31,7 @@ def test_closing_a_stream_mid_generation_aborts_the_request_in_the_engine():
 def test_a_client_leaving_a_whole_request_aborts_it():
     engine = HashEngine(step_delay_s=0.005)
     with openai_server([engine]) as (server, coordinator):
-        body = {"model": "megatron", "prompt": "long", "max_tokens": 5000}
+        body = {"model": "megatron", "prompt": "long", "max_tokens": 4000}
         try:
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
         except httpx.ReadTimeout:
