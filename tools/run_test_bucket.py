@@ -5,7 +5,7 @@
 
 Every rank runs pytest over the bucket's files; the distributed test harness sees the torchrun
 world and runs each test whose world size matches in place, on NCCL when CUDA is present and on
-gloo (CPU) otherwise. Rank 0's output is shown live; every rank's is kept in a log directory.
+gloo (CPU) otherwise. Rank 0's output is shown live; the other ranks' is kept in a log directory.
 At the end each rank's outcome is summarised, and the command fails (nonzero) when any test
 failed or errored on any rank, naming the rank, or when a rank ended without a report.
 """
@@ -91,7 +91,8 @@ def run_bucket(
     log_dir: str | None = None,
 ) -> int:
     """Run ``files`` under torchrun on ``nproc`` ranks; print a per-rank summary; return the exit
-    code. Every rank's output goes under ``log_dir`` (a temporary directory, kept on failure)."""
+    code. The output of ranks other than 0 goes under ``log_dir`` (a temporary directory, kept on
+    failure)."""
     env = dict(os.environ if env is None else env)
     keep_logs = log_dir is not None
     log_dir = log_dir or tempfile.mkdtemp(prefix=f"bucket_{name}_logs_")
@@ -104,8 +105,7 @@ def run_bucket(
             "--standalone",
             f"--nproc-per-node={nproc}",
             f"--log-dir={log_dir}",
-            "--tee=3",
-            "--local-ranks-filter=0",
+            *([f"--redirects={','.join(f'{rank}:3' for rank in range(1, nproc))}"] if nproc > 1 else []),
             "-m",
             "pytest",
             "-q",
@@ -127,7 +127,7 @@ def run_bucket(
     for line in problems:
         print(line)
     if problems or returncode != 0:
-        print(f"bucket {name} FAILED (torchrun exit status {returncode}); every rank's output is under {log_dir}")
+        print(f"bucket {name} FAILED (torchrun exit status {returncode}); the other ranks' output is under {log_dir}")
         return returncode or 1
     if not keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)

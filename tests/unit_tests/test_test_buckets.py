@@ -84,8 +84,9 @@ def test_the_runner_fails_naming_each_rank_and_test_that_failed(tmp_path, capfd)
     code = run_bucket("planted", [str(planted)], 2, 300, [], env=env, log_dir=str(tmp_path / "logs"))
     out = capfd.readouterr().out
     assert code != 0
-    assert f"bucket planted FAILED (torchrun exit status 1); every rank's output is under {tmp_path}" in out
-    assert len(glob.glob(str(tmp_path / "logs" / "**" / "stdout.log"), recursive=True)) == 2
+    assert f"bucket planted FAILED (torchrun exit status 1); the other ranks' output is under {tmp_path}" in out
+    (rank_one_log,) = glob.glob(str(tmp_path / "logs" / "**" / "1" / "stdout.log"), recursive=True)
+    assert "planted failure on rank 1" in open(rank_one_log).read()
     assert "rank 0: 3 passed, 1 failed, 0 errors, 1 skipped (pytest exit status 1)" in out
     assert "rank 1: 2 passed, 2 failed, 0 errors, 1 skipped (pytest exit status 1)" in out
     failures = [line.split(" - ")[0] for line in out.splitlines() if line.startswith("rank ") and " FAILED " in line]
