@@ -50,12 +50,12 @@ def describe_devices(nproc: int) -> str | None:
     import torch
 
     if not torch.cuda.is_available():
-        return f"CUDA is absent: {nproc} ranks run on CPU with gloo"
+        return f"CUDA is absent: {nproc} rank{'s' * (nproc != 1)} on CPU with gloo"
     found = torch.cuda.device_count()
     if found < nproc:
         print(f"this bucket needs {nproc} GPUs, this machine has {found}", file=sys.stderr)
         return None
-    return f"{nproc} ranks on {nproc} of {found} GPUs with NCCL"
+    return f"{nproc} rank{'s' * (nproc != 1)} on {nproc} of {found} GPUs with NCCL"
 
 
 def summarize(report_dir: str, nproc: int) -> list[str]:
