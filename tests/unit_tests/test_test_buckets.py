@@ -51,7 +51,7 @@ def _echo(path, values):
 
 
 def test_a_rank_raising_fails_the_test_on_every_rank():
-    run_distributed(_rank_one_raises, 2, timeout_s=5)
+    run_distributed(_rank_one_raises, 2, timeout_s=2)
 
 
 def test_the_next_test_meets_in_a_fresh_world():
