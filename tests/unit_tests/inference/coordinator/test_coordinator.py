@@ -68,11 +68,14 @@ def test_aborts_end_waiting_active_and_paused_requests():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            long = SamplingParams(temperature=0.0, max_tokens=10_000)
+            long = SamplingParams(temperature=0.0, max_tokens=4000)
             handles = {
                 name: await client.submit([1], long, request_id=name) for name in ("active", "paused", "waiting")
             }
-            await async_wait_until(lambda: engine.state_of("paused") == "active", "two requests to be active")
+            await async_wait_until(
+                lambda: engine.state_of("paused") == "active" and engine.state_of("waiting") == "waiting",
+                "two requests to be active and the third to reach the engine",
+            )
             engine.park("paused")
             assert [engine.state_of(n) for n in handles] == ["active", "paused", "waiting"]
             for handle in handles.values():
@@ -113,7 +116,7 @@ def test_stop_gives_in_flight_requests_a_terminal_reply_and_engines_leave():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            handle = await client.submit([1], SamplingParams(max_tokens=10_000))
+            handle = await client.submit([1], SamplingParams(max_tokens=4000))
             await async_wait_until(lambda: engine.steps > 2, "generation to start")
             await client.control("stop")
             return await handle.result()
@@ -181,7 +184,7 @@ def test_closing_the_client_resolves_every_handle_and_aborts_in_the_engine():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            handle = await client.submit([1], SamplingParams(max_tokens=10_000))
+            handle = await client.submit([1], SamplingParams(max_tokens=4000))
             await async_wait_until(lambda: engine.steps > 1, "generation to start")
             await client.close()
             await client.close()
