@@ -55,13 +55,12 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(autouse=True)
 def _no_process_group_left_in_the_pytest_process():
     """Forked ranks inherit the pytest process: a process group left initialized here makes
-    later forks hang when they tear it down. Tests must create groups only inside ranks."""
+    later forks hang when they tear it down; under torchrun, it would turn the next single-process
+    test into a multi-rank one. Tests must create groups only inside ranks (run_distributed)."""
     import torch.distributed as dist
 
-    from tests.unit_tests.dist_harness import under_torchrun
-
     yield
-    if dist.is_initialized() and not under_torchrun():
+    if dist.is_initialized():
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

@@ -27,10 +27,11 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     optimal_dtype,
 )
+from megatron.core.errors import MegatronInputError
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
-class PreprocessError(ValueError):
+class PreprocessError(MegatronInputError):
     """An input line that cannot be turned into documents; the message names the line."""
 
 

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.errors import MegatronRuntimeError  # noqa: E402
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator  # noqa: E402
 from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: E402
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS  # noqa: E402
@@ -41,7 +42,7 @@ from megatron.training.initialize import initialize_distributed  # noqa: E402
 REGISTRATION_TIMEOUT_S = 120.0
 
 
-class ReplicaRegistrationError(RuntimeError):
+class ReplicaRegistrationError(MegatronRuntimeError):
     """Not every engine replica registered with the coordinator in time."""
 
 

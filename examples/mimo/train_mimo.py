@@ -378,7 +378,7 @@ class MimoTrainer:
         else:
             parts.append("optimizer state")
         if resume:
-            self.state = TrainState(**loaded["train_state"])
+            self.state = TrainState.from_dict(loaded["train_state"])
             self.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
             parts.append(
                 f"train state (iteration {self.state.iteration}, consumed samples "

@@ -1,7 +1,7 @@
 """Model-parallel and transformer configuration dataclasses, validated once in __post_init__.
 
-Every error is a :class:`ConfigError` (a ``ValueError``) naming the fields at fault and
-what would be accepted.
+Every error is a :class:`ConfigError` (a :class:`~megatron.core.errors.MegatronConfigError`,
+so a ``ValueError``) naming the fields at fault and what would be accepted.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import ACTIVATIONS
+from megatron.core.errors import MegatronConfigError
 
 
-class ConfigError(ValueError):
+class ConfigError(MegatronConfigError):
     """An invalid configuration; the message names the fields that disagree."""
 
 
@@ -185,12 +186,18 @@ class TransformerConfig(ModelParallelConfig):
 
     @classmethod
     def from_dict(cls, data: dict) -> TransformerConfig:
-        """Inverse of :meth:`to_dict`; unknown activation names raise ConfigError. Fields this
-        version does not know are ignored."""
+        """Inverse of :meth:`to_dict`. Raises ConfigError naming every field this version does
+        not know (a record from a newer version, or a typo: nothing is silently dropped) and for
+        unknown activation names."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.__name__} field(s) {', '.join(map(repr, unknown))}; accepted fields: {', '.join(known)}"
+            )
         data = dict(data)
         if isinstance(data.get("params_dtype"), str):
             data["params_dtype"] = getattr(torch, data["params_dtype"])
         if isinstance(data.get("activation_func"), str):
             data["activation_func"] = activation_from_name(data["activation_func"])
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**data)

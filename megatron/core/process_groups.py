@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 
 import torch.distributed as dist
 
+from megatron.core.errors import MegatronConfigError
+
 AXES = ("tp", "gtp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-gtp-cp-dp-pp"
 
@@ -33,11 +35,11 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 GROUP_NAMES = tuple(GROUP_AXES) + ("embd", "pos_embd")
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(MegatronConfigError):
     """A parallel layout that cannot be built; the message names the numbers that disagree."""
 
 
-class MissingProcessGroupError(LookupError):
+class MissingProcessGroupError(MegatronConfigError, LookupError):
     """A process group was asked of a collection that was built without it."""
 
 

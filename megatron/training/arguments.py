@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
+from megatron.core.errors import MegatronConfigError
 
 
-class ArgumentError(ValueError):
+class ArgumentError(MegatronConfigError):
     """A bad or contradictory flag combination; the message names the flags."""
 
 

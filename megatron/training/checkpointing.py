@@ -284,7 +284,7 @@ def load_checkpoint(trainer) -> None:
     else:
         trainer.optimizer.reload_model_params()
     if with_train_state:
-        trainer.state = type(trainer.state)(**loaded["train_state"])
+        trainer.state = type(trainer.state).from_dict(loaded["train_state"])
         trainer.scheduler.load_state_dict(common["scheduler"], on_mismatch=scheduler_mismatch_policy(args))
         loaded_parts.append(
             f"train state (iteration {trainer.state.iteration}, consumed samples {trainer.state.consumed_samples}), "

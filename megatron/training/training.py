@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -31,13 +33,32 @@ from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_pe
 
 @dataclass
 class TrainState:
-    """What a resumed run must restore besides weights and optimizer state."""
+    """What a resumed run must restore besides weights and optimizer state: a few counters,
+    saved in every checkpoint, so nothing here grows with the run. The loss curve is the
+    metrics log's (``--metrics-jsonl``, one record per ``--log-interval``)."""
 
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
-    history: list = field(default_factory=list)
+
+    # Saved by earlier versions, no longer kept: ``history`` was the list of every iteration's loss.
+    RETIRED_FIELDS: ClassVar[tuple[str, ...]] = ("history",)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainState:
+        """The state a checkpoint's ``train_state`` holds (``dataclasses.asdict`` of one). Retired
+        fields of older checkpoints are dropped; a missing field, or one this version does not
+        know, raises CheckpointingError naming it."""
+        known = [f.name for f in fields(cls)]
+        missing = [name for name in known if name not in data]
+        unknown = sorted(set(data) - set(known) - set(cls.RETIRED_FIELDS))
+        if missing or unknown:
+            raise CheckpointingError(
+                f"the checkpoint's train state lacks {missing} and has unknown fields {unknown}; "
+                f"this version reads {known}"
+            )
+        return cls(**{name: data[name] for name in known})
 
 
 class IterationLog:
@@ -59,7 +80,6 @@ class IterationLog:
         state.consumed_samples += args.global_batch_size
         state.skipped_iterations += 0 if update_successful else 1
         state.nan_iterations += int(not math.isfinite(loss))
-        state.history.append(loss)
         self._losses.append(loss)
         if state.iteration % args.log_interval and state.iteration != args.train_iters:
             return

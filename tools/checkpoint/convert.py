@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing import read_latest_iteration  # noqa: E402
+from megatron.core.errors import MegatronError, MegatronInputError
 from megatron.core.models import hf_mapping  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     load_model_config,
@@ -38,7 +39,7 @@ from megatron.training.checkpointing import (  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 
 
-class ConversionError(ValueError):
+class ConversionError(MegatronInputError):
     """A conversion that cannot be done; the message says what was found and what is accepted."""
 
 
@@ -202,7 +203,7 @@ def convert(argv: list[str] | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         path = convert(argv)
-    except ValueError as error:
+    except (ValueError, MegatronError) as error:  # bad input, or a corrupt checkpoint: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"converted {argv if argv is not None else sys.argv[1:]} -> {path}")

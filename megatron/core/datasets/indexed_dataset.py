@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megatron.core.errors import MegatronInputError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 DTYPE_CODES: dict[int, type] = {
@@ -39,7 +41,7 @@ DTYPE_CODES: dict[int, type] = {
 _HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, document count
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegatronInputError):
     """A missing or malformed .bin/.idx pair, or a token that does not fit the dataset dtype."""
 
 

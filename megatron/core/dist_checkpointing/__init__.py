@@ -7,7 +7,7 @@ from megatron.core.dist_checkpointing.core import (
     read_latest_iteration,
     write_latest_iteration,
 )
-from megatron.core.dist_checkpointing.errors import CheckpointingError, CorruptCheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError, CorruptCheckpointError
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.metadata import CheckpointMetadata, read_metadata
@@ -23,6 +23,7 @@ from megatron.core.dist_checkpointing.validation import validate_records
 __all__ = [
     "AssignmentCache",
     "CheckpointMetadata",
+    "CheckpointIOError",
     "CheckpointingError",
     "CorruptCheckpointError",
     "ShardedObject",

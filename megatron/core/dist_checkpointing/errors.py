@@ -1,12 +1,27 @@
-"""Typed failures of distributed checkpointing."""
+"""Typed failures of distributed checkpointing.
+
+* :class:`CheckpointingError` — what the caller asked for cannot be saved or loaded: a sharded
+  state dict whose pieces overlap or leave gaps, a directory that is not a (complete)
+  checkpoint or already exists, a key or shape the checkpoint does not hold. A ``ValueError``.
+* :class:`CheckpointIOError` — writing or reading failed at run time (the file system, or a
+  failure on another rank of the save). A ``RuntimeError``: nothing the caller passed was wrong.
+* :class:`CorruptCheckpointError` — the stored bytes are not what was saved (truncated, checksum
+  mismatch, malformed metadata). A fault of the data, not of the request: a ``RuntimeError``.
+"""
+
+from megatron.core.errors import MegatronInputError, MegatronRuntimeError
 
 
-class CheckpointingError(ValueError):
+class CheckpointingError(MegatronInputError):
     """A sharded state dict, checkpoint directory or request that cannot be saved or loaded.
 
     The message names the keys, offsets and ranks at fault and what would be accepted.
     """
 
 
-class CorruptCheckpointError(CheckpointingError):
+class CheckpointIOError(MegatronRuntimeError):
+    """Writing or reading a checkpoint failed at run time; the message carries each rank's failure."""
+
+
+class CorruptCheckpointError(MegatronRuntimeError):
     """A checkpoint file is truncated or its bytes do not match the checksum recorded at save."""

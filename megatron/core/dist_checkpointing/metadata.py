@@ -115,8 +115,6 @@ class CheckpointMetadata:
             }
             common = _chunk_from_json(raw["common"]) if raw["common"] else None
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            if isinstance(err, CheckpointingError):
-                raise
             raise CorruptCheckpointError(f"{where} is malformed: {type(err).__name__}: {err}") from err
         return cls(tensors, objects, common)
 

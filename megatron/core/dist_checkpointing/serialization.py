@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.core import (
     write_latest_iteration,
 )
 from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves
-from megatron.core.dist_checkpointing.errors import CheckpointingError
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
 from megatron.core.dist_checkpointing.mapping import (
     SHARDED_TYPES,
@@ -65,16 +65,18 @@ class _WrittenPiece:
 
 
 def _on_coordinator(fn, group) -> None:
-    """Run ``fn`` on group rank 0 and raise its failure, as CheckpointingError, on every rank."""
+    """Run ``fn`` on group rank 0 and raise its failure on every rank: a refused request as
+    CheckpointingError, anything else (the file system) as CheckpointIOError."""
     error = None
     if dist_utils.group_rank(group) == 0:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
+            error = (isinstance(exc, CheckpointingError), f"{type(exc).__name__}: {exc}")
     error = dist_utils.broadcast_object(error, group)
     if error:
-        raise CheckpointingError(f"checkpoint coordinator failed: {error}")
+        refused, message = error
+        raise (CheckpointingError if refused else CheckpointIOError)(f"checkpoint coordinator failed: {message}")
 
 
 def _strip_sharded(tree: Any) -> Any:
@@ -114,8 +116,9 @@ def save(
     filesystem they share). Plain values are the common state, saved from group rank 0.
     With ``validate`` the combined sharding is checked first (see ``validation``); with a
     ``parallelization_group`` the writing of replicated pieces is spread over its members
-    (optionally cached in ``assignment_cache``). Raises CheckpointingError on every rank when
-    any rank fails; then ``checkpoint_dir`` does not exist.
+    (optionally cached in ``assignment_cache``). Raises on every rank when any rank fails
+    (CheckpointingError for a refused state dict or path, CheckpointIOError for a failed write);
+    then ``checkpoint_dir`` does not exist.
     """
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     tree, _ = apply_factories(sharded_state_dict)
@@ -245,8 +248,9 @@ def load(
     its data, each factory by its merged tensor, and the saved common state filled in. Any rank
     may ask for any box of a global tensor. Without a ``parallelization_group`` each rank reads
     alone (no collectives); with one, every member must call and requests shared by its
-    members are read once and broadcast. Raises CheckpointingError (CorruptCheckpointError for
-    truncated or corrupted files) naming the key and file at fault.
+    members are read once and broadcast. Raises CheckpointingError for a request the checkpoint
+    cannot answer, CorruptCheckpointError for truncated or corrupted files and CheckpointIOError
+    when reading fails otherwise, naming the key and file at fault.
     """
     metadata = read_metadata(checkpoint_dir)
     tree, factories = apply_factories(sharded_state_dict)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.errors import MegatronConfigError
 
-class DistributedConfigError(ValueError):
+
+class DistributedConfigError(MegatronConfigError):
     """An invalid data-parallel setting; the message names the field and what is accepted."""
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.errors import MegatronRuntimeError
 
-class GradSyncOrderError(RuntimeError):
+
+class GradSyncOrderError(MegatronRuntimeError):
     """A gradient arrived for a bucket whose reduction had already started."""
 
 

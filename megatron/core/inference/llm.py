@@ -8,16 +8,19 @@ Example::
                            SamplingParams(temperature=0.0, max_tokens=32))
     print(outputs[0].text, outputs[1].token_ids)
 
-    # Streaming, from asyncio: partial outputs (RequestOutput) as tokens are produced.
+    # Streaming, from asyncio: partial outputs (RequestOutput) as tokens are produced; their
+    # text deltas concatenate to the text generate() returns.
     async for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=16)):
-        print(delta.new_token_ids, delta.finished)
+        print(delta.new_text, end="", flush=True)
 
 ``model`` is this rank's pipeline stage of a GPTModel / HybridModel built for
 ``pg_collection``'s layout; under torchrun every rank of the model-parallel group constructs
 the LLM and makes the same calls (the engines stay in lockstep). Keyword arguments go to
 :class:`~megatron.core.inference.engines.DynamicInferenceEngine` (pool size, per-step token
 limit, chunked prefill, prefix caching, speculative tokens, ...). Prompts are strings (needs a
-tokenizer) or lists of token ids; outputs come back in prompt order.
+tokenizer) or lists of token ids; outputs come back in prompt order. The text (and stop
+sequences) come from the engine's outputs (``RequestOutput.new_text``): this class decodes
+nothing itself.
 
 The constructor takes a built model. To serve a training checkpoint, rebuild the model from
 its record and load the weights first (``megatron.training.checkpointing``:
@@ -33,21 +36,21 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from megatron.core.errors import MegatronInputError
 from megatron.core.inference.engines import DynamicInferenceEngine, RequestOutput
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.stop_words import StopSequenceMatcher
 from megatron.core.process_groups import ProcessGroupCollection
 
 Prompt = str | Sequence[int]
 
 
-class PromptTypeError(ValueError):
+class PromptTypeError(MegatronInputError):
     """A prompt that is neither a string (with a tokenizer) nor a list of token ids."""
 
 
 @dataclass
 class GenerationOutput:
-    """The whole result of one prompt."""
+    """The whole result of one prompt (``text``: None without a tokenizer)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -85,16 +88,6 @@ class LLM:
         self.engine.add_request(request_id, tokens, params)
         return request_id, tokens
 
-    def _text(self, tokens: list[int], params: SamplingParams) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.detokenize(tokens)
-        if not params.stop:
-            return text
-        matcher = StopSequenceMatcher(params.stop)
-        check = matcher.feed(text)
-        return check.text if check.stopped else check.text + matcher.finish()
-
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -117,11 +110,12 @@ class LLM:
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts; give one or one each")
-        order, partial = [], {}
+        order, partial, texts = [], {}, {}
         for prompt, p in zip(prompt_list, params, strict=True):
             request_id, tokens = self._add(prompt, p)
             order.append(request_id)
             partial[request_id] = GenerationOutput(tokens, [], None, [], None, None)
+            texts[request_id] = []
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 output = partial.get(delta.request_id)
@@ -129,21 +123,25 @@ class LLM:
                     continue
                 output.token_ids += delta.new_token_ids
                 output.log_probs += delta.new_log_probs
+                if delta.new_text is not None:
+                    texts[delta.request_id].append(delta.new_text)
                 if delta.prompt_log_probs is not None:
                     output.prompt_log_probs = delta.prompt_log_probs
                 if delta.finished:
                     output.finish_reason = delta.finish_reason
                     if progress is not None:
                         progress(1)
-        for request_id, p in zip(order, params, strict=True):
-            partial[request_id].text = self._text(partial[request_id].token_ids, p)
+        if self.engine.tokenizer is not None:
+            for request_id, output in partial.items():
+                output.text = "".join(texts[request_id])
         return [partial[request_id] for request_id in order]
 
     async def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Async generator of one prompt's partial outputs, the last one with ``finished``.
-        Concurrent streams on the same event loop are batched into the same engine steps."""
+        """Async generator of one prompt's partial outputs, the last one with ``finished``; their
+        ``new_text`` (with a tokenizer) concatenate to the text :meth:`generate` gives. Concurrent
+        streams on the same event loop are batched into the same engine steps."""
         request_id, _ = self._add(prompt, sampling_params or SamplingParams())
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue

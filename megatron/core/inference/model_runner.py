@@ -1,12 +1,13 @@
 """Runs one step of a (possibly tensor- and pipeline-parallel) model over the dynamic context.
 
 Every rank of a model-parallel group runs the same engine on the same requests, so all ranks
-build the same :class:`StepBatch` in the same order. The first pipeline stage embeds the
-packed tokens; each stage runs its layers through the context's hooks and sends its hidden
-states ``[T, 1, h]`` to the next stage (``torch.distributed`` send/recv over the ``pp``
-group; ``T`` is fixed by the step padding, so shapes are known to both sides). The last stage
-computes the full-vocabulary logits (gathered over TP) and samples; its per-step results reach
-the other stages through :meth:`ModelRunner.share_from_last_stage`.
+build the same :class:`StepBatch` in the same order. Every stage runs the model's own forward,
+``model(token_ids, positions, inference_context=context)``, over the packed step (the context's
+hooks serve each attention and Mamba layer); hidden states ``[T, 1, h]`` go from stage to stage
+through the pipeline's :class:`~megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator`
+(``T``: the step's padded token count, known to both sides). The last stage turns its logits
+into full-vocabulary fp32 logits (gathered over TP) and samples; its per-step decisions reach the
+other stages as one tensor through :meth:`ModelRunner.share_from_last_stage`.
 
 :func:`stage_cache_spec` reads which attention and Mamba layers this stage holds (the
 multi-token-prediction layers keep no cache: see :mod:`engines.speculative`).
@@ -21,6 +22,7 @@ from torch import nn
 from megatron.core.inference.contexts.capacity import StageCacheSpec
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
 from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -66,37 +68,44 @@ class ModelRunner:
     def _stage_rank(self, stage: int) -> int:
         return dist.get_global_rank(self.pg.pp, stage)
 
+    def _pipeline(self, num_tokens: int) -> P2PCommunicator:
+        shape = (num_tokens, 1, self.config.hidden_size)
+        return P2PCommunicator(self.pg.pp, shape, self.config.params_dtype, self.device)
+
     @torch.no_grad()
     def forward(self, context: DynamicInferenceContext, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run this stage on ``batch``; on the last stage return ``(logits [T, V] fp32,
         hidden [T, h])`` (hidden: the decoder output the MTP heads take), else None."""
-        model = self.model
-        ids, positions = batch.token_ids[None], batch.positions[None]  # [1, T]
-        hidden = None
-        if self.is_first_stage:
-            hidden = model.embed(ids, positions)
-        else:
-            received = torch.empty(
-                batch.num_padded_tokens, 1, self.config.hidden_size, dtype=self.config.params_dtype, device=self.device
-            )
-            dist.recv(received, src=self._stage_rank(self.pp_rank - 1), group=self.pg.pp)
-            model.set_input_tensor(received)
-        out = model.decoder(hidden, rotary_pos_emb=model.rotary(positions), inference_context=context)
+        pipeline = self._pipeline(batch.num_padded_tokens) if self.pp_size > 1 else None
+        if not self.is_first_stage:
+            self.model.set_input_tensor(pipeline.recv_forward())
+        output = self.model(
+            batch.token_ids[None],  # [b=1, T]
+            batch.positions[None],
+            inference_context=context,
+            return_decoder_output=self.is_last_stage,
+        )
         if not self.is_last_stage:
-            dist.send(out.contiguous(), dst=self._stage_rank(self.pp_rank + 1), group=self.pg.pp)
+            pipeline.send_forward(output)
             return None
-        return self.logits(out)[:, 0], out[:, 0]
+        logits, hidden = output
+        logits = self.full_vocabulary(logits) if self.model.parallel_output else logits.float()
+        return logits[0], hidden[:, 0]
+
+    def full_vocabulary(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the true vocabulary from this TP rank's slice ``[..., V_padded / tp]``."""
+        return gather_from_tensor_model_parallel_region(local_logits, self.pg.tp)[..., : self.vocab_size].float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits ``[s, b, V]`` of decoder outputs ``hidden [s, b, h]``."""
-        local = self.model.vocab_logits(hidden)
-        return gather_from_tensor_model_parallel_region(local, self.pg.tp)[..., : self.vocab_size].float()
+        return self.full_vocabulary(self.model.vocab_logits(hidden))
 
-    def share_from_last_stage(self, value):
-        """Every stage gets the last stage's ``value`` (a picklable object of plain values)."""
+    def share_from_last_stage(self, packed: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``packed`` tensor on every stage (the others pass one of the same shape
+        and dtype to receive into): one broadcast over the ``pp`` group, nothing pickled."""
         if self.pp_size == 1:
-            return value
-        box = [value if self.is_last_stage else None]
-        device = self.device if dist.get_backend(self.pg.pp) == "nccl" else None
-        dist.broadcast_object_list(box, src=self._stage_rank(self.pp_size - 1), group=self.pg.pp, device=device)
-        return box[0]
+            return packed
+        device = self.device if dist.get_backend(self.pg.pp) == "nccl" else torch.device("cpu")
+        packed = packed.to(device)
+        dist.broadcast(packed, src=self._stage_rank(self.pp_size - 1), group=self.pg.pp)
+        return packed

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.core.errors import MegatronInputError
 from megatron.core.inference.stop_words import normalize_stop_sequences
 
 MAX_TOP_LOGPROBS = 20
 _SEED_LIMIT = 2**64
 
 
-class InvalidSamplingParamsError(ValueError):
+class InvalidSamplingParamsError(MegatronInputError):
     """A sampling parameter out of its accepted range; the message names it."""
 
 
-class SamplingInputError(ValueError):
+class SamplingInputError(MegatronInputError):
     """``sample`` got logits, parameters and generators that do not line up."""
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron.core.errors import MegatronInputError
 
-class InvalidStopSequencesError(ValueError):
+
+class InvalidStopSequencesError(MegatronInputError):
     """``stop`` was not a string or a list of non-empty strings."""
 
 
@@ -27,7 +29,7 @@ def normalize_stop_sequences(stop: str | Sequence[str] | None) -> tuple[str, ...
     return tuple(sequences)
 
 
-class StopSequenceFinishedError(ValueError):
+class StopSequenceFinishedError(MegatronInputError):
     """The matcher was fed after it stopped or was finished."""
 
 
@@ -40,10 +42,14 @@ class StopCheck:
 
 
 class StopSequenceMatcher:
-    """Watches the detokenized output of one request for its stop sequences."""
+    """Watches the detokenized output of one request for its stop sequences.
 
-    def __init__(self, stop: str | Sequence[str] | None) -> None:
-        self._stops = normalize_stop_sequences(stop)
+    ``stops``: the request's normalized stop sequences (``SamplingParams.stop``, see
+    :func:`normalize_stop_sequences`).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
         self._pending = ""
         self._done = False
 

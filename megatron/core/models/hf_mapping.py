@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from megatron.core.activations import gelu_tanh, squared_relu
 from megatron.core.config import TransformerConfig
+from megatron.core.errors import MegatronInputError
 from megatron.core.tensor_parallel import pad_vocab_size
 
 
-class HFMappingError(ValueError):
+class HFMappingError(MegatronInputError):
     """An HF config or state dict that this mapping cannot represent exactly."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron.core.errors import MegatronConfigError
+
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 ON_MISMATCH = ("error", "use_current", "use_checkpoint")
 # Constructor argument -> command-line flag, for messages.
@@ -25,7 +27,7 @@ FLAGS = {
 }
 
 
-class LRSchedulerConfigError(ValueError):
+class LRSchedulerConfigError(MegatronConfigError):
     """Schedule settings that disagree, or a checkpointed schedule that does not fit; the
     message names the flags at fault."""
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.errors import MegatronConfigError
+
 OPTIMIZERS = ("adam", "sgd")
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(MegatronConfigError):
     """An invalid optimizer setting or model/optimizer combination; the message names the field."""
 
 

@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups import ProcessGroupCollection
 
 
-class ScheduleError(ValueError):
+class ScheduleError(MegatronConfigError):
     """Invalid arguments to a pipeline schedule."""
 
 

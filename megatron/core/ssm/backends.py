@@ -20,12 +20,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-class SSMBackendError(ValueError):
+class SSMBackendError(MegatronConfigError):
     """An unknown backend name, or the Triton backend asked for where it cannot run."""
 
 

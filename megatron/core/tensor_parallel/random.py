@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron.core.errors import MegatronInputError
 from megatron.core.parallel_state import resolve_pg_collection
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -23,7 +24,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _MODEL_PARALLEL_SEED_OFFSET = 2718
 
 
-class RNGTrackerError(ValueError):
+class RNGTrackerError(MegatronInputError):
     """A named RNG stream was added twice, or forked without being added."""
 
 

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.core.errors import MegatronConfigError
 
-class TensorParallelError(ValueError):
+
+class TensorParallelError(MegatronConfigError):
     """A size or argument that cannot be split over tensor/generalized-tensor parallel ranks."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from megatron.core.errors import MegatronInputError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(MegatronInputError):
     """A tokenizer that cannot be built or an input it cannot handle; the message says what is accepted."""
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.core.errors import MegatronConfigError
 
-class ModuleSpecError(ValueError):
+
+class ModuleSpecError(MegatronConfigError):
     """A spec that cannot be built: not a ModuleSpec, a class or a callable."""
 
 

@@ -65,6 +65,9 @@ def _cache_per_group(cache_dir):
         name: exchange_utils.cache_key("save", tuple(dist.get_process_group_ranks(g)), records)
         for name, g in (("world", world), ("pair", mine))
     }
+    dist.barrier()
+    # Read back here: under torchrun only the ranks share ``cache_dir`` (each test process has its own tmp_path).
+    entries = {name: json.load(open(os.path.join(cache_dir, name))) for name in sorted(os.listdir(cache_dir))}
     return (
         uncached,
         first,
@@ -74,12 +77,13 @@ def _cache_per_group(cache_dir):
         gathers_total,
         keys,
         dict(exchange_utils.CACHE_FILE_WRITES),
+        entries,
     )
 
 
 def test_cache_is_keyed_by_complete_group_membership(tmp_path):
     results = run_distributed(_cache_per_group, 4, str(tmp_path))
-    for rank, (uncached, first, again, from_disk, on_miss, total, keys, _) in enumerate(results):
+    for rank, (uncached, first, again, from_disk, on_miss, total, keys, *_) in enumerate(results):
         assert first == uncached and again == uncached and from_disk == uncached
         pair = (0, 2) if rank % 2 == 0 else (1, 3)
         # One gather per distinct group identity, none for memory or disk hits.
@@ -90,15 +94,15 @@ def test_cache_is_keyed_by_complete_group_membership(tmp_path):
     # spreads them over its two members; [1, 3] holds no main, so it writes nothing.
     assert sorted(p.rank for p in world.pieces) == [0, 1, 2, 3]
     assert sorted(p.rank for p in pair02.pieces) == [0, 0, 2, 2] and pair13.pieces == ()
-    files = sorted(os.listdir(tmp_path))
-    assert len(files) == 3  # one entry per group identity
+    entries = results[0][-1]
+    assert all(result[-1] == entries for result in results)  # every rank reads the same files
+    assert len(entries) == 3  # one entry per group identity
     writes = {}
-    for *_, per_rank_writes in results:
+    for *_, per_rank_writes, _ in results:
         for members, count in per_rank_writes.items():
             writes[members] = writes.get(members, 0) + count
     assert writes == {(0, 1, 2, 3): 1, (0, 2): 1, (1, 3): 1}  # one file writer per group
-    for name in files:
-        entry = json.load(open(tmp_path / name))
+    for entry in entries.values():
         assert tuple(entry["assignment"]["members"]) in writes
 
 

@@ -16,6 +16,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_checkpointing.tiny_models import gpt_model, layout, tokens
 from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.training.loss_curve import losses_by_iteration
 from tests.unit_tests.training.test_checkpointing import _provider
 
 
@@ -110,28 +111,26 @@ COMMON = [
 ]
 
 
-def _history(flags):
-    args = parse_args(COMMON + flags, model_family="gpt", world_size=4)
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-    from megatron.training.training import logging_rank
-
-    state = pretrain(args, _provider())
-    return state.history if dist.get_rank() == logging_rank(parallel_state.get_process_group_collection()) else None
+def _train(flags, metrics_jsonl):
+    args = parse_args(COMMON + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl], "gpt", world_size=4)
+    pretrain(args, _provider())
 
 
-def _curve(flags):
-    (curve,) = [h for h in run_distributed(_history, 4, flags) if h is not None]
-    return curve
+def _losses(flags, metrics_jsonl) -> dict[int, float]:
+    """Each iteration's loss, as the run's logging rank recorded it."""
+    run_distributed(_train, 4, flags, str(metrics_jsonl))
+    return losses_by_iteration(metrics_jsonl)
 
 
 def test_distributed_optimizer_state_reshards_to_another_layout(tmp_path):
     save = str(tmp_path / "tp2")
-    straight = _curve(["--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "2"])
+    straight = _losses(["--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "2"], tmp_path / "s")
     write_latest_iteration(save, 2)
-    resumed = _curve(["--generalized-tensor-parallel-size", "2", "--load", save])
-    assert resumed[:2] == straight[:2]  # restored from the checkpoint
-    assert resumed[2:] == pytest.approx(straight[2:], rel=1e-5)  # step 4's loss needs the moments of step 3
-    fresh_moments = _curve(["--generalized-tensor-parallel-size", "2", "--load", save, "--no-load-optim"])
-    assert fresh_moments[3] != pytest.approx(straight[3], rel=1e-4)
+    resumed = _losses(["--generalized-tensor-parallel-size", "2", "--load", save], tmp_path / "r")
+    assert sorted(resumed) == [3, 4]  # iterations 1 and 2 were restored from the checkpoint
+    # step 4's loss needs the moments of step 3
+    assert [resumed[3], resumed[4]] == pytest.approx([straight[3], straight[4]], rel=1e-5)
+    fresh_moments = _losses(
+        ["--generalized-tensor-parallel-size", "2", "--load", save, "--no-load-optim"], tmp_path / "f"
+    )
+    assert fresh_moments[4] != pytest.approx(straight[4], rel=1e-4)

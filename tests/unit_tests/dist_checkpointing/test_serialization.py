@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from megatron.core.dist_checkpointing import (
     TRACKER_FILENAME,
     CheckpointingError,
+    CheckpointIOError,
     CorruptCheckpointError,
     ShardedObject,
     ShardedTensor,
@@ -182,7 +183,7 @@ def _fail_after_writing_on_rank1(root):
 
     torch_dcp.ChecksummingFileSystemWriter.write_data = write_then_die
     try:
-        with pytest.raises(CheckpointingError) as err:
+        with pytest.raises(CheckpointIOError) as err:  # a runtime fault, not a bad request
             save_iteration(state(2.0), root, 2)
     finally:
         torch_dcp.ChecksummingFileSystemWriter.write_data = original
@@ -191,19 +192,19 @@ def _fail_after_writing_on_rank1(root):
     staging_left = os.path.isdir(iteration_dir(root, 2) + ".incomplete")
     dist.barrier()
     save_iteration(state(3.0), root, 2)  # a later save replaces the stale staging directory
-    return str(err.value), survived, staging_left
+    dist.barrier()
+    # Read back here: under torchrun only the ranks share ``root`` (each test process has its own tmp_path).
+    return str(err.value), survived, staging_left, sorted(os.listdir(root)), read_latest_iteration(root)
 
 
 def test_save_killed_midway_leaves_previous_checkpoint_and_tracker(tmp_path):
-    root = str(tmp_path)
-    results = run_distributed(_fail_after_writing_on_rank1, 2, root)
-    for message, (state, iteration), staging_left in results:
+    results = run_distributed(_fail_after_writing_on_rank1, 2, str(tmp_path))
+    for message, (state, iteration), staging_left, listing, latest in results:
         assert "rank 1: RuntimeError: disk full (simulated)" in message
         assert iteration == 1 and state["step"] == 1.0
         torch.testing.assert_close(state["w"], torch.tensor([[1.0] * 3] * 2 + [[2.0] * 3] * 2))
         assert staging_left
-    assert sorted(os.listdir(root)) == sorted([TRACKER_FILENAME, "iter_0000001", "iter_0000002"])
-    assert read_latest_iteration(root) == 2
+        assert listing == sorted([TRACKER_FILENAME, "iter_0000001", "iter_0000002"]) and latest == 2
 
 
 def test_corrupted_or_truncated_shard_fails_with_a_clear_error(tmp_path):

@@ -96,13 +96,14 @@ def _save_with_two_mains(path):
     }
     with pytest.raises(CheckpointingError) as err:
         save(sd, path)
-    return str(err.value)
+    torch.distributed.barrier()
+    return str(err.value), os.listdir(os.path.dirname(path))
 
 
 def test_invalid_layout_fails_on_every_rank_and_writes_nothing(tmp_path):
     path = str(tmp_path / "ckpt")
-    messages = run_distributed(_save_with_two_mains, 2, path)
+    messages, listings = zip(*run_distributed(_save_with_two_mains, 2, path), strict=True)
     expected = "key 'w': 2 main replicas for the chunk at offset (0, 0) shape (2, 2) on ranks [0, 1]"
     assert all(expected in m for m in messages)
     assert "key 'w': gap: no main chunk covers offset (2, 0) shape (2, 2)" in messages[0]
-    assert os.listdir(tmp_path) == []
+    assert listings == ([], [])  # read by the ranks: under torchrun only they share the directory

@@ -12,6 +12,7 @@ from megatron.core.inference.stop_words import (
     StopCheck,
     StopSequenceFinishedError,
     StopSequenceMatcher,
+    normalize_stop_sequences,
 )
 
 
@@ -43,7 +44,7 @@ def test_partial_stop_is_held_then_dropped_when_it_completes():
 
 
 def test_partial_stop_that_does_not_complete_is_emitted():
-    matcher = StopSequenceMatcher("###")
+    matcher = StopSequenceMatcher(normalize_stop_sequences("###"))
     assert matcher.feed("a ##") == StopCheck("a ", stopped=False)
     assert matcher.feed(" b") == StopCheck("## b", stopped=False)
     assert matcher.feed("##") == StopCheck("", stopped=False)
@@ -56,7 +57,7 @@ def test_stop_that_completes_first_wins_over_one_that_starts_first():
 
 
 def test_no_stop_sequences_pass_everything_through():
-    matcher = StopSequenceMatcher(None)
+    matcher = StopSequenceMatcher(normalize_stop_sequences(None))
     assert matcher.feed("anything") == StopCheck("anything", stopped=False)
     assert matcher.finish() == ""
 
@@ -75,7 +76,7 @@ def test_invalid_stop_sequences_are_refused(stop):
     with pytest.raises(
         InvalidStopSequencesError, match="stop must be a non-empty string or a list of non-empty strings"
     ):
-        StopSequenceMatcher(stop)
+        normalize_stop_sequences(stop)
 
 
 @settings(max_examples=300, deadline=None)

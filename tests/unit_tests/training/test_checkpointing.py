@@ -15,6 +15,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 COMMON = [
@@ -57,18 +58,20 @@ def _provider(family="gpt"):
     return module.model_provider
 
 
-def _train(flags, world_size):
-    args = parse_args(COMMON + flags, model_family="gpt", world_size=world_size)
+def _train(flags, world_size, metrics_jsonl=None):
+    metrics = ["--log-interval", "1", "--metrics-jsonl", str(metrics_jsonl)] if metrics_jsonl else []
+    args = parse_args(COMMON + flags + metrics, model_family="gpt", world_size=world_size)
     state = pretrain(args, _provider())
-    return state.iteration, state.consumed_samples, list(state.history)
+    return state.iteration, state.consumed_samples
 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """20 steps on DP2, saving at 10 and 20."""
+    """20 steps on DP2, saving at 10 and 20; returns the root and the 20 losses."""
     save = str(tmp_path_factory.mktemp("straight"))
-    results = run_distributed(_train, 2, ["--train-iters", "20", "--save", save, "--save-interval", "10"], 2)
-    return save, results[0][2]
+    metrics = tmp_path_factory.mktemp("straight_metrics") / "metrics.jsonl"
+    run_distributed(_train, 2, ["--train-iters", "20", "--save", save, "--save-interval", "10"], 2, metrics)
+    return save, loss_curve(metrics)
 
 
 def test_resume_reproduces_the_straight_run_exactly(straight_run, tmp_path):
@@ -76,21 +79,24 @@ def test_resume_reproduces_the_straight_run_exactly(straight_run, tmp_path):
     write_latest_iteration(save, 10)
     try:
         flags = ["--train-iters", "20", "--load", save, "--save", str(tmp_path / "resumed")]
-        iteration, consumed, history = run_distributed(_train, 2, flags, 2)[0]
+        iteration, consumed = run_distributed(_train, 2, flags, 2, tmp_path / "resumed.jsonl")[0]
     finally:
         write_latest_iteration(save, 20)
     assert (iteration, consumed) == (20, 160)
-    assert history == straight  # the first 10 come from the checkpoint, the last 10 are recomputed
     assert len(straight) == 20
+    resumed = losses_by_iteration(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == list(range(11, 21))  # it picks up at iteration 11
+    assert [resumed[i] for i in range(11, 21)] == straight[10:]  # bit-identical to the straight run
 
 
 def test_finetune_loads_weights_only_and_no_load_optim_keeps_the_position(straight_run, tmp_path, capfd):
     save, straight = straight_run
-    (fine,) = run_distributed(_train, 1, ["--train-iters", "1", "--load", save, "--finetune"], 1)
-    assert fine[:2] == (1, 8) and len(fine[2]) == 1
-    assert fine[2][0] < straight[0] - 0.1  # starts from the trained weights
-    (no_optim,) = run_distributed(_train, 1, ["--train-iters", "21", "--load", save, "--no-load-optim"], 1)
-    assert no_optim[:2] == (21, 168) and no_optim[2][:20] == straight
+    (fine,) = run_distributed(_train, 1, ["--train-iters", "1", "--load", save, "--finetune"], 1, tmp_path / "f.jsonl")
+    assert fine == (1, 8)
+    assert losses_by_iteration(tmp_path / "f.jsonl")[1] < straight[0] - 0.1  # starts from the trained weights
+    flags = ["--train-iters", "21", "--load", save, "--no-load-optim"]
+    (no_optim,) = run_distributed(_train, 1, flags, 1, tmp_path / "n.jsonl")
+    assert no_optim == (21, 168) and sorted(losses_by_iteration(tmp_path / "n.jsonl")) == [21]
     out = capfd.readouterr().out
     loaded_lines = [line for line in out.splitlines() if line.startswith("loaded checkpoint")]
     assert loaded_lines[0].endswith(": model weights")

@@ -9,6 +9,7 @@ import pytest
 from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.training.loss_curve import loss_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -52,22 +53,16 @@ COMMON = [
 ]
 
 
-def _train(family, flags, world_size):
-    args = parse_args(COMMON + flags, model_family=family, world_size=world_size)
-    state = pretrain(args, _provider(family))
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-    from megatron.training.training import logging_rank
-
-    rank = logging_rank(parallel_state.get_process_group_collection())
-    return state.history if dist.get_rank() == rank else None
+def _train(family, flags, world_size, metrics_jsonl):
+    args = parse_args(COMMON + flags + ["--metrics-jsonl", metrics_jsonl], model_family=family, world_size=world_size)
+    pretrain(args, _provider(family))
 
 
-def _curve(family, flags, world_size):
-    results = run_distributed(_train, world_size, family, flags, world_size)
-    (curve,) = [r for r in results if r is not None]
-    return curve
+def _curve(family, flags, world_size, tmp_dir):
+    """The per-iteration losses the run's logging rank recorded (--log-interval 1)."""
+    metrics = str(tmp_dir / "metrics.jsonl")
+    run_distributed(_train, world_size, family, flags, world_size, metrics)
+    return loss_curve(metrics)
 
 
 GPT_LAYOUTS = {
@@ -80,8 +75,8 @@ GPT_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def gpt_reference():
-    return _curve("gpt", [], 1)
+def gpt_reference(tmp_path_factory):
+    return _curve("gpt", [], 1, tmp_path_factory.mktemp("gpt_reference"))
 
 
 def test_gpt_loss_decreases(gpt_reference):
@@ -89,12 +84,12 @@ def test_gpt_loss_decreases(gpt_reference):
 
 
 @pytest.mark.parametrize("layout", list(GPT_LAYOUTS))
-def test_gpt_layouts_reproduce_single_process_losses(gpt_reference, layout):
-    curve = _curve("gpt", GPT_LAYOUTS[layout], 2)
+def test_gpt_layouts_reproduce_single_process_losses(gpt_reference, layout, tmp_path):
+    curve = _curve("gpt", GPT_LAYOUTS[layout], 2, tmp_path)
     assert curve == pytest.approx(gpt_reference, rel=1e-4)
 
 
-def test_hybrid_tp2_pp2_reproduces_single_process_losses():
+def test_hybrid_tp2_pp2_reproduces_single_process_losses(tmp_path):
     flags = [
         "--hybrid-layer-pattern",
         "M*|M-",
@@ -107,7 +102,8 @@ def test_hybrid_tp2_pp2_reproduces_single_process_losses():
         "--mamba-num-groups",
         "2",
     ]
-    reference = _curve("hybrid", flags, 1)
-    curve = _curve("hybrid", flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
+    reference = _curve("hybrid", flags, 1, tmp_path / "reference")
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    curve = _curve("hybrid", flags + layout, 4, tmp_path / "tp2_pp2")
     assert curve == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from megatron.core.dist_checkpointing import dist_utils
-from megatron.core.dist_checkpointing.errors import CheckpointingError, CorruptCheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError, CorruptCheckpointError
 from megatron.core.dist_checkpointing.metadata import StoredSlice, StoredTensor
 
 PieceIndex = tuple[str, tuple[int, ...]]  # (DCP fqn, global offset)
@@ -271,7 +271,7 @@ def write_pieces(
     checkpoint_dir: str, pieces: list[PieceWrite], process_group, thread_count: int = 1
 ) -> dict[PieceIndex, StoredSlice]:
     """Collectively write every rank's pieces into ``checkpoint_dir`` with DCP; return where
-    this rank's pieces landed. A failure on any rank raises CheckpointingError on every rank."""
+    this rank's pieces landed. A failure on any rank raises CheckpointIOError on every rank."""
     writer = ChecksummingFileSystemWriter(checkpoint_dir, thread_count=thread_count)
     try:
         with warnings.catch_warnings():
@@ -285,7 +285,7 @@ def write_pieces(
             )
     except CheckpointException as exc:
         summary, _ = _failure_summary(exc)
-        raise CheckpointingError(f"writing {checkpoint_dir} failed: {summary}") from None
+        raise CheckpointIOError(f"writing {checkpoint_dir} failed: {summary}") from None
     return writer.written
 
 
@@ -306,6 +306,6 @@ def read_pieces(
             )
         except CheckpointException as exc:
             summary, first = _failure_summary(exc)
-            if isinstance(first, CheckpointingError):
+            if isinstance(first, (CheckpointingError, CorruptCheckpointError)):
                 raise first from None
-            raise CheckpointingError(f"reading {checkpoint_dir} failed: {summary}") from None
+            raise CheckpointIOError(f"reading {checkpoint_dir} failed: {summary}") from None

@@ -15,7 +15,6 @@ from megatron.core.inference.contexts.errors import (
     CapacityError,
     CapacityNegotiationTimeoutError,
     InferenceContextError,
-    InferenceRequestError,
     LayerNotOnStageError,
     PromptExceedsStepTokenLimitError,
     PromptTooLongError,
@@ -27,6 +26,7 @@ from megatron.core.inference.contexts.kv_cache import PagedKVCache
 from megatron.core.inference.contexts.mamba_slots import MambaSnapshotStore, MambaStateShapes, MambaStateSlots
 from megatron.core.inference.contexts.paged_attention import paged_attention
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain, hash_block
+from megatron.core.inference.errors import InferenceRequestError
 
 __all__ = [
     "BlockHashChain",

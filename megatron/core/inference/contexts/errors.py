@@ -2,79 +2,25 @@
 
 Two families:
 
-* :class:`InferenceRequestError` — a request that cannot be admitted. These travel to the
-  client (through the engine and coordinator), so they serialize to plain dicts
-  (:meth:`~InferenceRequestError.to_dict` / :meth:`InferenceRequestError.from_dict`) that
-  msgpack and JSON can carry, and they are rebuilt as the same type with the same message.
-* :class:`InferenceContextError` — a caller misused the context (unknown request, layer not on
-  this stage, pool exhausted, capacity that cannot hold one request).
+* admission errors (:class:`~megatron.core.inference.errors.RequestRejectedError` subclasses):
+  a request that cannot be admitted. They travel to the client (through the engine and
+  coordinator) in the wire format of :mod:`megatron.core.inference.errors`.
+* :class:`InferenceContextError` — the context was given settings or calls it does not accept
+  (unknown request, layer not on this stage, pool exhausted, capacity that cannot hold one
+  request).
 
-All are ``ValueError`` subclasses whose message says what was wrong and what is accepted.
+Both are ``ValueError`` subclasses whose message says what was wrong and what is accepted.
+:class:`CapacityNegotiationTimeoutError` is not: it is a runtime fault (a stage that never
+joined the negotiation), not a bad setting.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from megatron.core.errors import MegatronInputError, MegatronRuntimeError
+from megatron.core.inference.errors import RequestRejectedError
 
 
-class InferenceRequestError(ValueError):
-    """A request the context can never serve; serializable, rebuilt by :meth:`from_dict`.
-
-    Subclasses declare their detail fields in ``fields`` and build the message from them in
-    :meth:`describe`, so a round trip through :meth:`to_dict` gives an equal error.
-    """
-
-    fields: ClassVar[tuple[str, ...]] = ()
-    _registry: ClassVar[dict[str, type[InferenceRequestError]]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        InferenceRequestError._registry[cls.__name__] = cls
-
-    def __init__(self, **details: Any):
-        missing = [name for name in self.fields if name not in details]
-        unknown = [name for name in details if name not in self.fields]
-        if missing or unknown:
-            raise TypeError(
-                f"{type(self).__name__} takes exactly the fields {list(self.fields)}; "
-                f"missing {missing}, unknown {unknown}"
-            )
-        self.details = details
-        super().__init__(self.describe(**details))
-
-    def describe(self, **details: Any) -> str:  # pragma: no cover - every subclass overrides
-        raise NotImplementedError
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"type": class name, "message": str, "details": {field: value}}`` (plain values only)."""
-        return {"type": type(self).__name__, "message": str(self), "details": dict(self.details)}
-
-    @staticmethod
-    def from_dict(data: dict[str, Any]) -> InferenceRequestError:
-        """Rebuild the error :meth:`to_dict` described; unknown types raise ``ValueError``."""
-        cls = InferenceRequestError._registry.get(data.get("type"))
-        if cls is None:
-            raise ValueError(
-                f"unknown inference request error type {data.get('type')!r}; "
-                f"known: {sorted(InferenceRequestError._registry)}"
-            )
-        return cls(**data["details"])
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other.details == self.details
-
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted(self.details.items()))))
-
-    def __reduce__(self):
-        return (InferenceRequestError.from_dict, (self.to_dict(),))
-
-
-class PromptTooLongError(InferenceRequestError):
+class PromptTooLongError(RequestRejectedError):
     """The prompt is longer than the model's maximum sequence length."""
 
     fields = ("prompt_length", "max_sequence_length")
@@ -86,7 +32,7 @@ class PromptTooLongError(InferenceRequestError):
         )
 
 
-class RequestExceedsPoolError(InferenceRequestError):
+class RequestExceedsPoolError(RequestRejectedError):
     """Prompt plus token budget needs more KV blocks than the whole pool holds."""
 
     fields = ("num_tokens", "blocks_needed", "pool_blocks", "block_size")
@@ -99,7 +45,7 @@ class RequestExceedsPoolError(InferenceRequestError):
         )
 
 
-class PromptExceedsStepTokenLimitError(InferenceRequestError):
+class PromptExceedsStepTokenLimitError(RequestRejectedError):
     """Without chunked prefill, a prompt must be prefilled in one step under the token limit."""
 
     fields = ("prompt_length", "max_tokens_per_step")
@@ -112,8 +58,8 @@ class PromptExceedsStepTokenLimitError(InferenceRequestError):
         )
 
 
-class InferenceContextError(ValueError):
-    """The inference context was used in a way it does not accept."""
+class InferenceContextError(MegatronInputError):
+    """The inference context was given settings or calls it does not accept (the message names them)."""
 
 
 class BlockPoolExhaustedError(InferenceContextError):
@@ -140,5 +86,6 @@ class CapacityError(InferenceContextError):
         self.limiting_stage = limiting_stage
 
 
-class CapacityNegotiationTimeoutError(CapacityError):
-    """The pipeline stages did not all join the capacity negotiation in time."""
+class CapacityNegotiationTimeoutError(MegatronRuntimeError):
+    """The pipeline stages did not all join the capacity negotiation in time (a stage is stuck or
+    gone; no setting would have fixed it)."""

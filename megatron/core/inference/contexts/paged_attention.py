@@ -33,13 +33,15 @@ import os
 
 import torch
 
+from megatron.core.errors import MegatronConfigError
+
 KEY_TILE = 64
 QUERY_SLICE = 128
 BACKEND_ENV = "MEGATRON_PAGED_ATTENTION_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
 
 
-class PagedAttentionBackendError(ValueError):
+class PagedAttentionBackendError(MegatronConfigError):
     """An unknown paged-attention backend was asked for, or the Triton one without Triton."""
 
 

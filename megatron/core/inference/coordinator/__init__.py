@@ -13,7 +13,8 @@ from megatron.core.inference.coordinator.coordinator import (
 )
 from megatron.core.inference.coordinator.engine_endpoint import EngineEndpoint
 from megatron.core.inference.coordinator.messages import ControlSignal, MessageKind, ProtocolError
-from megatron.core.inference.coordinator.routing import DuplicateRequestIdError, LoadRouter, RoutingError
+from megatron.core.inference.coordinator.routing import LoadRouter, RoutingError
+from megatron.core.inference.errors import DuplicateRequestIdError
 
 __all__ = [
     "ClientClosedError",

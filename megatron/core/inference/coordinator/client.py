@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from megatron.core.errors import MegatronInputError, MegatronRuntimeError
 from megatron.core.inference.coordinator.messages import (
     ControlSignal,
     MessageKind,
@@ -29,16 +30,17 @@ from megatron.core.inference.coordinator.messages import (
     error_output,
     sampling_params_to_dict,
 )
+from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class ClientStateError(ValueError):
-    """The client was used in a state that does not allow it (not started, closed, duplicate id)."""
+class ClientStateError(MegatronInputError):
+    """The client was used in a state that does not allow it (not started, closed, output already taken)."""
 
 
-class ClientClosedError(RuntimeError):
+class ClientClosedError(MegatronRuntimeError):
     """The client closed while the request was in flight."""
 
 
@@ -147,7 +149,7 @@ class InferenceClient:
         socket = self._require_started()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._handles:
-            raise ClientStateError(f"request id {request_id!r} is already in flight on this client")
+            raise DuplicateRequestIdError(request_id=request_id)
         handle = RequestHandle(request_id, self)
         self._handles[request_id] = handle
         await socket.send(

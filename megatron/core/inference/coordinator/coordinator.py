@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.coordinator.messages import (
     ControlSignal,
     MessageKind,
@@ -31,16 +32,17 @@ from megatron.core.inference.coordinator.messages import (
     error_dict,
     error_output,
 )
-from megatron.core.inference.coordinator.routing import LoadRouter, RoutingError
+from megatron.core.inference.coordinator.routing import LoadRouter
+from megatron.core.inference.errors import DuplicateRequestIdError
 
 logger = logging.getLogger(__name__)
 
 
-class EngineLostError(RuntimeError):
+class EngineLostError(MegatronRuntimeError):
     """The engine serving a request left or went silent before the request finished."""
 
 
-class CoordinatorStoppedError(RuntimeError):
+class CoordinatorStoppedError(MegatronRuntimeError):
     """The coordinator stopped while the request was in flight."""
 
 
@@ -146,7 +148,7 @@ class InferenceCoordinator:
         }[kind]
         try:
             handler(sender, payload)
-        except (ProtocolError, RoutingError, TypeError, ValueError) as exc:
+        except (ProtocolError, TypeError, ValueError) as exc:
             self.protocol_errors += 1
             logger.warning("rejected a %s message: %s", kind.value, exc)
 
@@ -163,12 +165,11 @@ class InferenceCoordinator:
         if not isinstance(request_id, str) or not isinstance(payload["prompt_tokens"], list):
             raise ProtocolError("submit needs a string request_id and a list of prompt_tokens")
         if request_id in self._unrouted:
-            exc = RoutingError(f"request id {request_id!r} is already in flight; use a unique id")
-            self._reply(client, [error_output(request_id, error_dict(exc))])
+            self._reply(client, [error_output(request_id, error_dict(DuplicateRequestIdError(request_id=request_id)))])
             return
         try:
             engine = self.router.route(request_id, client, payload["prompt_tokens"])
-        except RoutingError as exc:
+        except DuplicateRequestIdError as exc:
             self._reply(client, [error_output(request_id, error_dict(exc))])
             return
         if engine is None:

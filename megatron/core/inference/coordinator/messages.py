@@ -18,11 +18,14 @@ from typing import Any
 
 import msgpack
 
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
 
 
-class ProtocolError(ValueError):
-    """Bytes that are not a well-formed message of this protocol."""
+class ProtocolError(MegatronRuntimeError):
+    """Bytes that are not a well-formed message of this protocol (a fault of the peer that sent
+    them, or of the code that built them; never of a request's values, which are checked on
+    their own)."""
 
 
 class MessageKind(enum.StrEnum):
@@ -66,6 +69,7 @@ OUTPUT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "request_id": (str,),
     "new_token_ids": (list,),
     "new_log_probs": (list,),
+    "new_text": (str, type(None)),
     "finished": (bool,),
     "finish_reason": (str, type(None)),
     "error": (dict, type(None)),
@@ -144,6 +148,7 @@ def error_output(request_id: str, error: dict[str, Any], prompt_tokens: int = 0)
         "request_id": request_id,
         "new_token_ids": [],
         "new_log_probs": [],
+        "new_text": "",
         "finished": True,
         "finish_reason": "error",
         "error": error,

@@ -15,13 +15,12 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from megatron.core.errors import MegatronConfigError
+from megatron.core.inference.errors import DuplicateRequestIdError
 
-class RoutingError(ValueError):
-    """An operation the routing state cannot accept (duplicate id, unknown engine)."""
 
-
-class DuplicateRequestIdError(RoutingError):
-    """A request id that is already in flight."""
+class RoutingError(MegatronConfigError):
+    """Router settings out of range (the message names them)."""
 
 
 @dataclass
@@ -96,7 +95,7 @@ class LoadRouter:
     def route(self, request_id: str, client: Hashable, prompt_tokens: Sequence[int]) -> Hashable | None:
         """Pick the engine of a new request and count its load; None when no engine is registered."""
         if request_id in self.routes:
-            raise DuplicateRequestIdError(f"request id {request_id!r} is already in flight; use a unique id")
+            raise DuplicateRequestIdError(request_id=request_id)
         if not self.engines:
             return None
         blocks = prefix_block_hashes(prompt_tokens, self.prefix_block_size) if self.prefix_weight else []

@@ -3,12 +3,13 @@ scheduler, speculative decoding and typed errors."""
 
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.engines.errors import (
-    DuplicateRequestIdError,
     EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
+    StopSequencesNeedTokenizerError,
 )
 from megatron.core.inference.engines.requests import RequestOutput, RequestStatus
+from megatron.core.inference.errors import DuplicateRequestIdError
 
 __all__ = [
     "DuplicateRequestIdError",
@@ -18,4 +19,5 @@ __all__ = [
     "MaxSequenceLengthOverflowError",
     "RequestOutput",
     "RequestStatus",
+    "StopSequencesNeedTokenizerError",
 ]

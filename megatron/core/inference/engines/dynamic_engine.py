@@ -4,9 +4,13 @@
 pausing, eviction, admission, chunked prefill), runs the model over the packed step
 (:mod:`model_runner`, any TP/PP layout), samples on the last pipeline stage (greedy,
 temperature, top-k, top-p, per-request seeds; speculative drafts verified, see
-:mod:`speculative`), shares those decisions with every stage, and returns streaming outputs.
-Every rank of a model-parallel group runs its own engine with the same calls in the same
-order; all stay in lockstep.
+:mod:`speculative`), shares those decisions with every stage as one tensor (see
+:mod:`step_decisions`), and returns streaming outputs. Every stage then derives each request's
+finish from the shared tokens by the same code: EOS, the length budget, or a stop sequence
+completed in the request's text (each request's :class:`~megatron.core.inference.text_stream.TextStream`
+detokenizes incrementally on every stage; outputs carry its text deltas). Every rank of a
+model-parallel group runs its own engine with the same calls in the same order; all stay in
+lockstep.
 
 Steps are padded to ``max_tokens_per_step`` tokens (``batch_invariant``, the default) and the
 reference kernels are batch invariant, so a request's tokens and log-probs do not depend on what else ran with it: a
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,34 +30,23 @@ from torch import nn
 from megatron.core.inference.contexts.capacity import CapacityConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
 from megatron.core.inference.engines.errors import (
-    DuplicateRequestIdError,
     EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
+    StopSequencesNeedTokenizerError,
 )
 from megatron.core.inference.engines.requests import EngineRequest, RequestOutput, RequestStatus
 from megatron.core.inference.engines.scheduler import ScheduledRequest, Scheduler
 from megatron.core.inference.engines.speculative import MTPDrafter
+from megatron.core.inference.engines.step_decisions import Decision, DecisionLayout
+from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.sampling import SamplingParams, make_generator, sample, token_logprobs
-from megatron.core.inference.stop_words import StopSequenceMatcher
+from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 
 _SEED_MIX = 0x9E3779B97F4A7C15
-
-
-@dataclass
-class _Decision:
-    """What the last stage decided for one request in one step (plain values, shared with
-    every stage)."""
-
-    prompt_log_probs: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    accepted_drafts: int = 0
-    next_drafts: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 class DynamicInferenceEngine:
@@ -62,7 +54,8 @@ class DynamicInferenceEngine:
 
     Args:
         model: this rank's GPTModel / HybridModel stage (put in eval mode).
-        tokenizer: optional; gives the EOS id and enables text stop sequences.
+        tokenizer: optional; gives the EOS id, the outputs' text and stop sequences (requests with
+            ``stop`` need it).
         block_size: tokens per KV block.
         num_blocks / buffer_size_bytes / max_requests: cache capacity (see ``CapacityConfig``).
         max_tokens_per_step: tokens one step processes (every step is padded to this).
@@ -187,13 +180,7 @@ class DynamicInferenceEngine:
         self._num_added += 1
         generator = None if params.greedy else make_generator(seed, self.runner.device)
         request = EngineRequest(
-            request_id,
-            prompt,
-            params,
-            max_new,
-            generator,
-            prefilled_import=prefilled_import,
-            stop_matcher=StopSequenceMatcher(params.stop) if params.stop and self.tokenizer is not None else None,
+            request_id, prompt, params, max_new, generator, prefilled_import=prefilled_import, text=self._text(params)
         )
         self._requests[request_id] = request
         self.scheduler.enqueue(request)
@@ -205,6 +192,8 @@ class DynamicInferenceEngine:
         generation budget (``max_tokens``, or what the sequence length leaves)."""
         if request_id in self._requests:
             raise DuplicateRequestIdError(request_id=request_id)
+        if params.stop and self.tokenizer is None:
+            raise StopSequencesNeedTokenizerError(stop=list(params.stop))
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range", vocab_size=vocab)
@@ -219,6 +208,9 @@ class DynamicInferenceEngine:
         # The last generated token's KV is never computed.
         self.context.check_admission(len(prompt), max_new - 1, prefilled_import=prefilled_import)
         return max_new
+
+    def _text(self, params: SamplingParams) -> TextStream | None:
+        return TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
 
     def detach_for_handoff(self, request_id: str) -> tuple[EngineRequest, RequestState]:
         """Hand an unfinished request over to another engine: the engine forgets it (no
@@ -242,7 +234,8 @@ class DynamicInferenceEngine:
     ) -> None:
         """Enter a request straight into decode whose prompt KV (and Mamba state) a handoff
         already put into this context (``context.import_request``): its tokens so far are
-        ``generated_tokens``; ``generator_state`` continues the sampler of the engine that
+        ``generated_tokens`` (not reported yet: the next output starts with them and their text,
+        as one engine's would); ``generator_state`` continues the sampler of the engine that
         produced them. Checked like :meth:`add_request` except the per-step prompt limit."""
         prompt = [int(t) for t in prompt_tokens]
         max_new = self.check_request(request_id, prompt, sampling_params, prefilled_import=True)
@@ -260,12 +253,18 @@ class DynamicInferenceEngine:
             prefilled_import=True,
             status=RequestStatus.ACTIVE,
             prefill_target=len(prompt),
-            generated_tokens=list(generated_tokens),
             generated_log_probs=list(generated_log_probs),
             prompt_log_probs=list(prompt_log_probs or []),
+            text=self._text(sampling_params),
         )
         self._requests[request_id] = request
         self.scheduler.admitted.append(request)
+        # The same finish rules as for tokens sampled here (the source engine applied them too).
+        reason = self._accept(request, [int(t) for t in generated_tokens])
+        if reason is not None:
+            request.finish_reason = reason
+            self.context.release_request(request_id)
+            self._finish(request)
 
     def abort(self, request_id: str) -> None:
         """Finish a request in any state with ``finish_reason="abort"`` (reported by the next
@@ -308,7 +307,7 @@ class DynamicInferenceEngine:
         result = self.runner.forward(self.context, batch)
         self.context.commit_step()
         decisions = self._decide(scheduled, batch, *result) if result is not None else None
-        decisions = self.runner.share_from_last_stage(decisions)
+        decisions = self._share(scheduled, decisions)
         started = time.perf_counter()
         outputs += self._apply(scheduled, decisions)
         self._stats["steps"] += 1
@@ -318,9 +317,9 @@ class DynamicInferenceEngine:
     # ---- decisions (last pipeline stage) ----------------------------------------------------
     def _decide(
         self, scheduled: list[ScheduledRequest], batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor
-    ) -> list[_Decision]:
+    ) -> list[Decision]:
         starts, offsets = batch.cu_query_lengths.tolist(), batch.kv_offsets.tolist()
-        decisions = [_Decision() for _ in scheduled]
+        decisions = [Decision() for _ in scheduled]
         verifying = []  # (index, first sampling row, drafts)
         for index, (entry, start, offset) in enumerate(zip(scheduled, starts[:-1], offsets, strict=True)):
             request, state = entry.request, self.context.request(entry.request.request_id)
@@ -345,8 +344,9 @@ class DynamicInferenceEngine:
                 decision = decisions[index]
                 decision.tokens.append(token)
                 decision.log_probs.append(log_prob)
-                decision.finish_reason = self._finish_reason(request, decision.tokens)
-                if decision.finish_reason is None and depth < len(drafts) and token == drafts[depth]:
+                # A draft after EOS is not verified (nothing follows EOS). Tokens after a stop
+                # sequence may be: every stage drops them when it finds the stop (_accept).
+                if not self._is_eos(request, token) and depth < len(drafts) and token == drafts[depth]:
                     decision.accepted_drafts += 1
                     still.append((index, row, drafts))
             verifying = still
@@ -354,6 +354,21 @@ class DynamicInferenceEngine:
         if self.drafter is not None:
             self._propose_drafts(scheduled, decisions, first_rows, batch, hidden)
         return decisions
+
+    def _share(self, scheduled: list[ScheduledRequest], decisions: list[Decision] | None) -> list[Decision]:
+        """The last stage's decisions on every stage: one int64 tensor of a layout every stage
+        knows from the schedule."""
+        if self.runner.pp_size == 1:
+            return decisions
+        layout = DecisionLayout(
+            max_tokens=1 + self.num_speculative_tokens,
+            max_next_drafts=self.num_speculative_tokens,
+            prompt_log_prob_capacity=tuple(
+                entry.num_tokens if entry.request.wants_prompt_log_probs else 0 for entry in scheduled
+            ),
+        )
+        shared = self.runner.share_from_last_stage(layout.pack(decisions) if decisions is not None else layout.empty())
+        return decisions if decisions is not None else layout.unpack(shared)
 
     def _prompt_log_probs(
         self, request: EngineRequest, logits, start: int, offset: int, num_tokens: int
@@ -367,18 +382,8 @@ class DynamicInferenceEngine:
         targets = torch.tensor(request.prompt_tokens[first + 1 : last + 1], device=logits.device)
         return token_logprobs(logits[rows], targets).tolist()
 
-    def _finish_reason(self, request: EngineRequest, new_tokens: list[int]) -> str | None:
-        params, token = request.sampling_params, new_tokens[-1]
-        if not params.ignore_eos and token == self.eos_token_id:
-            return "stop"
-        if request.stop_matcher is not None:
-            text = self.tokenizer.detokenize(request.generated_tokens + new_tokens)
-            if request.stop_matcher.feed(text[len(request.text) :]).stopped:
-                return "stop"
-            request.text = text
-        if len(request.generated_tokens) + len(new_tokens) >= request.max_new_tokens:
-            return "length"
-        return None
+    def _is_eos(self, request: EngineRequest, token: int) -> bool:
+        return token == self.eos_token_id and not request.sampling_params.ignore_eos
 
     def _propose_drafts(
         self, scheduled, decisions, first_rows: dict[int, int], batch: StepBatch, hidden: torch.Tensor
@@ -386,10 +391,9 @@ class DynamicInferenceEngine:
         wanted = []  # (decision, row its last token was sampled from, number of drafts)
         for index, first_row in first_rows.items():
             decision = decisions[index]
-            count = min(
-                self.num_speculative_tokens, scheduled[index].request.remaining_budget - len(decision.tokens) - 1
-            )
-            if decision.finish_reason is None and count > 0:
+            request = scheduled[index].request
+            count = min(self.num_speculative_tokens, request.remaining_budget - len(decision.tokens) - 1)
+            if count > 0 and not self._is_eos(request, decision.tokens[-1]):
                 wanted.append((decision, first_row + len(decision.tokens) - 1, count))
         if not wanted:
             return
@@ -400,7 +404,7 @@ class DynamicInferenceEngine:
             decision.next_drafts = row_drafts[:count]
 
     # ---- bookkeeping (every stage) ----------------------------------------------------------
-    def _apply(self, scheduled: list[ScheduledRequest], decisions: list[_Decision]) -> list[RequestOutput]:
+    def _apply(self, scheduled: list[ScheduledRequest], decisions: list[Decision]) -> list[RequestOutput]:
         outputs = []
         for entry, decision in zip(scheduled, decisions, strict=True):
             request = entry.request
@@ -410,24 +414,50 @@ class DynamicInferenceEngine:
                     entry.num_tokens, request.prefill_target - (state.num_computed_tokens - entry.num_tokens)
                 )
             request.prompt_log_probs.extend(decision.prompt_log_probs)
+            num_before = len(request.generated_tokens)
+            reason = self._accept(request, decision.tokens)
+            num_kept = len(request.generated_tokens) - num_before
+            accepted = min(decision.accepted_drafts, max(num_kept - 1, 0))
             if state.num_draft_tokens:
-                self._stats["drafts_accepted"] += decision.accepted_drafts
-                self._stats["drafts_rejected"] += state.num_draft_tokens - decision.accepted_drafts
-                self.context.resolve_draft_tokens(request.request_id, decision.accepted_drafts)
-            if not decision.tokens:
+                self._stats["drafts_accepted"] += accepted
+                self._stats["drafts_rejected"] += state.num_draft_tokens - accepted
+                self.context.resolve_draft_tokens(request.request_id, accepted)
+            if not num_kept:
                 continue
-            request.generated_tokens.extend(decision.tokens)
-            request.generated_log_probs.extend(decision.log_probs)
-            self._stats["tokens_generated"] += len(decision.tokens)
-            self.context.append_tokens(request.request_id, decision.tokens[decision.accepted_drafts :])
-            if decision.finish_reason is not None:
-                request.finish_reason = decision.finish_reason
+            request.generated_log_probs.extend(decision.log_probs[:num_kept])
+            self._stats["tokens_generated"] += num_kept
+            self.context.append_tokens(request.request_id, decision.tokens[accepted:num_kept])
+            if reason is not None:
+                request.finish_reason = reason
                 self.context.release_request(request.request_id)
                 self._finish(request)
             else:
                 request.drafts = decision.next_drafts
                 outputs.append(request.take_output())
         return outputs
+
+    def _accept(self, request: EngineRequest, tokens: list[int]) -> str | None:
+        """Append ``tokens`` to ``request`` in order, through the first one that ends it, and
+        return that finish reason (or None). Every stage runs this on the same shared tokens, so
+        all agree on where each request ends."""
+        for token in tokens:
+            request.generated_tokens.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                return reason
+        return None
+
+    def _finish_reason(self, request: EngineRequest, token: int) -> str | None:
+        text = request.text
+        if self._is_eos(request, token):  # EOS has no text; what was held back is settled
+            if text is not None:
+                text.finish()
+            return "stop"
+        if text is not None and text.add_token(token):
+            return "stop"
+        if len(request.generated_tokens) >= request.max_new_tokens:
+            return "stop" if text is not None and text.finish() else "length"
+        return None
 
     def _finish(self, request: EngineRequest) -> None:
         request.status = RequestStatus.FINISHED

@@ -1,20 +1,22 @@
 """Typed errors of the dynamic inference engine.
 
-Request errors (:class:`~megatron.core.inference.contexts.errors.InferenceRequestError`
-subclasses) travel to clients: they serialize with ``to_dict`` / ``from_dict``. Together with
-the context's admission errors (``PromptTooLongError``, ``RequestExceedsPoolError``,
-``PromptExceedsStepTokenLimitError``) they are what :meth:`DynamicInferenceEngine.add_request`
-raises; the engine keeps serving its other requests.
+Request errors (:class:`~megatron.core.inference.errors.RequestRejectedError` subclasses)
+travel to clients: they serialize with ``to_dict`` / ``from_dict``. Together with the context's
+admission errors (``PromptTooLongError``, ``RequestExceedsPoolError``,
+``PromptExceedsStepTokenLimitError``) and
+:class:`~megatron.core.inference.errors.DuplicateRequestIdError` they are what
+:meth:`DynamicInferenceEngine.add_request` raises; the engine keeps serving its other requests.
 
 :class:`EngineConfigError` is a misconfigured engine (raised at construction).
 """
 
 from __future__ import annotations
 
-from megatron.core.inference.contexts.errors import InferenceRequestError
+from megatron.core.errors import MegatronConfigError
+from megatron.core.inference.errors import RequestRejectedError
 
 
-class MaxSequenceLengthOverflowError(InferenceRequestError):
+class MaxSequenceLengthOverflowError(RequestRejectedError):
     """Prompt plus requested new tokens exceed the model's maximum sequence length."""
 
     fields = ("prompt_length", "max_tokens", "max_sequence_length")
@@ -27,16 +29,7 @@ class MaxSequenceLengthOverflowError(InferenceRequestError):
         )
 
 
-class DuplicateRequestIdError(InferenceRequestError):
-    """A request id that the engine already holds (unfinished)."""
-
-    fields = ("request_id",)
-
-    def describe(self, request_id):
-        return f"request id {request_id!r} is already in use by an unfinished request; use a fresh id"
-
-
-class InvalidPromptError(InferenceRequestError):
+class InvalidPromptError(RequestRejectedError):
     """Empty prompt, or token ids outside the vocabulary."""
 
     fields = ("reason", "vocab_size")
@@ -45,5 +38,14 @@ class InvalidPromptError(InferenceRequestError):
         return f"invalid prompt: {reason}; send a non-empty list of token ids in [0, {vocab_size})"
 
 
-class EngineConfigError(ValueError):
+class StopSequencesNeedTokenizerError(RequestRejectedError):
+    """Stop sequences sent to an engine without a tokenizer (it cannot see text)."""
+
+    fields = ("stop",)
+
+    def describe(self, stop):
+        return f"stop sequences {stop!r} need an engine built with a tokenizer; this one has none, send no stop"
+
+
+class EngineConfigError(MegatronConfigError):
     """The engine was configured with values it does not accept (message names them)."""

@@ -24,7 +24,7 @@ import torch
 
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.stop_words import StopSequenceMatcher
+from megatron.core.inference.text_stream import TextStream
 
 
 class RequestStatus(enum.StrEnum):
@@ -39,14 +39,20 @@ class RequestOutput:
     """What one step reports for one request (a streaming delta, or its terminal output).
 
     ``new_token_ids`` / ``new_log_probs``: tokens produced since this request's previous output
-    (log-probs only when ``SamplingParams.logprobs``). ``prompt_log_probs`` (log-prob of prompt
-    tokens 1..n-1) comes on the first output when ``return_prompt_logprobs``. ``error`` is the
-    serialized ``InferenceRequestError`` when ``finish_reason == "error"``.
+    (log-probs only when ``SamplingParams.logprobs``). ``new_text``: the text settled since then
+    (see :class:`~megatron.core.inference.text_stream.TextStream`: an incomplete character or a
+    possible start of a stop sequence waits for a later output; a stop sequence and what follows
+    never come); the ``new_text`` of all outputs concatenate to the request's text; None when the
+    engine has no tokenizer. ``generated_tokens`` counts exactly the tokens reported (a stop
+    sequence ends generation at the token that completes it). ``prompt_log_probs`` (log-prob of
+    prompt tokens 1..n-1) comes on the first output when ``return_prompt_logprobs``. ``error`` is
+    the serialized ``InferenceRequestError`` when ``finish_reason == "error"``.
     """
 
     request_id: str
     new_token_ids: list[int]
     new_log_probs: list[float]
+    new_text: str | None
     finished: bool
     finish_reason: str | None
     error: dict | None
@@ -82,8 +88,8 @@ class EngineRequest:
     prompt_log_probs_sent: bool = False
     # Kept across eviction so a re-admitted request is not rehashed.
     hash_chain: BlockHashChain | None = None
-    stop_matcher: StopSequenceMatcher | None = None
-    text: str = ""
+    # The output text (None without a tokenizer); kept across eviction and handoff.
+    text: TextStream | None = None
     drafts: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     evicted: bool = False
@@ -116,6 +122,7 @@ class EngineRequest:
             request_id=self.request_id,
             new_token_ids=list(new),
             new_log_probs=list(new_log_probs),
+            new_text=self.text.take() if self.text is not None else None,
             finished=finished,
             finish_reason=self.finish_reason if finished else None,
             error=error,

@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from megatron.core.inference.contexts.block_allocator import PageReason
 from megatron.core.inference.contexts.dynamic_context import ImportPlan
-from megatron.core.inference.contexts.errors import InferenceRequestError
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.engines.requests import RequestOutput
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.handoff.failures import (
     HandoffMetadataError,
     HandoffRejectedError,
@@ -364,6 +364,7 @@ class DecodeSide:
                 request_id=imp.request_id,
                 new_token_ids=[],
                 new_log_probs=[],
+                new_text="",
                 finished=True,
                 finish_reason=reason,
                 error=error.to_dict() if error is not None else None,

@@ -1,17 +1,18 @@
 """Typed, serializable errors of the KV state handoff.
 
 Request-level failures subclass
-:class:`~megatron.core.inference.contexts.errors.InferenceRequestError`, so they travel to the
-client as the ``error`` of one terminal output (``to_dict`` / ``from_dict`` round-trip through
-msgpack and JSON).
+:class:`~megatron.core.inference.errors.InferenceRequestError`, so they travel to the client as
+the ``error`` of one terminal output (``to_dict`` / ``from_dict`` round-trip through msgpack and
+JSON). A handoff the decode side cannot take is rejected (a ``ValueError``); a transfer that
+cannot start or fails is a runtime fault of the transport or a peer, not of the request.
 """
 
 from __future__ import annotations
 
-from megatron.core.inference.contexts.errors import InferenceRequestError
+from megatron.core.inference.errors import RequestFailedError, RequestRejectedError
 
 
-class HandoffRejectedError(InferenceRequestError):
+class HandoffRejectedError(RequestRejectedError):
     """The decode side cannot take this handoff (checked before it is queued); nothing was
     queued or transferred."""
 
@@ -21,7 +22,7 @@ class HandoffRejectedError(InferenceRequestError):
         return f"handoff of request {request_id!r} rejected: {reason}"
 
 
-class HandoffMetadataError(InferenceRequestError):
+class HandoffMetadataError(RequestRejectedError):
     """A handoff record that is malformed or does not match the decode side's model."""
 
     fields = ("request_id", "field", "problem")
@@ -30,7 +31,7 @@ class HandoffMetadataError(InferenceRequestError):
         return f"handoff record of request {request_id!r} has a bad {field!r}: {problem}"
 
 
-class TransferSubmitError(InferenceRequestError):
+class TransferSubmitError(RequestFailedError):
     """The transport refused to start a pull; nothing was transferred, so all storage of the
     import was released."""
 
@@ -40,7 +41,7 @@ class TransferSubmitError(InferenceRequestError):
         return f"could not start the KV pull of request {request_id!r} over {transport}: {reason}"
 
 
-class TransferFailedError(InferenceRequestError):
+class TransferFailedError(RequestFailedError):
     """A posted pull failed; the storage it may still write is quarantined, not reused."""
 
     fields = ("request_id", "transport", "reason")

@@ -25,10 +25,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from megatron.core.inference.contexts.errors import InferenceRequestError
 from megatron.core.inference.coordinator.messages import sampling_params_from_dict, sampling_params_to_dict
-from megatron.core.inference.engines.errors import DuplicateRequestIdError
 from megatron.core.inference.engines.requests import RequestOutput
+from megatron.core.inference.errors import DuplicateRequestIdError, InferenceRequestError
 from megatron.core.inference.handoff.decode_side import ABANDON, RELEASE, DecodeSide
 from megatron.core.inference.handoff.metadata import HandoffRecord
 from megatron.core.inference.handoff.prefill_side import PrefillSide
@@ -123,6 +122,7 @@ def _terminal(request_id: str, reason: str, prompt_tokens: int, error: dict | No
         request_id=request_id,
         new_token_ids=[],
         new_log_probs=[],
+        new_text="",
         finished=True,
         finish_reason=reason,
         error=error,

@@ -30,10 +30,11 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.handoff.plan import Segment
 
 
-class TransportError(ValueError):
+class TransportError(MegatronRuntimeError):
     """A pull the transport cannot start (bad peer descriptor, run out of bounds, refused)."""
 
 

@@ -18,6 +18,8 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from megatron.core.errors import MegatronInputError
+
 
 class Channel(enum.StrEnum):
     """The text channels of a chat completion."""
@@ -50,7 +52,7 @@ class ToolCallEvent:
 Event = TextEvent | ToolCallEvent
 
 
-class ParserFinishedError(ValueError):
+class ParserFinishedError(MegatronInputError):
     """A parser was fed after :meth:`StreamParser.finish`; each output needs a fresh parser."""
 
 

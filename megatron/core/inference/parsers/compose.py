@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.inference.parsers.base import Channel, Event, StreamParser, TextEvent
 from megatron.core.inference.parsers.reasoning import deepseek_r1_reasoning_parser, nemotron_reasoning_parser
 from megatron.core.inference.parsers.tool_calls import (
@@ -23,7 +24,7 @@ TOOL_CALL_PARSERS: dict[str, Callable[..., StreamParser]] = {
 }
 
 
-class UnknownParserError(ValueError):
+class UnknownParserError(MegatronConfigError):
     """A reasoning or tool-call parser name that is not registered."""
 
 

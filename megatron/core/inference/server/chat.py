@@ -84,7 +84,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     started = time.monotonic()
-    choices = await service.start_choices(request_id, [prompt], params, body.n, body.stop)
+    choices = await service.start_choices(request_id, [prompt], params, body.n)
     service.metrics.observe_ttft(time.monotonic() - started)
     states = {c.index: _ChatChoice(service, body, c, parsed_tools) for c in choices}
     created = R.now()

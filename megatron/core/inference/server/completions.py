@@ -70,7 +70,7 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     started = time.monotonic()
-    choices = await service.start_choices(request_id, prompts, params, body.n, body.stop)
+    choices = await service.start_choices(request_id, prompts, params, body.n)
     service.metrics.observe_ttft(time.monotonic() - started)
     renderers = {c.index: _CompletionChoice(service, body, c) for c in choices}
     created = R.now()

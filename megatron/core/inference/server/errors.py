@@ -11,13 +11,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megatron.core.errors import MegatronError
 from megatron.core.inference.sampling import InvalidSamplingParamsError
 from megatron.core.inference.stop_words import InvalidStopSequencesError
 
 logger = logging.getLogger(__name__)
 
 
-class APIError(Exception):
+class APIError(MegatronError):
     """An error answered to the HTTP client with ``status`` and an OpenAI error body."""
 
     def __init__(

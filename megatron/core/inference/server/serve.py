@@ -9,11 +9,12 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.coordinator.client import InferenceClient
 from megatron.core.inference.server.openai_api import build_app
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(MegatronRuntimeError):
     """The server thread did not start serving."""
 
 

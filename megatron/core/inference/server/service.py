@@ -8,14 +8,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.inference.coordinator.client import InferenceClient, RequestHandle
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.errors import APIError, bad_request
-from megatron.core.inference.server.generation import ChoiceDecoder, ChoiceDelta, choice_deltas
+from megatron.core.inference.server.generation import (
+    ENGINE_WITHOUT_TOKENIZER,
+    ChoiceDecoder,
+    ChoiceDelta,
+    choice_deltas,
+)
 from megatron.core.inference.server.metrics import ServerMetrics
-from megatron.core.inference.stop_words import normalize_stop_sequences
 
 # Engine-side errors that mean the request itself is too large.
 _TOO_LARGE = {
@@ -28,7 +33,7 @@ _TOO_LARGE = {
 _UNAVAILABLE = {"EngineLostError", "CoordinatorStoppedError", "ClientClosedError"}
 
 
-class ServerConfigError(ValueError):
+class ServerConfigError(MegatronConfigError):
     """A server option out of range or naming an unknown parser."""
 
 
@@ -91,6 +96,8 @@ def error_from_output(error: dict[str, Any] | None) -> APIError:
         return APIError(413, message, code="context_length_exceeded")
     if kind in _UNAVAILABLE:
         return APIError(503, message, type="server_error", code="unavailable")
+    if kind == ENGINE_WITHOUT_TOKENIZER["type"]:
+        return APIError(500, message, type="server_error", code="engine_without_tokenizer")
     # Anything else the engine refused was about this request (admission, sampling values).
     return bad_request(message, code="invalid_request")
 
@@ -138,13 +145,15 @@ class OpenAIService:
     def sampling_params(
         self, body, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo_logprobs: bool
     ) -> SamplingParams:
-        normalize_stop_sequences(body.stop)  # InvalidStopSequencesError -> 400
+        """The engine's parameters of a request (InvalidSamplingParamsError and, for ``stop``,
+        InvalidStopSequencesError answer 400)."""
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=max(0, body.top_k or 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             max_tokens=max_tokens or self.config.default_max_tokens,
+            stop=body.stop,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
@@ -154,7 +163,7 @@ class OpenAIService:
     # -- engine requests -----------------------------------------------------------------
 
     async def start_choices(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, stop
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
     ) -> list[Choice]:
         """Submit ``n`` choices per prompt and wait for each one's first output."""
         choices: list[Choice] = []
@@ -168,9 +177,7 @@ class OpenAIService:
                         else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
                     )
                     handle = await self.client.submit(prompt, seeded, request_id=f"{request_id}-{index}")
-                    choices.append(
-                        Choice(index, prompt, handle, ChoiceDecoder(self.tokenizer, normalize_stop_sequences(stop)))
-                    )
+                    choices.append(Choice(index, prompt, handle, ChoiceDecoder()))
             for choice in choices:
                 choice.first = await choice.handle.next_output()
                 if choice.first["finish_reason"] == "error":

@@ -175,11 +175,15 @@ class LanguageModule(nn.Module):
         labels: torch.Tensor | None = None,
         decoder_input: torch.Tensor | None = None,
         inference_context=None,
-    ) -> torch.Tensor:
+        *,
+        return_decoder_output: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
         hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
         embedding on the first stage; ``inference_context`` reaches every attention and Mamba
-        layer of ``self.decoder`` (it must serve both protocols when a model mixes them)."""
+        layer of ``self.decoder`` (it must serve both protocols when a model mixes them).
+        ``return_decoder_output``: the last stage returns ``(loss or logits, decoder output
+        [s, b, h])``, the decoder output being what multi-token prediction starts from."""
         position_ids = self.position_ids_for(input_ids, position_ids, labels)
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
@@ -192,9 +196,10 @@ class LanguageModule(nn.Module):
         )
         if not self.post_process:
             return hidden_states
-        return self.postprocess(
+        output = self.postprocess(
             hidden_states, input_ids, position_ids, labels, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
+        return (output, hidden_states) if return_decoder_output else output
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""

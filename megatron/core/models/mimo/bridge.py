@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.core.errors import MegatronInputError
 from megatron.core.models.mimo.roles import data_index, data_width, is_model_root
 from megatron.core.process_groups import RankLayout
 
 
-class BridgeError(ValueError):
+class BridgeError(MegatronInputError):
     """Module layouts or tensors the bridge cannot connect; the message names the sizes."""
 
 

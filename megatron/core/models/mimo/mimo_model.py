@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from megatron.core.config import ConfigError
+from megatron.core.errors import MegatronInputError
 from megatron.core.models.mimo.bridge import EmbeddingBridge, to_language_differentiable
 from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
 
-class MimoInputError(ValueError):
+class MimoInputError(MegatronInputError):
     """Inputs that do not fit the model: wrong special-token counts, missing modality inputs."""
 
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 
 LANGUAGE_MODEL = "language_model"
 
 
-class MimoRolesError(ValueError):
+class MimoRolesError(MegatronConfigError):
     """Module grids that cannot form a MIMO job; the message names the modules and ranks."""
 
 

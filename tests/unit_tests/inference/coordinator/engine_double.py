@@ -4,7 +4,13 @@ Generated token ``i`` of a prompt is a lowercase ASCII letter picked by a hash o
 (prompt, i) (:func:`expected_tokens`), one token per step for every active request.
 Requests move waiting -> active (at most ``max_active`` at a time) -> finished; a test can
 also park an active request in the ``paused`` state (as memory pressure would) with
-:meth:`HashEngine.park`. Aborts are honored in every state with one terminal output.
+:meth:`HashEngine.park`. Aborts are honored in every state with one terminal output. Text and
+stop sequences come from the engine's own :class:`TextStream` over the byte-level tokenizer,
+with the engine's finish rules (EOS, then a completed stop sequence, then the length budget).
+
+It produces only what :class:`DynamicInferenceEngine` produces: its outputs are the engine's
+own :class:`RequestOutput`, its ``stats`` have the engine's keys, and it refuses bad requests
+with the engine's typed errors (test_engine_double.py holds it to that against the real engine).
 """
 
 from __future__ import annotations
@@ -13,12 +19,19 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from megatron.core.inference.contexts.errors import PromptTooLongError
+from megatron.core.inference.engines.errors import InvalidPromptError, MaxSequenceLengthOverflowError
+from megatron.core.inference.engines.requests import RequestOutput
+from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.text_stream import TextStream
+from megatron.core.tokenizers import ByteLevelTokenizer
 
 EOS_ID = 257  # the byte-level tokenizer's <eos>
+TOKENIZER = ByteLevelTokenizer()
+VOCAB_SIZE = TOKENIZER.vocab_size
 
 
 def expected_token(prompt_tokens: Sequence[int], index: int) -> int:
@@ -35,31 +48,10 @@ def token_log_prob(token: int) -> float:
 
 
 @dataclass
-class DoubleOutput:
-    """The contract's RequestOutput, plus ``new_top_log_probs`` when top log-probs were asked."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_log_probs: list[float]
-    finished: bool
-    finish_reason: str | None
-    error: dict | None
-    prompt_log_probs: list[float] | None
-    prompt_tokens: int
-    generated_tokens: int
-    new_top_log_probs: list | None = None
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        if data["new_top_log_probs"] is None:
-            del data["new_top_log_probs"]
-        return data
-
-
-@dataclass
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    text: TextStream
     state: str = "waiting"  # waiting | active | paused
     generated: list[int] = field(default_factory=list)
     first_output_sent: bool = False
@@ -74,7 +66,8 @@ class HashEngine:
         step_delay_s: sleep per step (a slow engine).
         eos_at: generate EOS as token number ``eos_at`` (0-based) unless ``ignore_eos``.
         script: prompt tokens -> the whole output to generate (then EOS), or None for the hash.
-        max_sequence_length: longer prompts are refused with PromptTooLongError.
+        max_sequence_length: longer prompts are refused with PromptTooLongError, and prompt plus
+            max_tokens beyond it with MaxSequenceLengthOverflowError (the engine's checks).
     """
 
     def __init__(
@@ -94,6 +87,7 @@ class HashEngine:
         self.requests: dict[str, _Request] = {}
         self.paused = False
         self.steps = 0
+        self.tokens_generated = 0
         self.log: list[tuple] = []  # every call that changes state, in order
         self.finished: dict[str, str] = {}  # request id -> finish reason
         self._lock = threading.Lock()
@@ -105,11 +99,10 @@ class HashEngine:
     ):
         with self._lock:
             self.log.append(("add", request_id))
-            if len(prompt_tokens) > self.max_sequence_length:
-                raise PromptTooLongError(prompt_length=len(prompt_tokens), max_sequence_length=self.max_sequence_length)
-            if request_id in self.requests:
-                raise ValueError(f"request {request_id!r} is already in the engine")
-            self.requests[request_id] = _Request(list(prompt_tokens), sampling_params)
+            self._check(request_id, list(prompt_tokens), sampling_params)
+            self.requests[request_id] = _Request(
+                list(prompt_tokens), sampling_params, TextStream(TOKENIZER, sampling_params.stop)
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -130,15 +123,24 @@ class HashEngine:
 
     @property
     def stats(self) -> dict:
+        """The engine's stats keys; the counters it has no notion of stay zero."""
         states = [r.state for r in self.requests.values()]
-        return {
-            "steps": self.steps,
-            "queue_depth": states.count("waiting"),
-            "active": states.count("active"),
-            "kv_usage_fraction": states.count("active") / max(1, min(self.max_active, 64)),
-        }
+        return dict(
+            steps=self.steps,
+            pauses=0,
+            evictions=0,
+            prefix_cache_hits=0,
+            prefill_tokens_computed=0,
+            tokens_generated=self.tokens_generated,
+            drafts_accepted=0,
+            drafts_rejected=0,
+            queue_depth=states.count("waiting"),
+            active_requests=states.count("active"),
+            paused_requests=states.count("paused"),
+            kv_usage_fraction=states.count("active") / max(1, min(self.max_active, 64)),
+        )
 
-    def step(self) -> list[DoubleOutput]:
+    def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         with self._lock:
@@ -169,6 +171,24 @@ class HashEngine:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """The engine's admission checks, in its order (DynamicInferenceEngine.check_request)."""
+        if request_id in self.requests:
+            raise DuplicateRequestIdError(request_id=request_id)
+        if not prompt or any(not 0 <= t < VOCAB_SIZE for t in prompt):
+            raise InvalidPromptError(
+                reason="empty prompt" if not prompt else "token id out of range", vocab_size=VOCAB_SIZE
+            )
+        room = self.max_sequence_length - len(prompt)
+        if len(prompt) <= self.max_sequence_length and (room < 1 or (params.max_tokens or 0) > room):
+            raise MaxSequenceLengthOverflowError(
+                prompt_length=len(prompt),
+                max_tokens=params.max_tokens or 1,
+                max_sequence_length=self.max_sequence_length,
+            )
+        if len(prompt) > self.max_sequence_length:
+            raise PromptTooLongError(prompt_length=len(prompt), max_sequence_length=self.max_sequence_length)
+
     def _next_token(self, request: _Request) -> int:
         index = len(request.generated)
         planned = self.script(request.prompt) if self.script is not None else None
@@ -178,48 +198,45 @@ class HashEngine:
             return EOS_ID
         return expected_token(request.prompt, index)
 
-    def _generate(self, rid: str, request: _Request) -> DoubleOutput:
+    def _generate(self, rid: str, request: _Request) -> RequestOutput:
         token = self._next_token(request)
         request.generated.append(token)
+        self.tokens_generated += 1
         limit = request.params.max_tokens or self.max_sequence_length - len(request.prompt)
         reason = None
         if token == EOS_ID and not request.params.ignore_eos:
+            request.text.finish()
+            reason = "stop"
+        elif request.text.add_token(token):
             reason = "stop"
         elif len(request.generated) >= limit:
-            reason = "length"
+            reason = "stop" if request.text.finish() else "length"
         output = self._output(rid, request, [token], reason)
         if reason is not None:
             del self.requests[rid]
             self.finished[rid] = reason
         return output
 
-    def _finish(self, rid: str, reason: str) -> DoubleOutput:
+    def _finish(self, rid: str, reason: str) -> RequestOutput:
         request = self.requests.pop(rid)
         self.finished[rid] = reason
         return self._output(rid, request, [], reason)
 
-    def _output(self, rid: str, request: _Request, tokens: list[int], reason: str | None) -> DoubleOutput:
+    def _output(self, rid: str, request: _Request, tokens: list[int], reason: str | None) -> RequestOutput:
         params = request.params
         prompt_log_probs = None
         if params.return_prompt_logprobs and not request.first_output_sent:
             prompt_log_probs = [-0.5] * (len(request.prompt) - 1)
         request.first_output_sent = True
-        top = None
-        if params.top_logprobs:
-            top = [
-                [[t, token_log_prob(t)]]
-                + [[c, -5.0 - k] for k, c in enumerate(range(97, 97 + params.top_logprobs - 1))]
-                for t in tokens
-            ]
-        return DoubleOutput(
+        return RequestOutput(
             request_id=rid,
             new_token_ids=tokens,
             new_log_probs=[token_log_prob(t) for t in tokens] if params.logprobs else [],
+            new_text=request.text.take(),
             finished=reason is not None,
             finish_reason=reason,
             error=None,
             prompt_log_probs=prompt_log_probs,
             prompt_tokens=len(request.prompt),
             generated_tokens=len(request.generated),
-            new_top_log_probs=top,
         )

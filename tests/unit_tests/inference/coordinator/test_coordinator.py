@@ -5,14 +5,16 @@ import asyncio
 import pytest
 import zmq
 
-from megatron.core.inference.contexts.errors import InferenceRequestError, PromptTooLongError
+from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.coordinator import (
     ClientStateError,
+    DuplicateRequestIdError,
     EngineLostError,
     InferenceClient,
     InferenceCoordinator,
 )
 from megatron.core.inference.coordinator.messages import MessageKind, encode
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
 
 from .cluster import async_wait_until, run_with_client, running_cluster, serving, wait_until
@@ -66,11 +68,14 @@ def test_aborts_end_waiting_active_and_paused_requests():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            long = SamplingParams(temperature=0.0, max_tokens=10_000)
+            long = SamplingParams(temperature=0.0, max_tokens=4000)
             handles = {
                 name: await client.submit([1], long, request_id=name) for name in ("active", "paused", "waiting")
             }
-            await async_wait_until(lambda: engine.state_of("paused") == "active", "two requests to be active")
+            await async_wait_until(
+                lambda: engine.state_of("paused") == "active" and engine.state_of("waiting") == "waiting",
+                "two requests to be active and the third to reach the engine",
+            )
             engine.park("paused")
             assert [engine.state_of(n) for n in handles] == ["active", "paused", "waiting"]
             for handle in handles.values():
@@ -111,7 +116,7 @@ def test_stop_gives_in_flight_requests_a_terminal_reply_and_engines_leave():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            handle = await client.submit([1], SamplingParams(max_tokens=10_000))
+            handle = await client.submit([1], SamplingParams(max_tokens=4000))
             await async_wait_until(lambda: engine.steps > 2, "generation to start")
             await client.control("stop")
             return await handle.result()
@@ -163,13 +168,13 @@ def test_a_duplicate_id_from_another_client_is_refused_without_touching_the_firs
             first = await client.submit([1], SamplingParams(temperature=0.0, max_tokens=30), request_id="same")
             async with InferenceClient(coordinator.address) as other:
                 duplicate = await (await other.submit([2], GREEDY, request_id="same")).result()
-            with pytest.raises(ClientStateError, match="request id 'same' is already in flight on this client"):
+            with pytest.raises(DuplicateRequestIdError, match="request id 'same' is already in use"):
                 await client.submit([3], GREEDY, request_id="same")
             return duplicate, await first.result()
 
         duplicate, first = run_with_client(coordinator, scenario)
         assert duplicate["finish_reason"] == "error"
-        assert "request id 'same' is already in flight" in duplicate["error"]["message"]
+        assert InferenceRequestError.from_dict(duplicate["error"]) == DuplicateRequestIdError(request_id="same")
         assert first["finish_reason"] == "length" and first["generated_tokens"] == 30
         assert_no_routing_state(coordinator)
 
@@ -179,7 +184,7 @@ def test_closing_the_client_resolves_every_handle_and_aborts_in_the_engine():
     with running_cluster([engine]) as coordinator:
 
         async def scenario(client):
-            handle = await client.submit([1], SamplingParams(max_tokens=10_000))
+            handle = await client.submit([1], SamplingParams(max_tokens=4000))
             await async_wait_until(lambda: engine.steps > 1, "generation to start")
             await client.close()
             await client.close()

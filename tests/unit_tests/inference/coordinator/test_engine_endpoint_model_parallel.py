@@ -26,7 +26,7 @@ def _serve_one_replica():
     async def scenario():
         async with InferenceClient(coordinator.address) as client:
             short = await client.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=5), request_id="short")
-            long = await client.submit([3], SamplingParams(max_tokens=10_000), request_id="long")
+            long = await client.submit([3], SamplingParams(max_tokens=4000), request_id="long")
             await long.next_output()
             long.abort()
             results["short"] = [t async for out in short for t in out["new_token_ids"]]

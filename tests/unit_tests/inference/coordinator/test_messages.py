@@ -15,6 +15,7 @@ from megatron.core.inference.coordinator.messages import (
     sampling_params_from_dict,
     sampling_params_to_dict,
 )
+from megatron.core.inference.engines.requests import RequestOutput
 from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
 
 
@@ -66,3 +67,13 @@ def test_outputs_are_checked_on_arrival():
         check_output({**output, "finish_reason": "done"})
     with pytest.raises(ProtocolError, match="finish_reason exactly when it is finished"):
         check_output({**output, "finished": False})
+
+
+def test_engine_outputs_carry_their_text_through_msgpack():
+    output = RequestOutput("r", [104, 105], [-0.5, -1.5], "hi", True, "stop", None, None, 3, 2)
+    _, payload = decode(encode(MessageKind.OUTPUTS, outputs=[output.to_dict()]))
+    (arrived,) = payload["outputs"]
+    assert RequestOutput.from_dict(check_output(arrived)) == output
+    with pytest.raises(ProtocolError, match="request output field 'new_text' has type int"):
+        check_output({**arrived, "new_text": 5})
+    assert check_output(error_output("r", None))["new_text"] == ""

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron.core.inference.coordinator.routing import DuplicateRequestIdError, LoadRouter, RoutingError
+from megatron.core.inference.coordinator.routing import LoadRouter, RoutingError
+from megatron.core.inference.errors import DuplicateRequestIdError
 
 
 def test_least_pending_load_wins_and_ties_go_to_the_first_registered():
@@ -32,7 +33,7 @@ def test_duplicate_ids_and_no_engine():
     assert router.route("r", "client", []) is None
     router.register("a", "A")
     router.route("r", "client", [])
-    with pytest.raises(DuplicateRequestIdError, match="request id 'r' is already in flight; use a unique id"):
+    with pytest.raises(DuplicateRequestIdError, match="request id 'r' is already in use by an unfinished request"):
         router.route("r", "other", [])
 
 

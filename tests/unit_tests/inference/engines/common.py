@@ -37,7 +37,16 @@ def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**(base | overrides))
 
 
-def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: int = VOCAB, **overrides) -> GPTModel:
+def gpt_model(
+    pg,
+    *,
+    mtp_depths: int = 0,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_size: int = VOCAB,
+    max_sequence_length: int = MAX_SEQ,
+    **overrides,
+) -> GPTModel:
     config = tiny_config(
         mtp_num_layers=mtp_depths or None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **overrides
     )
@@ -48,7 +57,7 @@ def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: 
             config,
             get_gpt_layer_local_spec(),
             vocab_size,
-            MAX_SEQ,
+            max_sequence_length,
             pre_process=pp_rank == 0,
             post_process=pp_rank == pp_size - 1,
             position_embedding_type="rope",
@@ -58,6 +67,24 @@ def gpt_model(pg, *, mtp_depths: int = 0, tp: int = 1, pp: int = 1, vocab_size: 
         .eval()
         .to(device())
     )
+
+
+def mtp_model_with_tied_heads(pg, **overrides) -> GPTModel:
+    """A GPT whose layers barely change the residual stream and whose MTP depths pass the
+    (normalized) embedding of their input token straight to the shared output head: each depth
+    proposes what the main model will most likely say next, so drafts are often, not always, right."""
+    model = gpt_model(pg, mtp_depths=2, **overrides)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.self_attention.linear_proj.weight.mul_(0.2)
+            layer.mlp.linear_fc2.weight.mul_(0.2)
+        for depth in model.mtp.layers:
+            depth.eh_proj.weight.zero_()
+            depth.eh_proj.weight[:, :h] = torch.eye(h)
+            depth.transformer_layer.self_attention.linear_proj.weight.zero_()
+            depth.transformer_layer.mlp.linear_fc2.weight.zero_()
+    return model
 
 
 def hybrid_model(pg, pattern: str = "M*-M", **overrides) -> HybridModel:
@@ -77,6 +104,21 @@ def hybrid_model(pg, pattern: str = "M*-M", **overrides) -> HybridModel:
         .eval()
         .to(device())
     )
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the token ids passed to its ``detokenize``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded_ids = 0
+
+    def detokenize(self, ids, skip_special_tokens=True):
+        self.decoded_ids += len(ids)
+        return self.tokenizer.detokenize(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
 
 def prompts(lengths, seed: int = 0) -> list[list[int]]:
@@ -113,16 +155,18 @@ def assert_same_outputs(got: dict, want: dict) -> None:
 
 def new_result() -> dict:
     """An empty per-request record for :func:`collect`."""
-    return dict(tokens=[], log_probs=[], prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
+    return dict(tokens=[], log_probs=[], text=None, prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
 
 
 def collect(results: dict, outputs) -> None:
-    """Fold engine outputs into per-request records: tokens, log-probs, prompt log-probs,
-    number of terminal outputs, finish reason and error."""
+    """Fold engine outputs into per-request records: tokens, log-probs, text (None without a
+    tokenizer), prompt log-probs, number of terminal outputs, finish reason and error."""
     for output in outputs:
         result = results.setdefault(output.request_id, new_result())
         result["tokens"] += output.new_token_ids
         result["log_probs"] += output.new_log_probs
+        if output.new_text is not None:
+            result["text"] = (result["text"] or "") + output.new_text
         if output.prompt_log_probs is not None:
             result["prompt_log_probs"] = output.prompt_log_probs
         if output.finished:

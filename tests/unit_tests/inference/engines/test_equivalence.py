@@ -12,6 +12,7 @@ from tests.unit_tests.inference.engines.common import (
     assert_same_outputs,
     gpt_model,
     hybrid_model,
+    mtp_model_with_tied_heads,
     prompts,
     reference_greedy,
     run,
@@ -89,30 +90,12 @@ def test_prefix_cache_hits_skip_prefill_and_keep_outputs(pg, kind):
     assert cached_stats["prefill_tokens_computed"] <= plain_stats["prefill_tokens_computed"] - 8 * len(followers)
 
 
-def _mtp_model_with_tied_heads(pg):
-    """A GPT whose layers barely change the residual stream and whose MTP depths pass the
-    (normalized) embedding of their input token straight to the shared output head: each depth
-    proposes what the main model will most likely say next, so drafts are often, not always, right."""
-    model = gpt_model(pg, mtp_depths=2)
-    h = model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.decoder.layers:
-            layer.self_attention.linear_proj.weight.mul_(0.2)
-            layer.mlp.linear_fc2.weight.mul_(0.2)
-        for depth in model.mtp.layers:
-            depth.eh_proj.weight.zero_()
-            depth.eh_proj.weight[:, :h] = torch.eye(h)
-            depth.transformer_layer.self_attention.linear_proj.weight.zero_()
-            depth.transformer_layer.mlp.linear_fc2.weight.zero_()
-    return model
-
-
 @on_single_rank
 def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_outputs(pg):
     params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)] * 3 + [
         SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, logprobs=True)
     ]
-    model = _mtp_model_with_tied_heads(pg)
+    model = mtp_model_with_tied_heads(pg)
     plain = run(
         DynamicInferenceEngine(model, max_tokens_per_step=32, pg_collection=pg, **ARGS), prompts([5, 9, 3, 6]), params
     )

@@ -7,7 +7,6 @@ import pytest
 
 from megatron.core.inference.contexts.errors import (
     CapacityError,
-    InferenceRequestError,
     PromptExceedsStepTokenLimitError,
     PromptTooLongError,
 )
@@ -18,6 +17,7 @@ from megatron.core.inference.engines import (
     MaxSequenceLengthOverflowError,
     RequestOutput,
 )
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import gpt_model, prompts, run
 from tests.unit_tests.transformer.single_rank import on_single_rank
@@ -153,5 +153,5 @@ def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
         [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)],
     )["0"]
     assert ignoring["tokens"] == greedy[:6] and ignoring["finish_reason"] == "length"
-    output = RequestOutput("r", [1, 2], [-0.5, -1.0], True, "stop", None, [-2.0], 5, 2)
+    output = RequestOutput("r", [1, 2], [-0.5, -1.0], "hi", True, "stop", None, [-2.0], 5, 2)
     assert RequestOutput.from_dict(output.to_dict()) == output

@@ -121,12 +121,16 @@ def block_bytes(engine) -> int:
 
 class FaultyTransport(NixlTransport):
     """NIXL whose next ``post_failures`` posts raise, and whose next ``poll_failures`` pulls
-    report failure from the peer (after really being posted)."""
+    end failed once NIXL finishes them (after really being posted), the way NixlTransport
+    reports a transfer NIXL failed: state, counters and handle alike, with an injected reason.
+
+    Failing pulls are remembered by transfer id, not by ``id(handle)``: a released handle's
+    memory is reused, so a later pull's handle could inherit the failure."""
 
     def __init__(self, name, post_failures=0, poll_failures=0):
         super().__init__(name)
         self.post_failures, self.poll_failures = post_failures, poll_failures
-        self.failing = set()
+        self.failing: set[str] = set()
 
     def post_pull(self, transfer_id, peer, segments):
         if self.post_failures:
@@ -135,12 +139,13 @@ class FaultyTransport(NixlTransport):
         handle = super().post_pull(transfer_id, peer, segments)
         if self.poll_failures:
             self.poll_failures -= 1
-            self.failing.add(id(handle))
+            self.failing.add(transfer_id)
         return handle
 
     def poll(self, handle):
-        state = super().poll(handle)
-        if id(handle) in self.failing and state is not TransferState.PENDING:
-            handle.state = TransferState.PENDING
-            return handle._end(TransferState.FAILED, "injected: the peer reported an error")
-        return state
+        if handle.transfer_id not in self.failing or handle.state is not TransferState.PENDING:
+            return super().poll(handle)
+        if self.agent.check_xfer_state(handle.impl) not in ("DONE", "ERR"):
+            return TransferState.PENDING
+        self.failing.discard(handle.transfer_id)
+        return self._count(handle._end(TransferState.FAILED, "injected: the peer reported an error"))

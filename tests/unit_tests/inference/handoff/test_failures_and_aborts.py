@@ -3,7 +3,7 @@ abandoned past their timeout."""
 
 import pytest
 
-from megatron.core.inference.contexts.errors import InferenceRequestError
+from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.handoff.failures import TransferFailedError, TransferSubmitError
 from megatron.core.inference.handoff.prefill_side import PrefillSide
 from megatron.core.inference.handoff.transport import NixlTransport, TorchDistributedTransport, shared_store

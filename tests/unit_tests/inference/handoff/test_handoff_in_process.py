@@ -1,9 +1,12 @@
 """Prefill on one engine, decode on another (one process, real NIXL between two agents)."""
 
+import dataclasses
+
 import pytest
 
 from megatron.core.inference.handoff.decode_side import DecodeSide
 from megatron.core.inference.handoff.prefill_side import PrefillSide
+from megatron.core.tokenizers import ByteLevelTokenizer
 from tests.unit_tests.inference.handoff.common import (
     GREEDY,
     SAMPLED,
@@ -38,3 +41,26 @@ def test_prefill_then_decode_equals_one_engine(pg, kind):
     assert decode_engine.stats["prefill_tokens_computed"] == 0
     assert not prefill.pins and not prefill.quarantine
     assert decode.transport.num_done == decode.transport.num_posted > 0 and decode.transport.num_failed == 0
+
+
+@on_single_rank
+def test_text_and_stop_sequences_continue_across_the_handoff(pg):
+    # The first token is sampled on the prefill engine, the rest on the decode engine: each request's
+    # text deltas, stop and token counts equal one engine's, whether a stop completes in the first
+    # token, straddles the two engines, or completes later on the decode engine.
+    tokenizer = ByteLevelTokenizer()
+
+    def engine(**overrides):
+        return build_engine(build_model("gpt", pg, vocab_size=128), pg, tokenizer=tokenizer, **overrides)
+
+    requests = prompts([6, 13, 3, 9])
+    plain = dataclasses.replace(GREEDY, max_tokens=12, ignore_eos=True)
+    texts = [result["text"] for _, result in sorted(run(engine(), requests, plain).items())]
+    stops = [texts[0][:1], texts[1][:2], texts[2][3:6], "never seen"]
+    params = [dataclasses.replace(plain, stop=(stop,)) for stop in stops]
+    reference = run(engine(), requests, params)
+    prefill = PrefillSide(engine(prefix_caching=False), nixl("prefill"))
+    got = run_handoff(prefill, DecodeSide(engine(), nixl("decode")), requests, params)
+    assert got == reference
+    assert [reference[str(i)]["finish_reason"] for i in range(4)] == ["stop", "stop", "stop", "length"]
+    assert [reference[str(i)]["text"] for i in range(4)] == [texts[0][:0], texts[1][:0], texts[2][:3], texts[3]]

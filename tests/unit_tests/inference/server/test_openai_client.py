@@ -77,8 +77,9 @@ def test_completion_logprobs_echo_and_n(api):
     assert choice.logprobs.tokens == ["a", "b", "c"] + [chr(t) for t in generated]
     assert choice.logprobs.token_logprobs == [None, -0.5, -0.5] + [token_log_prob(t) for t in generated]
     assert choice.logprobs.text_offset == list(range(6))
-    assert [len(top) for top in choice.logprobs.top_logprobs[3:]] == [2, 2, 2]
-    assert choice.logprobs.top_logprobs[3][chr(generated[0])] == token_log_prob(generated[0])
+    # The engine reports the sampled token's log-prob only (it computes no alternatives), so
+    # each generated position lists that token alone.
+    assert choice.logprobs.top_logprobs[3:] == [{chr(t): token_log_prob(t)} for t in generated]
 
 
 def test_chat_completion_whole_and_streamed(api):
@@ -106,7 +107,10 @@ def test_chat_logprobs_with_top_logprobs(api):
     content = result.choices[0].logprobs.content
     assert [entry.token for entry in content] == [chr(t) for t in generated]
     assert [entry.logprob for entry in content] == [token_log_prob(t) for t in generated]
-    assert [len(entry.top_logprobs) for entry in content] == [2, 2, 2]
+    # The engine reports the sampled token's log-prob only (it computes no alternatives).
+    assert [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in content] == [
+        [(chr(t), token_log_prob(t))] for t in generated
+    ]
 
 
 WEATHER_TOOL = {

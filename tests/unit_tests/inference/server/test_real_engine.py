@@ -1,4 +1,5 @@
-"""The real DynamicInferenceEngine (tiny random GPT) behind the coordinator and the HTTP server."""
+"""The real DynamicInferenceEngine (tiny random GPT) behind the coordinator and the HTTP server:
+text, stop sequences and usage come from the engine's outputs."""
 
 import openai
 import pytest
@@ -21,6 +22,7 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
         num_blocks=64,
         max_requests=8,
         max_sequence_length=48,
+        tokenizer=TOKENIZER,
         pg_collection=pg,
     )
     requests = prompts([5, 9, 3])
@@ -32,6 +34,9 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
             model="megatron", prompt=requests[0], max_tokens=6, temperature=0, stream=True
         )
         streamed_text = "".join(chunk.choices[0].text for chunk in streamed)
+        full_text = TOKENIZER.detokenize(reference[1])
+        stop = full_text[2:4]
+        stopped = api.completions.create(model="megatron", prompt=requests[1], max_tokens=6, temperature=0, stop=stop)
         with pytest.raises(openai.APIStatusError) as too_long:
             api.completions.create(model="megatron", prompt=[1] * 40, max_tokens=20)
         assert coordinator.router.routes == {}
@@ -39,6 +44,9 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
     assert all(len(choice.logprobs.token_logprobs) == 6 for choice in whole.choices)
     assert whole.usage.completion_tokens == 18 and whole.usage.prompt_tokens == 17
     assert streamed_text == TOKENIZER.detokenize(reference[0])
+    # The engine ends the request at the token that completes the stop; usage counts exactly those.
+    assert stopped.choices[0].text == full_text[: full_text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == full_text.index(stop) + len(stop)  # one byte per character
     assert too_long.value.status_code == 413
     expected = MaxSequenceLengthOverflowError(prompt_length=40, max_tokens=20, max_sequence_length=48)
     assert too_long.value.body == {
@@ -47,3 +55,18 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
         "param": None,
         "code": "context_length_exceeded",
     }
+
+
+@on_single_rank
+def test_an_engine_without_a_tokenizer_gets_a_clear_server_error(pg):
+    engine = DynamicInferenceEngine(
+        gpt_model(pg), max_tokens_per_step=32, block_size=4, num_blocks=64, max_sequence_length=48, pg_collection=pg
+    )
+    with openai_server([engine]) as (server, coordinator):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as error:
+            api.completions.create(model="megatron", prompt=prompts([5])[0], max_tokens=4, temperature=0)
+    assert error.value.status_code == 500
+    assert (
+        error.value.body["message"] == "the engine reports tokens without text: serve an engine built with a tokenizer"
+    )

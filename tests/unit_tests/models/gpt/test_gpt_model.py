@@ -121,3 +121,16 @@ def test_unsupported_construction_arguments_are_rejected(pg):
         GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, position_embedding_type="alibi", pg_collection=pg)
     with pytest.raises(ValueError, match="needs both config.mtp_num_layers >= 1 and an mtp_block_spec"):
         GPTModel(tiny_config(mtp_num_layers=1), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
+
+
+@on_single_rank
+def test_return_decoder_output_adds_the_final_hidden_states_and_keeps_logits_and_loss(pg):
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        logits, hidden = model(ids, return_decoder_output=True)
+        loss, hidden_with_labels = model(ids, labels=ids, return_decoder_output=True)
+        expected_hidden = model.decoder(model.embed(ids, model.position_ids_for(ids, None)))
+        assert torch.equal(logits, model(ids)) and torch.equal(loss, model(ids, labels=ids))
+        assert hidden.shape == (8, 2, 32) and torch.equal(hidden, expected_hidden)
+        assert torch.equal(hidden_with_labels, hidden)
