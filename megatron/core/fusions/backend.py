@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from megatron.core.errors import MegatronConfigError
+
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "MEGATRON_FUSION_BACKEND"
 # The fused ops, by the names disabled_ops takes. "linear_bias" is a column-parallel linear's
@@ -29,7 +31,7 @@ BACKEND_ENV = "MEGATRON_FUSION_BACKEND"
 FUSED_OPS = ("norm", "bias_dropout_add", "activation", "rope", "cross_entropy", "linear_bias")
 
 
-class FusionBackendError(ValueError):
+class FusionBackendError(MegatronConfigError):
     """An unknown backend or op name, or Triton asked for where it cannot run."""
 
 

@@ -1,17 +1,12 @@
-"""Shared set-up of the fused-kernel tests: Triton's interpreter when there is no GPU (it must
-be switched on before a kernel module is imported, which the fused ops do lazily), the device
-the kernels run on, and the comparison of a fused op with its torch reference."""
+"""Shared pieces of the fused-kernel tests: the device the kernels run on (CUDA, else CPU
+under Triton's interpreter, which tests/conftest.py switches on) and the comparison of a fused
+op with its torch reference."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from megatron.core.fusions import fusion_backend  # noqa: E402
+from megatron.core.fusions import fusion_backend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
