@@ -397,27 +397,39 @@ def top_cuda_kernels(step, count: int = 15) -> list:
     return [[e.key[:110], round(e.device_time_total / 1000, 3), e.count] for e in events[:count]]
 
 
-def sdpa_probe(heads: int, groups: int, head_dim: int = 128) -> dict:
-    """Forward + backward ms of causal SDPA at the benchmark's shape, per backend, with q/k/v
-    as our attention passes them (views of ``[s, b, n, d]``) and as the plain loop does
-    (views of ``[b, s, n, d]``), and the backend SDPA picks for each layout."""
+def sdpa_probe(heads: int, groups: int, head_dim: int) -> dict:
+    """Forward + backward ms of causal SDPA at the benchmark's shape per backend, and the
+    backend SDPA picks, for q/k/v laid out as ours without RoPE (views of the packed
+    ``[s, b, (h+2g)d]`` projection), ours with RoPE (batch-major copies) and the plain loop
+    (views of the packed ``[b, s, (h+2g)d]`` projection)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    result = {}
-    for layout in ("ours_sbhd", "plain_bshd"):
-        shape = (SEQ, MICRO_BATCH) if layout == "ours_sbhd" else (MICRO_BATCH, SEQ)
-        perm = (1, 2, 0, 3) if layout == "ours_sbhd" else (0, 2, 1, 3)
-        q, k, v = (
-            torch.randn(*shape, n, head_dim, device="cuda", dtype=torch.bfloat16).permute(*perm).requires_grad_()
-            for n in (heads, groups, groups)
-        )
-        gqa = groups != heads
+    def packed(seq_major: bool):
+        width = (heads + 2 * groups) * head_dim
+        rows = (SEQ, MICRO_BATCH) if seq_major else (MICRO_BATCH, SEQ)
+        qkv = torch.randn(*rows, width, device="cuda", dtype=torch.bfloat16)
+        parts = qkv.split([heads * head_dim, groups * head_dim, groups * head_dim], dim=-1)
+        views = [t.unflatten(-1, (-1, head_dim)) for t in parts]
+        return [t.permute(1, 2, 0, 3) if seq_major else t.transpose(1, 2) for t in views]
+
+    def batch_major():
+        return [torch.randn(MICRO_BATCH, SEQ, n, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for n in (heads, groups, groups)]  # fmt: skip
+
+    layouts = {
+        "ours_packed_sbhd": lambda: packed(True),
+        "ours_rope_bshd": batch_major,
+        "plain_packed_bshd": lambda: packed(False),
+    }
+    gqa, result = groups != heads, {}
+    for layout, make in layouts.items():
+        q, k, v = (t.detach().requires_grad_() for t in make())
         entry = {}
         with contextlib.suppress(Exception):
             entry["default_choice"] = str(SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa)))
         for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
 
-            def run(backend=backend, q=q, k=k, v=v, gqa=gqa):
+            def run(backend=backend, q=q, k=k, v=v):
                 with sdpa_kernel(getattr(SDPBackend, backend)):
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
                 out.backward(torch.ones_like(out))
@@ -435,75 +447,68 @@ def sdpa_probe(heads: int, groups: int, head_dim: int = 128) -> dict:
 
 
 def check_kernels(device) -> dict:
-    """Each fused op on the GPU against its torch reference (bf16, forward and backward, real
-    widths, few tokens); an op that fails or disagrees is switched to torch for the run."""
+    """Each fused op on the GPU against its torch path (bf16, forward and backward, the widths
+    and flag combinations the three configurations use, few tokens); an op that fails or
+    disagrees is switched to torch for the rest of the run."""
     from megatron.core import fusions
-    from megatron.core.fusions.activations import activation_reference
-    from megatron.core.fusions.norms import bias_dropout_add_reference, layer_norm_reference, rms_norm_reference
-    from megatron.core.fusions.rope import split_qkv_reference
     from megatron.core.transformer.rope import RotaryEmbedding
 
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def randn(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, device=device, generator=gen)).to(torch.bfloat16).requires_grad_()
+    def randn(*shape, scale=1.0, grad=True):
+        t = (scale * torch.randn(*shape, device=device, generator=gen)).to(torch.bfloat16)
+        return t.requires_grad_(grad)
 
-    s, b, h = 32, 2, 2048
-    x, res, w, nb, bias = randn(s, b, h), randn(s, b, h), randn(h, scale=0.1), randn(h), randn(h)
-    with torch.no_grad():
-        w += 1
-    rot = RotaryEmbedding(128)(torch.arange(s, device=device).unsqueeze(0).expand(b, s))
-    qkv = randn(s, b, (16 + 8) * 128)
+    s, b, h = 32, 2, HIDDEN
+    x, res, bias, nb = randn(s, b, h), randn(s, b, h), randn(h), randn(h)
+    w = (1 + randn(h, scale=0.1, grad=False)).requires_grad_()
+    rot = RotaryEmbedding(HIDDEN // HEADS)(torch.arange(s, device=device).unsqueeze(0).expand(b, s))
+    qkv = randn(s, b, (HEADS + 2 * CONFIGS["llama"]["plain"]["groups"]) * (HIDDEN // HEADS))
     logits, target = randn(s, b, VOCAB, scale=3.0), torch.randint(0, VOCAB, (s, b), device=device, generator=gen)
-    fc1, fc1g = randn(s, b, 8192), randn(s, b, 2 * 5504)
-    cases = {
-        "norm": (
-            lambda: fusions.bias_dropout_add_norm(x, bias, res, 0.0, True, False, w, nb, 1e-5, "LayerNorm"),
-            lambda: (lambda h_: (h_, layer_norm_reference(h_, w, nb, 1e-5)))(
-                bias_dropout_add_reference(x, bias, res, 0.0, True)
-            ),
-        ),
-        "bias_dropout_add": (
-            lambda: fusions.bias_dropout_add(x, bias, res, 0.0, True),
-            lambda: bias_dropout_add_reference(x, bias, res, 0.0, True),
-        ),
-        "activation": (
-            lambda: (fusions.activation(fc1, None, F.gelu, False), fusions.activation(fc1g, None, F.silu, True)),
-            lambda: (activation_reference(fc1, None, F.gelu, False), activation_reference(fc1g, None, F.silu, True)),
-        ),
-        "rope": (
-            lambda: fusions.split_qkv(qkv, 16, 4, 128, rot),
-            lambda: split_qkv_reference(qkv, 16, 4, 128, rot),
-        ),
-        "cross_entropy": (
-            lambda: fusions.vocab_parallel_cross_entropy(logits * 1, target, None),
-            lambda: fusions.vocab_parallel_cross_entropy(logits * 1, target, None),
-        ),
-    }
-    leaves = [x, res, w, nb, bias, qkv, logits, fc1, fc1g]
-    rms = (lambda: fusions.norm(x, w, None, 1e-5, "RMSNorm"), lambda: rms_norm_reference(x, w, 1e-5))
+    fc1, fc1_bias, fc1_gated = randn(s, b, 8192), randn(8192), randn(s, b, 2 * CONFIGS["llama"]["plain"]["ffn"])
+    groups = CONFIGS["llama"]["plain"]["groups"]
+    bda_norm = fusions.bias_dropout_add_norm
+    cases = [  # (name, op, call): every flag combination a configuration takes
+        ("layernorm", "norm", lambda: fusions.norm(x, w, nb, 1e-5, "LayerNorm")),
+        ("rmsnorm", "norm", lambda: fusions.norm(x, w, None, 1e-5, "RMSNorm")),
+        ("add_layernorm", "norm", lambda: bda_norm(x, bias, res, 0.0, True, False, w, nb, 1e-5, "LayerNorm")),
+        ("add_rmsnorm", "norm", lambda: bda_norm(x, None, res, 0.0, True, False, w, None, 1e-5, "RMSNorm")),
+        ("bias_dropout_add", "bias_dropout_add", lambda: fusions.bias_dropout_add(x, bias, res, 0.0, True)),
+        ("dropout_add", "bias_dropout_add", lambda: fusions.bias_dropout_add(x, None, res, 0.0, True)),
+        ("bias_gelu", "activation", lambda: fusions.activation(fc1, fc1_bias, F.gelu, False)),
+        ("gelu", "activation", lambda: fusions.activation(fc1, None, F.gelu, False)),
+        ("swiglu", "activation", lambda: fusions.activation(fc1_gated, None, F.silu, True)),
+        ("rope_split", "rope", lambda: fusions.split_qkv(qkv, HEADS, groups, HIDDEN // HEADS, rot)),
+        ("cross_entropy", "cross_entropy", lambda: fusions.vocab_parallel_cross_entropy(logits * 1, target, None)),
+    ]
+    leaves = [x, res, w, nb, bias, qkv, logits, fc1, fc1_bias, fc1_gated]
     report, failed = {}, []
-    for op, (fused, reference) in {**cases, "norm_rms": rms}.items():
-        name = "norm" if op == "norm_rms" else op
+    for name, op, call in cases:
         try:
-            outputs = []
-            for backend, fn in (("triton", fused), ("torch", reference)):
+            results = []
+            for backend in ("triton", "torch"):
                 for leaf in leaves:
                     leaf.grad = None
                 with fusions.fusion_backend(backend):
-                    out = fn()
-                flat = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
-                torch.autograd.backward(flat, [torch.ones_like(t) for t in flat])
-                grads = [leaf.grad.float() for leaf in leaves if leaf.grad is not None]
-                outputs.append([t.float() for t in flat] + grads)
+                    out = call()
+                outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+                cot = torch.Generator(device=device).manual_seed(1)
+                torch.autograd.backward(
+                    outs, [torch.randn(t.shape, device=device, generator=cot).to(t.dtype) for t in outs]
+                )
+                results.append(
+                    [t.float() for t in outs] + [leaf.grad.float() for leaf in leaves if leaf.grad is not None]
+                )
+            fused, reference = results
             errors = [
-                ((a - r).abs().max() / r.abs().max().clamp(min=1e-6)).item() for a, r in zip(*outputs, strict=True)
+                ((a - r).abs().max() / r.abs().max().clamp(min=1e-6)).item()
+                for a, r in zip(fused, reference, strict=True)
             ]
-            report[op] = {"max_rel_err": max(errors), "ok": max(errors) < 0.03}
+            report[name] = {"op": op, "max_rel_err": round(max(errors), 5), "ok": max(errors) < 0.03}
         except Exception as error:
-            report[op] = {"ok": False, "error": f"{type(error).__name__}: {error}"[:400]}
-        if not report[op]["ok"] and name not in failed:
-            failed.append(name)
+            report[name] = {"op": op, "ok": False, "error": f"{type(error).__name__}: {error}"[:400]}
+        if not report[name]["ok"] and op not in failed:
+            failed.append(op)
     fusions.set_fusion_backend(None, disabled_ops=failed)
     report["disabled_ops"] = failed
     return report
@@ -694,7 +699,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_train: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from megatron.training.initialize import initialize_distributed
+
     budget = Budget(opts.budget_s)
+    initialize_distributed("nccl")  # a world of one; the kernel check's cross-entropy needs a group
     report = {"environment": environment(), "options": vars(opts), "configs": {}}
     report["kernel_check"] = check_kernels(torch.device("cuda"))
     print(f"environment: {report['environment']}\nkernel check: {report['kernel_check']}", flush=True)
