@@ -55,7 +55,8 @@ class _GatedTorch(torch.autograd.Function):
         dx = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
         d_gate, d_up = dx.chunk(2, dim=-1)
         torch.mul(grad, activated, out=d_up)
-        ctx.func_backward(grad * up, gate, **ctx.backward_kwargs, grad_input=d_gate)
+        torch.mul(grad, up, out=d_gate)  # the activation's incoming gradient, then its own in place
+        ctx.func_backward(d_gate, gate, **ctx.backward_kwargs, grad_input=d_gate)
         return dx, None, None, None
 
 
