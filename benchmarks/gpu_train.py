@@ -596,8 +596,8 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
         result["errors"]["plain_compiled"] = f"{type(error).__name__}: {error}"[:2000]
     result["variants"]["ours"] = _variant_result(ours_times, flops_per_token)
 
-    if opts.skip_ours_compiled or time.perf_counter() > share_end - opts.ours_compile_reserve_s:
-        result["errors"]["ours_compiled"] = "skipped (flag or time budget)"
+    if opts.quick or opts.skip_ours_compiled or time.perf_counter() > share_end - opts.ours_compile_reserve_s:
+        result["errors"]["ours_compiled"] = "skipped (--quick, --skip-ours-compiled or the time budget)"
     else:
         try:
             start = time.perf_counter()
@@ -687,8 +687,8 @@ def _print_config(name: str, result: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
-    parser.add_argument("--quick", action="store_true", help="2 trials of 2 steps, no profiles")
-    parser.add_argument("--steps", type=int, default=3, help="steps per trial")
+    parser.add_argument("--quick", action="store_true", help="2 trials of 2 steps; no profiles, no ours_compiled")
+    parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--trials", type=int, default=3, help="alternating trials per variant")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant (compiles)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="time for the whole run")
