@@ -19,15 +19,13 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+from megatron.core.datasets.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
     optimal_dtype,
 )
-from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer
 
 
 class PreprocessError(ValueError):

@@ -1,12 +1,18 @@
 """Global model-parallel state: a thin layer that builds the world's ProcessGroupCollection.
 
-Entry points call :func:`initialize_model_parallel`; library code takes the collection it
-returns (``get_process_group_collection()``) and never reads these globals when a
-collection was given to it.
+Entry points join the world (:func:`initialize_distributed`) and call
+:func:`initialize_model_parallel`; library code takes the collection it returns
+(``get_process_group_collection()``) and never reads these globals when a collection was
+given to it.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups import (
@@ -18,6 +24,24 @@ from megatron.core.process_groups import (
 
 _LAYOUT: RankLayout | None = None
 _COLLECTION: ProcessGroupCollection | None = None
+
+
+def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
+    """Join torchrun's world (or a world of one without torchrun); a no-op when joined."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def initialize_model_parallel(

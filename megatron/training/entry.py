@@ -7,8 +7,9 @@ import sys
 from megatron.training.arguments import ArgumentError, parse_args
 
 
-def run(model_family: str, model_provider, argv: list[str] | None = None) -> int:
-    """Parse flags (failing fast, before any process group, on a bad combination) and train."""
+def run(model_family: str, argv: list[str] | None = None) -> int:
+    """Parse flags (failing fast, before any process group, on a bad combination) and train
+    a ``model_family`` model; returns the exit status."""
     try:
         args = parse_args(argv, model_family=model_family)
     except ArgumentError as error:
@@ -16,7 +17,7 @@ def run(model_family: str, model_provider, argv: list[str] | None = None) -> int
         return 2
     from megatron.training.training import pretrain
 
-    pretrain(args, model_provider)
+    pretrain(args)
     import torch.distributed as dist
 
     if dist.is_initialized():

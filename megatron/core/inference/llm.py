@@ -19,10 +19,10 @@ the LLM and makes the same calls (the engines stay in lockstep). Keyword argumen
 limit, chunked prefill, prefix caching, speculative tokens, ...). Prompts are strings (needs a
 tokenizer) or lists of token ids; outputs come back in prompt order.
 
-The constructor takes a built model. To serve a training checkpoint, rebuild the model from
-its record and load the weights first (``megatron.training.checkpointing``:
-``model_from_record(load_model_config(DIR), pg)`` then ``load_model_weights(model, DIR)``), as
-``examples/inference/offline_inference.py --load DIR`` does.
+The constructor takes a built model. For a training checkpoint,
+``model, tokenizer, _ = load_inference_model(DIR, pg)``
+(:mod:`megatron.core.inference.checkpoint_loading`) builds it from the checkpoint's model
+record and loads the weights, as ``examples/inference/offline_inference.py --load DIR`` does.
 """
 
 from __future__ import annotations

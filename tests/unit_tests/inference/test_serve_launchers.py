@@ -6,7 +6,7 @@ what ``offline_inference.py --load`` reports; the shared loader builds inference
 
 import concurrent.futures
 import contextlib
-import importlib.util
+import dataclasses
 import json
 import os
 import queue
@@ -24,21 +24,21 @@ import pytest
 import torch
 
 from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.inference.checkpoint_loading import load_inference_model
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.server import ServerConfigError, bind_socket
+from megatron.core.inference.server import ServerConfigError, bind_socket, launcher
 from megatron.core.inference.server.chat_template import render_chat
+from megatron.core.models.model_record import (
+    MODEL_RECORD_FILENAME,
+    load_model_weights,
+    model_from_record,
+    read_model_record,
+    resolve_checkpoint_dir,
+)
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from megatron.training.arguments import parse_args as parse_training_args
-from megatron.training.checkpointing import (
-    MODEL_CONFIG_FILENAME,
-    load_model_config,
-    load_model_weights,
-    model_from_record,
-    resolve_checkpoint_dir,
-)
-from megatron.training.inference_model import load_inference_model
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import device, run_distributed
 
@@ -89,14 +89,11 @@ def _env() -> dict:
 
 
 def _pretrain(save_dir):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     backend = "nccl" if device().type == "cuda" else "gloo"
     args = parse_training_args(
         TRAIN_FLAGS + ["--distributed-backend", backend, "--save", save_dir], model_family="gpt", world_size=1
     )
-    pretrain(args, module.model_provider)
+    pretrain(args)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +107,7 @@ def _offline_greedy(checkpoint_dir, token_prompts):
     """Greedy tokens of an in-process LLM over the checkpoint, built with the checkpointing
     functions themselves (not the loader under test)."""
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    model = model_from_record(read_model_record(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
     llm = LLM(model.to(device()), TOKENIZER, pg_collection=pg, **ENGINE_KWARGS)
     outputs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True))
@@ -385,7 +382,7 @@ def _tensor_parallel_logits(checkpoint_dir, tokens):
 
 def _single_rank_logits(checkpoint_dir, tokens):
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    model = model_from_record(read_model_record(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
     with torch.no_grad():
         return model.to(device()).eval()(torch.tensor([tokens], device=device())).cpu()
@@ -395,10 +392,12 @@ def test_loader_builds_an_eval_model_without_sequence_parallelism_for_any_layout
     copy = str(tmp_path / "ckpt")
     shutil.copytree(checkpoint, copy)
     iteration = resolve_checkpoint_dir(copy)
-    record = load_model_config(iteration)
-    record["transformer_config"]["sequence_parallel"] = True  # as a sequence-parallel training run writes it
-    with open(os.path.join(iteration, MODEL_CONFIG_FILENAME), "w", encoding="utf-8") as f:
-        json.dump(record, f)
+    record = read_model_record(iteration)
+    record = record.replace(
+        config=dataclasses.replace(record.config, sequence_parallel=True)
+    )  # as SP training writes it
+    with open(os.path.join(iteration, MODEL_RECORD_FILENAME), "w", encoding="utf-8") as f:
+        json.dump(record.to_dict(), f)
     tokens = TOKENIZER.tokenize(PROMPTS[2])
     expected = run_distributed(_single_rank_logits, 1, copy, tokens)[0]
     ranks = run_distributed(_tensor_parallel_logits, 2, copy, tokens)
@@ -415,13 +414,6 @@ def test_loader_names_a_directory_that_is_no_checkpoint(tmp_path):
         load_inference_model(str(tmp_path), None)
 
 
-def _launcher_module():
-    spec = importlib.util.spec_from_file_location("run_text_generation_server", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -432,12 +424,11 @@ def _launcher_module():
 )
 def test_launcher_flags_are_checked_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _launcher_module().parse_args(argv)
+        launcher.parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_launcher_refuses_a_server_option_out_of_range():
-    launcher = _launcher_module()
     args = launcher.parse_args(["--load", "ckpt", "--max-prompt-tokens", "0"])
     with pytest.raises(ServerConfigError, match="max_prompt_tokens must be a positive integer"):
         launcher.serve_checkpoint(args)
