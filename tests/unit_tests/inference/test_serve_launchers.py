@@ -359,3 +359,11 @@ def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
         f"error: cannot serve on 127.0.0.1:{port} (Address already in use); pick "
         "another --port, or --port 0 for a free one"
     )
+
+
+def test_serve_names_a_load_directory_that_is_no_checkpoint_before_starting(tmp_path, capsys):
+    assert launcher.main(["--load", str(tmp_path), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path} is neither a checkpoint iteration directory (no model_config.json) nor a checkpoint "
+        "root (no latest_checkpointed_iteration.txt)\n"
+    )

@@ -32,12 +32,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.inference.checkpoint_loading import default_device, load_inference_model
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from megatron.core.inference.server.serve import ServerThread, bind_socket
 from megatron.core.inference.server.service import ServerConfig, ServerConfigError
+from megatron.core.models.model_record import read_model_record
 from megatron.core.process_groups import ParallelConfigError
 
 REGISTRATION_TIMEOUT_S = 120.0
@@ -153,8 +155,10 @@ def serve_checkpoint(args: argparse.Namespace) -> int:
     """Serve ``args.load`` until SIGINT/SIGTERM (see the module doc); every rank calls this.
 
     Returns the exit status: 0, or 2 when global rank 0 cannot bind ``--host``/``--port``
-    (the other ranks are then ended by torchrun)."""
-    config = server_config(args)  # bad server options fail before anything starts
+    (the other ranks are then ended by torchrun). Raises ServerConfigError / CheckpointingError
+    for bad options or a ``--load`` that is no checkpoint, before anything starts."""
+    config = server_config(args)  # bad server options and checkpoints fail before anything starts
+    read_model_record(args.load)
     parallel_state.initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return serve_checkpoint(args)
-    except (ServerConfigError, ParallelConfigError) as error:
+    except (ServerConfigError, ParallelConfigError, CheckpointingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
