@@ -16,7 +16,6 @@ from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_checkpointing.tiny_models import gpt_model, layout, tokens
 from tests.unit_tests.dist_harness import run_distributed
-from tests.unit_tests.training.test_checkpointing import _provider
 
 
 def _trained(distributed: bool, pg):
@@ -117,7 +116,7 @@ def _history(flags):
     from megatron.core import parallel_state
     from megatron.training.training import logging_rank
 
-    state = pretrain(args, _provider())
+    state = pretrain(args)
     return state.history if dist.get_rank() == logging_rank(parallel_state.get_process_group_collection()) else None
 
 
