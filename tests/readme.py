@@ -110,6 +110,16 @@ def command_env(**extra: str) -> dict:
     return env | {"PATH": path, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
 
 
+def needs_a_device_per_rank(num_ranks: int) -> None:
+    """Launched commands run on CUDA when the machine has it (one GPU per rank), else on CPU:
+    skip (the one accepted reason) on a machine with too few GPUs."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs (found {torch.cuda.device_count()})")
+
+
 def _substituted(command: str, replacements: dict[str, str] | None) -> str:
     for old, new in (replacements or {}).items():
         assert old in command, f"{old!r} is not in the README command {command!r}"

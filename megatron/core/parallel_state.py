@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -36,6 +37,23 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def destroy_distributed(timeout_s: float = 60.0) -> None:
+    """Leave the world: meet every rank, destroy every group, then meet once more through the
+    store (for at most ``timeout_s``: a peer may have died) before this process exits. A gloo
+    rank that exits while a peer is still closing its groups aborts that peer ("terminate
+    called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    destroy_model_parallel()
+    dist.destroy_process_group()
+    store.add("megatron/left", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("megatron/left", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _free_port() -> int:

@@ -15,12 +15,9 @@ def run(model_family: str, argv: list[str] | None = None) -> int:
     except ArgumentError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from megatron.core.parallel_state import destroy_distributed
     from megatron.training.training import pretrain
 
     pretrain(args)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    destroy_distributed()
     return 0

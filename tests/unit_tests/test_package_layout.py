@@ -96,14 +96,15 @@ def test_commands_are_console_scripts_and_python_m_modules():
         assert f"def {function}(" in source and 'if __name__ == "__main__":' in source, module
 
 
-def test_the_checkpoint_tool_scripts_run_from_the_checkout():
-    for script, prog in (("convert.py", "megatron-convert"), ("inspect_checkpoint.py", "megatron-inspect-ckpt")):
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "checkpoint" / script), "--help"],
-            cwd=ROOT,
-            env=command_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog} "), done.stderr
+def test_the_converter_script_runs_from_the_checkout():
+    """``python tools/checkpoint/convert.py`` once failed at import (a sibling file shadowed
+    the standard ``inspect``)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--help"],
+        cwd=ROOT,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: megatron-convert "), done.stderr

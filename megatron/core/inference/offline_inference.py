@@ -212,8 +212,7 @@ def main(argv=None) -> int:
         }
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    parallel_state.destroy_distributed()
     return 0
 
 

@@ -40,7 +40,7 @@ from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from megatron.training.arguments import parse_args as parse_training_args
 from megatron.training.training import pretrain
-from tests.readme import ROOT, command_env, readme_command, run_command, start_command
+from tests.readme import ROOT, command_env, needs_a_device_per_rank, readme_command, run_command, start_command
 from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.inference.launched_server import kill_tree, serving
 
@@ -169,12 +169,6 @@ def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], 
             torch.testing.assert_close(log_probs, want_log_probs, rtol=0, atol=1e-5)
 
 
-def _needs_a_device_per_rank(num_ranks: int) -> None:
-    """Launched servers run on CUDA when the machine has it (one GPU per rank), else on CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs (found {torch.cuda.device_count()})")
-
-
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -222,7 +216,7 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
 
 
 def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
-    _needs_a_device_per_rank(2)
+    needs_a_device_per_rank(2)
     command = [
         sys.executable,
         "-m",
@@ -249,7 +243,7 @@ def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent
 
 
 def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(checkpoint, reference):
-    _needs_a_device_per_rank(2)
+    needs_a_device_per_rank(2)
     with _serving_readme_command(README_SERVE_TORCHRUN, checkpoint) as (server, url):
         _assert_generations(_complete(_client(url), PROMPTS[:4]), PROMPTS[:4], reference, exact=False)
         assert _wait_for_engine_tokens(url, MAX_TOKENS * 4) == {"replica-0": MAX_TOKENS * 4}  # one replica

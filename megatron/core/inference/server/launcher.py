@@ -196,7 +196,7 @@ def serve_checkpoint(args: argparse.Namespace) -> int:
             server.stop()
         if coordinator is not None:
             coordinator.stop()
-    dist.destroy_process_group()
+    parallel_state.destroy_distributed()
     return 0
 
 
