@@ -2,7 +2,8 @@
 types it: here, from a working directory holding the inputs the command names (a
 ``tokenizer.json``, a ``docs.jsonl``, an HF model in ``hf/llama``), or in the test named for
 it in :data:`RUN_ELSEWHERE` (the serving commands, on that test's checkpoint and a free port).
-GPU-only commands are checked for ``--help`` only (this suite runs on CPU); the install
+Commands run here on the CPU, on any machine (CUDA hidden, as CI runs them); GPU-only
+commands are checked for ``--help`` only; the install
 commands are checked against pyproject.toml and .ci/run (running them would reinstall the
 package under test), and the test command is what .ci/run runs. A README command none of
 these covers fails :func:`test_every_readme_command_is_covered`.
@@ -27,9 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core.inference.checkpoint_loading import load_inference_model
-from megatron.core.inference.llm import LLM
-from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import (
     MODEL_RECORD_FILENAME,
     load_model_weights,
@@ -42,7 +40,6 @@ from tests.readme import (
     README,
     ROOT,
     command_env,
-    needs_a_device_per_rank,
     readme_command,
     readme_commands,
     run_command,
@@ -93,6 +90,11 @@ RUN_ELSEWHERE = {
 RUN_HERE = [QUICKSTART, TRAIN_HYBRID, PREPROCESS, TRAIN_DOCS, INSPECT, HF_TO_OURS, OURS_TO_HF, DCP_EXPORT]
 RUN_HERE += [*BENCHMARKS, *GPU_ONLY, FUNCTIONAL]
 DOC_SENTENCES = 300
+
+
+def _cpu_env(**extra: str) -> dict:
+    """README commands run on the CPU here, on any machine (as CI runs them)."""
+    return command_env(CUDA_VISIBLE_DEVICES="", **extra)
 
 
 def _owners(command: str) -> list[str]:
@@ -164,10 +166,9 @@ def test_install_commands_name_the_pinned_torch_and_extras_pyproject_declares():
 
 def test_quickstart_trains_tp2_pp2_on_four_processes_and_generates(tmp_path):
     """The main job as a short run (its extra flags go to the training command)."""
-    needs_a_device_per_rank(4)
     run_dir = tmp_path / "runs" / "quickstart"
     short = " --train-iters 10 --lr-warmup-iters 2 --log-interval 5"
-    done = run_command(readme_command(QUICKSTART) + short, ROOT, env=command_env(RUN_DIR=str(run_dir)))
+    done = run_command(readme_command(QUICKSTART) + short, ROOT, env=_cpu_env(RUN_DIR=str(run_dir)))
     losses = [r["lm loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert len(losses) == 2 and losses[1] < losses[0]  # logged at iterations 5 and 10
     assert f"saved checkpoint {run_dir}/iter_0000010 (iteration 10)" in done.stdout
@@ -204,8 +205,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def test_hybrid_training_command_runs_under_torchrun_with_gtp2(workdir):
-    needs_a_device_per_rank(2)
-    done = run_command(readme_command(TRAIN_HYBRID), workdir)
+    done = run_command(readme_command(TRAIN_HYBRID), workdir, env=_cpu_env())
     assert "iteration       10/      10" in done.stdout
 
 
@@ -227,8 +227,8 @@ def moved_docs_run(workdir, tmp_path_factory) -> MovedRun:
     """Preprocess docs.jsonl and train on it with tokenizer.json (the README's commands, in
     ``workdir``), then move runs/docs to another directory and delete the tokenizer file and
     the preprocessed data."""
-    run_command(readme_command(PREPROCESS), workdir)
-    trained = run_command(readme_command(TRAIN_DOCS), workdir)
+    run_command(readme_command(PREPROCESS), workdir, env=_cpu_env())
+    trained = run_command(readme_command(TRAIN_DOCS), workdir, env=_cpu_env())
     records = [json.loads(line) for line in (workdir / "runs" / "docs" / "metrics.jsonl").read_text().splitlines()]
     tokenizer_json = (workdir / "tokenizer.json").read_bytes()
     elsewhere = tmp_path_factory.mktemp("elsewhere")
@@ -252,7 +252,7 @@ def test_data_commands_train_on_the_preprocessed_docs_and_the_checkpoint_keeps_t
 
 
 def test_inspect_command_lists_the_checkpoint(moved_docs_run):
-    done = run_command(readme_command(INSPECT), moved_docs_run.directory)
+    done = run_command(readme_command(INSPECT), moved_docs_run.directory, env=_cpu_env())
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:-1]}
     assert rows["embedding.word_embeddings.weight"][:2] == ["320x64", "float32"]
     assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in rows
@@ -265,20 +265,12 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def test_dcp_export_command_writes_the_weights_torch_reads(moved_docs_run):
-    run_command(readme_command(DCP_EXPORT), moved_docs_run.directory)
+    run_command(readme_command(DCP_EXPORT), moved_docs_run.directory, env=_cpu_env())
     exported = torch.load(moved_docs_run.directory / "full.pt", weights_only=True)
     (weights,) = run_distributed(_weights, 1, str(moved_docs_run.directory / "runs" / "docs"))
     embedding = exported["embedding.word_embeddings.weight"]  # its true rows (the model pads the vocabulary)
     assert embedding.shape[0] == 320 and torch.equal(embedding, weights["embedding.word_embeddings.weight"][:320])
     assert torch.equal(exported["decoder.final_layernorm.weight"], weights["decoder.final_layernorm.weight"])
-
-
-def _greedy(path: str, prompt: str, max_tokens: int, engine_kwargs: dict) -> list[int]:
-    pg = ProcessGroupCollection.from_layout(RankLayout())
-    model, tokenizer, _ = load_inference_model(path, pg)
-    llm = LLM(model, tokenizer, pg_collection=pg, **engine_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([prompt], params)[0].token_ids
 
 
 def test_a_moved_checkpoint_serves_and_converts_with_the_tokenizer_it_carries(moved_docs_run, tmp_path):
@@ -288,7 +280,7 @@ def test_a_moved_checkpoint_serves_and_converts_with_the_tokenizer_it_carries(mo
     here, prompt, max_tokens = moved_docs_run.directory, "the cat sat", 8
     (tmp_path / "tokenizer.json").write_bytes(moved_docs_run.tokenizer_json)
     original = HuggingFaceTokenizer(tmp_path / "tokenizer.json")
-    with serving(start_command("megatron-serve --load runs/docs --port 0", here)) as (server, url):
+    with serving(start_command("megatron-serve --load runs/docs --port 0", here, env=_cpu_env())) as (server, url):
         request = urllib.request.Request(
             url + "/v1/completions",
             json.dumps(
@@ -298,14 +290,21 @@ def test_a_moved_checkpoint_serves_and_converts_with_the_tokenizer_it_carries(mo
         )
         completion = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert server.stop(signal.SIGTERM) == 0
-    server_engine = dict(block_size=16, num_blocks=16 * 2, max_requests=16, max_tokens_per_step=256)  # the defaults
-    (tokens,) = run_distributed(_greedy, 1, str(here / "runs" / "docs"), prompt, max_tokens, server_engine)
+    # The offline engine on the same checkpoint with the server's pool (16 requests of 2 blocks).
+    offline = (
+        f"python {ROOT}/examples/inference/offline_inference.py --load runs/docs --prompts '{prompt}' "
+        f"--num-tokens-to-generate {max_tokens} --max-requests 16 --kv-block-count 32 --output-json offline.json"
+    )
+    run_command(offline, here, env=_cpu_env())
+    (reference,) = json.loads((here / "offline.json").read_text())["requests"]
+    tokens = reference["generated_tokens"]
     assert len(tokens) == max_tokens and completion["choices"][0]["text"] == original.detokenize(tokens)
 
     run_command(
         "megatron-convert --loader megatron --saver megatron --load-dir runs/docs --save-dir runs/docs-tp2 "
         "--target-tensor-parallel-size 2",
         here,
+        env=_cpu_env(),
     )
     converted = here / "runs" / "docs-tp2" / "iter_0000010"
     assert (converted / "tokenizer" / "tokenizer.json").read_bytes() == moved_docs_run.tokenizer_json
@@ -318,9 +317,9 @@ def test_a_moved_checkpoint_serves_and_converts_with_the_tokenizer_it_carries(mo
 def test_hf_conversion_commands_round_trip_bit_identically(workdir):
     from safetensors.torch import load_file
 
-    run_command(readme_command(HF_TO_OURS), workdir)
+    run_command(readme_command(HF_TO_OURS), workdir, env=_cpu_env())
     assert read_model_record(str(workdir / "runs" / "llama")).config.tensor_model_parallel_size == 2
-    run_command(readme_command(OURS_TO_HF), workdir)
+    run_command(readme_command(OURS_TO_HF), workdir, env=_cpu_env())
     original = load_file(workdir / "hf" / "llama" / "model.safetensors")
     returned = load_file(workdir / "hf" / "llama-back" / "model.safetensors")
     assert original.keys() == returned.keys() and all(torch.equal(original[k], returned[k]) for k in original)
@@ -331,7 +330,7 @@ def test_hf_conversion_commands_round_trip_bit_identically(workdir):
 
 @pytest.mark.parametrize("prefix", sorted(BENCHMARKS))
 def test_benchmark_commands_run_and_print_their_ratio(prefix, tmp_path):
-    done = run_command(readme_command(prefix), ROOT)
+    done = run_command(readme_command(prefix), ROOT, env=_cpu_env())
     assert BENCHMARKS[prefix] in done.stdout
 
 
@@ -339,7 +338,7 @@ def test_benchmark_commands_run_and_print_their_ratio(prefix, tmp_path):
 def test_gpu_only_commands_parse_their_arguments(prefix):
     """GPU-only: on this CPU suite only the command's --help runs (the lead runs them on GPUs)."""
     readme_command(prefix)
-    done = run_command(GPU_ONLY[prefix], ROOT, timeout_s=60)
+    done = run_command(GPU_ONLY[prefix], ROOT, timeout_s=60, env=_cpu_env())
     assert done.stdout.startswith("usage: ")
 
 
@@ -350,5 +349,5 @@ def test_functional_cases_command():
 
     assert readme_command(FUNCTIONAL) == FUNCTIONAL + " --subset ci"
     assert callable(test_functional_cases.test_ci_case_matches_goldens)
-    done = run_command(FUNCTIONAL + " --help", ROOT, timeout_s=60)
+    done = run_command(FUNCTIONAL + " --help", ROOT, timeout_s=60, env=_cpu_env())
     assert "--subset SUBSET" in done.stdout
