@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.errors import MegatronConfigError
+from megatron.core.models.model_record import ModelRecord, TokenizerRecord
 
 
 class ArgumentError(MegatronConfigError):
@@ -320,4 +321,21 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         recompute_granularity=args.recompute_granularity,
+    )
+
+
+def model_record_from_args(args: argparse.Namespace, vocab_size: int) -> ModelRecord:
+    """The model record of a run started from the pretraining flags: built once, it is what
+    the trainer builds the model from and what its checkpoints store."""
+    return ModelRecord(
+        family=args.model_family,
+        config=transformer_config_from_args(args),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        layer_pattern=args.hybrid_layer_pattern,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        tokenizer=TokenizerRecord(args.tokenizer_type, args.tokenizer_model),
     )

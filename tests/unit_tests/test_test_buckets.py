@@ -2,12 +2,10 @@
 
 import glob
 import os
-import sys
+
+from tools.run_test_bucket import bucket_files, load_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from run_test_bucket import bucket_files, load_buckets  # noqa: E402
 
 
 def test_every_test_file_is_in_exactly_one_bucket():
