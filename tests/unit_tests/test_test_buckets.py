@@ -74,7 +74,7 @@ def test_skipped_elsewhere():
 
 
 def test_the_runner_fails_naming_each_rank_and_test_that_failed(tmp_path, capfd):
-    from run_test_bucket import run_bucket
+    from tools.run_test_bucket import run_bucket
 
     planted = tmp_path / "test_planted.py"
     planted.write_text(PLANTED)
