@@ -24,7 +24,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,8 @@ class TorchSSMBackend:
 class _MambaKernels(NamedTuple):
     chunk_scan_combined: Callable
     selective_state_update: Callable
-    conv_scan_norm: Callable  # mixer_triton.conv_scan_norm with mamba-ssm's scan passes bound
+    scan: Any  # mixer_triton.ScanPasses: mamba-ssm's chunked-scan forward and backward passes
+    conv_scan_norm: Callable  # mixer_triton.conv_scan_norm
 
 
 class TritonSSMBackend:
@@ -99,7 +100,8 @@ class TritonSSMBackend:
         self._kernels = kernels
 
     def mix(self, zxbcdt, weights: MixerWeights, dims: MambaDims, chunk_size: int, eps: float):
-        return self._kernels.conv_scan_norm(zxbcdt, weights, dims, max(chunk_size, TRITON_MIN_CHUNK_SIZE), eps)
+        chunk_size = max(chunk_size, TRITON_MIN_CHUNK_SIZE)
+        return self._kernels.conv_scan_norm(zxbcdt, weights, dims, chunk_size, eps, self._kernels.scan)
 
     def chunk_scan(self, x, dt, A, B, C, chunk_size, D, dt_bias, initial_state=None):
         return self._kernels.chunk_scan_combined(
@@ -165,9 +167,7 @@ def load_mamba_kernels() -> _MambaKernels | None:
             del sys.modules["selective_scan_cuda"]
         return None
     scan = ScanPasses(_mamba_chunk_scan_combined_fwd, _mamba_chunk_scan_combined_bwd)
-    return _MambaKernels(
-        mamba_chunk_scan_combined, selective_state_update, functools.partial(conv_scan_norm, scan=scan)
-    )
+    return _MambaKernels(mamba_chunk_scan_combined, selective_state_update, scan, conv_scan_norm)
 
 
 def get_ssm_backend(device: torch.device, name: str = "auto") -> TorchSSMBackend | TritonSSMBackend:

@@ -241,6 +241,7 @@ def conv1d_silu_backward(
         WIDTH_POW2=triton.next_power_of_2(width),
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
+        num_warps=8,  # several live [BLOCK_T, BLOCK_C] fp32 tiles per program
     )
     grad_weight = dw_part.sum(0).unsqueeze(1).to(weight.dtype)
     grad_bias = db_part.sum(0).to(bias.dtype)

@@ -114,6 +114,15 @@ class MambaDims:
         """Channels per gated-norm group (the heads of one B/C group share a statistic)."""
         return self.d_inner // self.ngroups
 
+    def scan_flops_per_token(self, chunk_size: int) -> int:
+        """Matmul FLOPs of the chunked SSD scan per token, forward + backward (3x forward), whole
+        layer (all TP ranks). Forward, per token: within its chunk of ``Q`` tokens, ``C.B^T``
+        (``2.Q.N`` per group) and its product with x (``2.Q.P`` per head), both halved by the causal
+        mask as attention's are; the chunk state it feeds (``2.N.P`` per head) and the read-out of
+        the carried state (``2.N.P`` per head)."""
+        within_chunk = chunk_size * (self.d_state * self.ngroups + self.head_dim * self.nheads)
+        return 3 * (within_chunk + 4 * self.d_state * self.head_dim * self.nheads)
+
     def local(self, size: int) -> int:
         return size // self.tp_size
 

@@ -4,7 +4,7 @@ the gradients of the input and of every parameter in bf16, and the Triton prefil
 paths continuing the fused whole-sequence output. The oracle is the torch path in fp32 on the
 same (bf16-valued) weights."""
 
-import copy
+import dataclasses
 
 import pytest
 import torch
@@ -33,8 +33,9 @@ def _mixers():
     with torch.no_grad():  # make every parameter non-trivial
         for p in fast.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    oracle = copy.deepcopy(fast).float()
-    oracle.ssm_backend = "torch"
+    fp32 = dataclasses.replace(config, bf16=False, params_dtype=torch.float32)
+    oracle = MambaMixer(fp32, layer_number=1, pg_collection=fast.pg_collection, ssm_backend="torch").cuda()
+    oracle.load_state_dict(fast.state_dict())
     return fast, oracle
 
 
