@@ -351,7 +351,7 @@ def _print_report(args, report) -> None:
 def run(args) -> int:
     from megatron.core.config import TransformerConfig
     from megatron.core.process_groups import ProcessGroupCollection, RankLayout
-    from megatron.core.ssm.backends import load_mamba_kernels
+    from megatron.core.ssm.backends import load_mamba_kernels, triton_chunk_size
     from megatron.core.ssm.mamba_layer import MambaLayer
 
     if not torch.cuda.is_available():
@@ -383,7 +383,7 @@ def run(args) -> int:
             g = torch.Generator(device=DEVICE).manual_seed(0)
             h = torch.randn(args.seq, args.batch, args.hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
             grad_out = torch.randn(h.shape, device=DEVICE, dtype=torch.bfloat16, generator=g)
-            chunk = max(args.chunk, 128)
+            chunk = triton_chunk_size(args.chunk)
             report = {"config": vars(args) | {"heads": layer.mixer.dims.nheads, "scan_chunk": chunk}}
             report["accuracy"] = _accuracy(layer.mixer, h, grad_out, args.decode_steps)
             report["pieces"] = _pieces(layer.mixer, kernels, h, chunk, args.iters, args.trials)

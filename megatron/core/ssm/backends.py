@@ -14,8 +14,8 @@ the mixer never branches on the backend:
   advancing ``ssm_state`` in place (decode).
 
 The chunk size is the scan's blocking, not part of the function: the Triton scan uses chunks of
-at least :data:`TRITON_MIN_CHUNK_SIZE` tokens (tensor-core tiles; the small config default suits
-the CPU reference), which changes results only by rounding.
+at least :data:`TRITON_MIN_CHUNK_SIZE` tokens (:func:`triton_chunk_size`; tensor-core tiles, where
+the small config default suits the CPU reference), which changes results only by rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,15 @@ from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
 
 if TYPE_CHECKING:
     from megatron.core.ssm.mamba_mixer import MambaDims
+    from megatron.core.ssm.mixer_triton import ScanPasses
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 TRITON_MIN_CHUNK_SIZE = 128
+
+
+def triton_chunk_size(chunk_size: int) -> int:
+    """The chunk length the Triton scan uses for a configured ``mamba_chunk_size``."""
+    return max(chunk_size, TRITON_MIN_CHUNK_SIZE)
 
 
 class MixerWeights(NamedTuple):
@@ -86,7 +92,7 @@ class TorchSSMBackend:
 class _MambaKernels(NamedTuple):
     chunk_scan_combined: Callable
     selective_state_update: Callable
-    scan: Any  # mixer_triton.ScanPasses: mamba-ssm's chunked-scan forward and backward passes
+    scan: ScanPasses  # mamba-ssm's chunked-scan forward and backward passes
     conv_scan_norm: Callable  # mixer_triton.conv_scan_norm
 
 
@@ -100,8 +106,8 @@ class TritonSSMBackend:
         self._kernels = kernels
 
     def mix(self, zxbcdt, weights: MixerWeights, dims: MambaDims, chunk_size: int, eps: float):
-        chunk_size = max(chunk_size, TRITON_MIN_CHUNK_SIZE)
-        return self._kernels.conv_scan_norm(zxbcdt, weights, dims, chunk_size, eps, self._kernels.scan)
+        chunk = triton_chunk_size(chunk_size)
+        return self._kernels.conv_scan_norm(zxbcdt, weights, dims, chunk, eps, self._kernels.scan)
 
     def chunk_scan(self, x, dt, A, B, C, chunk_size, D, dt_bias, initial_state=None):
         return self._kernels.chunk_scan_combined(
@@ -110,7 +116,7 @@ class TritonSSMBackend:
             A,
             B,
             C,
-            max(chunk_size, TRITON_MIN_CHUNK_SIZE),
+            triton_chunk_size(chunk_size),
             D=D,
             z=None,
             dt_bias=dt_bias,

@@ -2,7 +2,8 @@
 mamba-ssm's scan passes, one autograd Function) against the torch reference path: outputs and
 the gradients of the input and of every parameter in bf16, and the Triton prefill + decode
 paths continuing the fused whole-sequence output. The oracle is the torch path in fp32 on the
-same (bf16-valued) weights."""
+same (bf16-valued) weights; the fast path must be within 1e-2 of it, or at worst twice as far
+as the bf16 torch path is (bf16 rounding of small reductions such as ``A_log``'s gradient)."""
 
 import dataclasses
 
@@ -50,20 +51,29 @@ def _fused_path_errors():
     x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g)
     grad_out = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g)
     results = {}
-    for name, mixer, dtype in (("fast", fast, torch.bfloat16), ("oracle", oracle, torch.float32)):
+    for name, mixer, backend, dtype in (
+        ("fast", fast, "triton", torch.bfloat16),
+        ("reference", fast, "torch", torch.bfloat16),
+        ("oracle", oracle, "torch", torch.float32),
+    ):
+        mixer.ssm_backend = backend
+        mixer.zero_grad(set_to_none=True)
         xin = x.to(dtype).requires_grad_(True)
         out, _ = mixer(xin)
         out.backward(grad_out.to(dtype))
         assert out.dtype == dtype
         results[name] = {"out": out.detach(), "input grad": xin.grad} | {n: p.grad for n, p in mixer.named_parameters()}
-    return {key: rel_err(results["fast"][key], want) for key, want in results["oracle"].items()}
+    return {
+        key: (rel_err(results["fast"][key], want), rel_err(results["reference"][key], want))
+        for key, want in results["oracle"].items()
+    }
 
 
 def test_fused_path_matches_reference_forward_and_backward_in_bf16():
     (errors,) = run_distributed(_fused_path_errors, 1)
     assert len(errors) == 10  # out, input grad and the 8 parameters
-    bad = {key: err for key, err in errors.items() if not err < 1e-2}
-    assert not bad, f"relative errors above 1e-2: {bad}"
+    bad = {key: (fast, ref) for key, (fast, ref) in errors.items() if not fast < max(1e-2, 2 * ref)}
+    assert not bad, f"(fast, bf16 reference) relative errors vs fp32 beyond tolerance: {bad}"
 
 
 def _prefill_and_decode_errors():
