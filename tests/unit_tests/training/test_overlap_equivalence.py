@@ -1,8 +1,9 @@
 """Overlapped gradient reduction and parameter gathering change when communication happens,
 never what is computed: through the real Trainer and schedules, ``--overlap-grad-reduce``
 (and ``--overlap-param-gather``) give bit-identical losses and final parameters to the
-same run without them, on DP2, DP2 + distributed optimizer, TP2xDP2 and PP2xDP2 with several
-micro-batches; ``--grad-reduce-in-bf16`` stays within bf16 tolerance of the fp32 reduction."""
+same run without them, on DP2, DP2 + distributed optimizer, TP2xDP2 (sequence parallel),
+GTP2xDP2 and PP2xDP2 (tied embeddings across stages, four micro-batches);
+``--grad-reduce-in-bf16`` stays within bf16 tolerance of the fp32 reduction."""
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ LAYOUTS = {
     "DP2": (2, []),
     "DP2-distopt": (2, ["--use-distributed-optimizer"]),
     "TP2xDP2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "GTP2xDP2": (4, ["--generalized-tensor-parallel-size", "2"]),
     "PP2xDP2-distopt": (
         4,
         ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--global-batch-size", "16"],
