@@ -32,6 +32,23 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="launch each gradient bucket's all-reduce / reduce-scatter during backward",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="all-gather the distributed optimizer's updated parameters during the next forward",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket (default: max(40M, 1M x data-parallel size))",
+    )
+    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="accumulate and reduce gradients in bf16")
+    g.add_argument(
         "--distributed-backend",
         choices=["gloo", "nccl"],
         default=None,
@@ -187,6 +204,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
+    _require(
+        not args.overlap_param_gather or args.use_distributed_optimizer,
+        "--overlap-param-gather needs --use-distributed-optimizer",
+    )
+    _require(
+        args.ddp_bucket_size is None or args.ddp_bucket_size >= 1,
+        f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}",
+    )
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
     _require(

@@ -174,6 +174,18 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
     )
 
 
+def ddp_config_from_args(args) -> DistributedDataParallelConfig:
+    """How the training flags ask gradients to be buffered, bucketed and reduced."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+    )
+
+
 def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
     """The learning-rate and weight-decay schedule the training flags describe."""
     return OptimizerParamScheduler(
@@ -201,14 +213,7 @@ class Trainer:
         self.record = model_record_from_args(args, self.vocab_size)
         model = model_from_record(self.record, pgc).to(self.device)
         self.config = model.config
-        self.model = DistributedDataParallel(
-            self.config,
-            DistributedDataParallelConfig(
-                use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16
-            ),
-            model,
-            pg_collection=pgc,
-        )
+        self.model = DistributedDataParallel(self.config, ddp_config_from_args(args), model, pg_collection=pgc)
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.model], pgc)
         self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
@@ -283,11 +288,13 @@ class Trainer:
                 self.logger.log_evaluation(iteration=state.iteration, loss=self.evaluate())
             if save_due(args, state):
                 self.save()
+        self.model.finish_param_sync()  # the last step's overlapped gathers
         return state
 
     def save(self) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
+        self.model.finish_param_sync()
         save_checkpoint(self)
 
     def load(self) -> None:
