@@ -15,11 +15,9 @@ import sys
 import tempfile
 import time
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron.core.dist_checkpointing import ShardedTensor, load, save  # noqa: E402
+from megatron.core.dist_checkpointing import ShardedTensor, load, save
 
 
 def _timed(fn):

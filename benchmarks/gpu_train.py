@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training speed on one GPU: our pretrain_gpt / pretrain_hybrid train step against a plain
+"""Training speed on one GPU: our GPT / hybrid pretraining train step against a plain
 PyTorch loop of the same model, eager and ``torch.compile``-d, in the same process.
 
     python benchmarks/gpu_train.py [--config gpt2|llama|hybrid|all] [--quick] [--output-json out.json]
@@ -12,12 +12,13 @@ Configurations (bf16, seq 2048, micro-batch 8, mock data, AdamW, grad clipping 1
 - hybrid: ``M-M-M-M*-M-M-M-M*-M-M-M-`` (Mamba-2 state 128, head dim 64, 8 groups, chunk 128;
   attention 16 heads; MLP ffn 8192), RMSNorm, no biases, untied.
 
-"ours" is :class:`megatron.training.training.Trainer` built from the same flags and model
-providers as ``examples/pretrain_gpt.py`` / ``examples/pretrain_hybrid.py``, stepped through
-``Trainer.train_step``; "ours_compiled" adds ``--use-torch-compile``. "plain" is the simplest
-fast loop: fp32 parameters, SDPA, ``autocast(bf16)``, fused AdamW, ``clip_grad_norm_``, and
-(compiled) ``torch.compile`` of the whole model. Variants run in alternating trials; the median
-step time gives tokens/s and TFLOP/s (every variant by the one FLOPs formula,
+"ours" is :class:`megatron.training.training.Trainer` built from the flags as
+``megatron-pretrain-gpt`` / ``megatron-pretrain-hybrid`` build it, stepped through
+``Trainer.train_step``; "ours_compiled" compiles its decoder layers as ``--use-torch-compile``
+does. "plain" is the simplest fast loop: fp32 parameters, SDPA, ``autocast(bf16)``, fused
+AdamW, ``clip_grad_norm_``, and (compiled) ``torch.compile`` of the whole model. Variants run
+in alternating trials; the median step time gives tokens/s and TFLOP/s (every variant by the
+one FLOPs formula,
 :func:`megatron.training.metrics.training_flops_per_token`). Each configuration also reports
 peak memory, a forward/backward/optimizer split, which fused kernels and attention backend were
 active, the attention kernel's time per SDPA backend and layout, and the top CUDA kernels of one
@@ -35,17 +36,14 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 SEQ, MICRO_BATCH, VOCAB = 2048, 8, 50304
 LAYERS, HIDDEN, HEADS = 24, 2048, 16
@@ -290,7 +288,7 @@ class PlainLoop:
 
 
 class OurLoop:
-    """Our Trainer built from pretrain_gpt / pretrain_hybrid flags, stepped with train_step."""
+    """Our Trainer built from the GPT / hybrid pretraining flags, stepped with train_step."""
 
     def __init__(self, name: str):
         from megatron.core import parallel_state
@@ -301,12 +299,8 @@ class OurLoop:
         spec = CONFIGS[name]
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        if spec["family"] == "gpt":
-            from examples.pretrain_gpt import model_provider
-        else:
-            from examples.pretrain_hybrid import model_provider
         self.args = parse_args(common_flags() + spec["flags"], model_family=spec["family"], world_size=1)
-        self.trainer = Trainer(self.args, model_provider, initialize_megatron(self.args))
+        self.trainer = Trainer(self.args, initialize_megatron(self.args))
         self.iterator = self.trainer.data_iterator(self.trainer.train_ds, 0)
 
     def step(self) -> float:

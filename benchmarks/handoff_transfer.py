@@ -19,13 +19,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name  # noqa: E402
-from megatron.core.inference.handoff.plan import plan_kv  # noqa: E402
-from megatron.core.inference.handoff.transport import NixlTransport, TransferState  # noqa: E402
+from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name
+from megatron.core.inference.handoff.plan import plan_kv
+from megatron.core.inference.handoff.transport import NixlTransport, TransferState
 
 
 def parse_args(argv=None):

@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: E402
-from megatron.core.inference.sampling import SamplingParams  # noqa: E402
-from megatron.core.models import hf_mapping  # noqa: E402
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec  # noqa: E402
-from megatron.training.initialize import initialize_distributed  # noqa: E402
+from megatron.core import parallel_state
+from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.models import hf_mapping
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.parallel_state import initialize_distributed
 
 VOCAB = 512
 

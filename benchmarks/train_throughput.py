@@ -16,15 +16,12 @@ plain step's time over ours, which the machine's load affects least).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 def llama_flags(
@@ -39,7 +36,7 @@ def llama_flags(
     lr=1e-3,
     data=("--mock-data", "--vocab-size", "128"),
 ) -> list[str]:
-    """Flags of a Llama-style GPT for examples/pretrain_gpt.py (constant LR, no warm-up)."""
+    """Flags of a Llama-style GPT for megatron-pretrain-gpt (constant LR, no warm-up)."""
     return [
         "--num-layers",
         str(num_layers),
@@ -86,13 +83,12 @@ def llama_flags(
 
 def build_trainer(flags: list[str]):
     """Our Trainer for ``flags`` on the current (single-rank) world."""
-    from examples.pretrain_gpt import model_provider
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import Trainer
 
     args = parse_args(flags, model_family="gpt", world_size=1)
-    return Trainer(args, model_provider, initialize_megatron(args))
+    return Trainer(args, initialize_megatron(args))
 
 
 class PlainLoop:

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The main job, from a fresh machine: install, train a small GPT on the built-in corpus with
 # torchrun on 4 CPU processes (TP2 x PP2), save a checkpoint, generate text from it.
-#   bash examples/quickstart.sh [extra training flags]
+#   bash examples/quickstart.sh [extra training flags]      (RUN_DIR=... picks the run directory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e .
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Install unless this checkout's package already imports (an editable install, or PYTHONPATH).
+here='import os, sys, torch, megatron; sys.exit(os.path.realpath(megatron.__path__[0]) != os.path.realpath("megatron"))'
+if ! python3 -P -c "$here" 2>/dev/null; then
+    python3 -m pip install -q torch==2.13.0
+    python3 -m pip install -q -e .
+fi
 export OMP_NUM_THREADS=1
 RUN=${RUN_DIR:-runs/quickstart}
 rm -rf "$RUN"

@@ -1,5 +1,5 @@
-"""Suite-wide settings: single-threaded ranks, Triton's interpreter without a GPU, the GPU
-marker, and the skip policy.
+"""Suite-wide settings: single-threaded ranks, Triton's interpreter without CUDA, the GPU marker,
+and the skip policy.
 
 The only acceptable reason to skip a test is a missing GPU ("needs ... GPU" / "needs
 CUDA"); any other skip fails the run, so a package the test extra installs can never
@@ -13,9 +13,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Triton kernels are decorated when their module is first imported (by any test, e.g. one that
-# imports every module); without a GPU they must run under the interpreter, so switch it on
-# before anything is collected.
+# Without CUDA, Triton kernels run under Triton's interpreter on CPU tensors. triton.language's
+# own helpers (tl.zeros, tl.sum, ...) are decorated when triton is first imported, by whichever
+# module imports it (transformers' NemotronH does), so the switch is set before any test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

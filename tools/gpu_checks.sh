@@ -4,6 +4,12 @@
 #   bash tools/gpu_checks.sh [buckets|train|kernels|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+what=${1:-all}
+case $what in
+  buckets|train|kernels|all) ;;
+  -h|--help) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all]"; exit 0 ;;
+  *) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all] (got '$what')" >&2; exit 2 ;;
+esac
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .gpu_whl/*.whl >/dev/null 2>&1; then
@@ -11,7 +17,6 @@ if ls .gpu_whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-what=${1:-all}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $ngpu; torch $(python3 -c 'import torch; print(torch.__version__)')"
 

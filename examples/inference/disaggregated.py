@@ -17,49 +17,32 @@ client.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator  # noqa: E402
-from megatron.core.inference.handoff.decode_side import prompt_token_ids  # noqa: E402
-from megatron.core.inference.sampling import SamplingParams  # noqa: E402
-from megatron.core.tokenizers.factory import build_tokenizer  # noqa: E402
-from megatron.training.checkpointing import load_model_config  # noqa: E402
-from megatron.training.inference_model import default_device, load_inference_model, record_tokenizer  # noqa: E402
-
-
-def _offline():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_inference.py")
-    spec = importlib.util.spec_from_file_location("offline_inference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from megatron.core import parallel_state
+from megatron.core.inference import offline_inference
+from megatron.core.inference.checkpoint_loading import record_tokenizer
+from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
+from megatron.core.inference.handoff.decode_side import prompt_token_ids
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.models.model_record import read_model_record
+from megatron.core.tokenizers.factory import build_tokenizer
 
 
 def _engine(args, role: str, num_blocks: int, num_requests: int):
     """This process's engine (a world of one rank) over the checkpoint of ``--load``, else the
     random model of the flags."""
-    from megatron.core import parallel_state
     from megatron.core.inference.engines import DynamicInferenceEngine
-    from megatron.training.initialize import initialize_distributed
 
-    initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    parallel_state.initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
     pg = parallel_state.initialize_model_parallel()
-    if args.load is not None:
-        model, tokenizer, _ = load_inference_model(
-            args.load, pg, default_tokenizer_type=args.tokenizer_type, default_tokenizer_model=args.tokenizer_model
-        )
-    else:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        model = _offline().build_random_model(args, tokenizer.vocab_size, pg).to(default_device())
+    model, tokenizer, _ = offline_inference.load_model(args, pg)
     return DynamicInferenceEngine(
         model,
         tokenizer=tokenizer,
@@ -125,18 +108,17 @@ async def _generate(address: str, prompts: list[list[int]], params: list[Samplin
 
 
 def main(argv=None) -> int:
-    offline = _offline()
-    args = offline.parse_args(argv)
+    args = offline_inference.parse_args(argv)
     if not torch.cuda.is_available():
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    max_sequence_length = args.max_sequence_length
     if args.load is not None:
-        record = load_model_config(args.load)
+        record = read_model_record(args.load)
         tokenizer = record_tokenizer(record, args.tokenizer_type, args.tokenizer_model)
-        max_sequence_length = max_sequence_length or record["model_kwargs"]["max_sequence_length"]
     else:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    prompts = [prompt_token_ids(p, tokenizer) for p in offline.read_prompts(args)]
+        record = offline_inference.random_model_record(args, tokenizer.vocab_size)
+    max_sequence_length = args.max_sequence_length or record.max_sequence_length
+    prompts = [prompt_token_ids(p, tokenizer) for p in offline_inference.read_prompts(args)]
     longest = max(len(p) for p in prompts)
     block_count = args.kv_block_count or len(prompts) * -(
         -(longest + args.num_tokens_to_generate) // args.kv_block_size

@@ -23,16 +23,14 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron.core.config import TransformerConfig  # noqa: E402
-from megatron.core.datasets.synthetic_image_caption import SyntheticImageCaptionDataset  # noqa: E402
-from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, save_iteration  # noqa: E402
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
-from megatron.core.models.mimo import (  # noqa: E402
+from megatron.core.config import TransformerConfig
+from megatron.core.datasets.synthetic_image_caption import SyntheticImageCaptionDataset
+from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, save_iteration
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.mimo import (
     LANGUAGE_MODEL,
     MimoRoles,
     build_bridges,
@@ -42,22 +40,23 @@ from megatron.core.models.mimo import (  # noqa: E402
     image_submodule_provider,
     wrap_with_ddp,
 )
-from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict  # noqa: E402
-from megatron.core.models.mimo.roles import data_index, data_width  # noqa: E402
-from megatron.core.tensor_parallel import model_parallel_manual_seed  # noqa: E402
-from megatron.core.tokenizers import build_tokenizer  # noqa: E402
-from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
+from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharded_state_dict
+from megatron.core.models.mimo.roles import data_index, data_width
+from megatron.core.parallel_state import initialize_distributed
+from megatron.core.tensor_parallel import model_parallel_manual_seed
+from megatron.core.tokenizers import build_tokenizer
+from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args
+from megatron.training.checkpointing import (
     rng_object,
     rng_states,
     scheduler_mismatch_policy,
     set_rng_states,
     train_state_object,
 )
-from megatron.training.data import microbatches  # noqa: E402
-from megatron.training.initialize import device_for, initialize_distributed  # noqa: E402
-from megatron.training.metrics import MetricsLogger  # noqa: E402
-from megatron.training.training import (  # noqa: E402
+from megatron.training.data import microbatches
+from megatron.training.initialize import device_for
+from megatron.training.metrics import MetricsLogger
+from megatron.training.training import (
     IterationLog,
     TrainState,
     count_flops_per_token,

@@ -1,12 +1,19 @@
 """Global model-parallel state: a thin layer that builds the world's ProcessGroupCollection.
 
-Entry points call :func:`initialize_model_parallel`; library code takes the collection it
-returns (``get_process_group_collection()``) and never reads these globals when a
-collection was given to it.
+Entry points join the world (:func:`initialize_distributed`) and call
+:func:`initialize_model_parallel`; library code takes the collection it returns
+(``get_process_group_collection()``) and never reads these globals when a collection was
+given to it.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups import (
@@ -18,6 +25,41 @@ from megatron.core.process_groups import (
 
 _LAYOUT: RankLayout | None = None
 _COLLECTION: ProcessGroupCollection | None = None
+
+
+def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
+    """Join torchrun's world (or a world of one without torchrun); a no-op when joined."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def destroy_distributed(timeout_s: float = 60.0) -> None:
+    """Leave the world: meet every rank, destroy every group, then meet once more through the
+    store (for at most ``timeout_s``: a peer may have died) before this process exits. A gloo
+    rank that exits while a peer is still closing its groups aborts that peer ("terminate
+    called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    destroy_model_parallel()
+    dist.destroy_process_group()
+    store.add("megatron/left", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("megatron/left", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def initialize_model_parallel(

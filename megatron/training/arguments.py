@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.errors import MegatronConfigError
+from megatron.core.models.model_record import ModelRecord, TokenizerRecord
 
 
 class ArgumentError(MegatronConfigError):
@@ -30,6 +31,23 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generalized-tensor-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="launch each gradient bucket's all-reduce / reduce-scatter during backward",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="all-gather the distributed optimizer's updated parameters during the next forward",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket (default: max(40M, 1M x data-parallel size))",
+    )
+    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="accumulate and reduce gradients in bf16")
     g.add_argument(
         "--distributed-backend",
         choices=["gloo", "nccl"],
@@ -193,6 +211,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
+    _require(
+        not args.overlap_param_gather or args.use_distributed_optimizer,
+        "--overlap-param-gather needs --use-distributed-optimizer",
+    )
+    _require(
+        args.ddp_bucket_size is None or args.ddp_bucket_size >= 1,
+        f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}",
+    )
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
     _require(
@@ -328,4 +354,21 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         recompute_granularity=args.recompute_granularity,
+    )
+
+
+def model_record_from_args(args: argparse.Namespace, vocab_size: int) -> ModelRecord:
+    """The model record of a run started from the pretraining flags: built once, it is what
+    the trainer builds the model from and what its checkpoints store."""
+    return ModelRecord(
+        family=args.model_family,
+        config=transformer_config_from_args(args),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        layer_pattern=args.hybrid_layer_pattern,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        tokenizer=TokenizerRecord(args.tokenizer_type, args.tokenizer_model),
     )

@@ -7,19 +7,17 @@ import sys
 from megatron.training.arguments import ArgumentError, parse_args
 
 
-def run(model_family: str, model_provider, argv: list[str] | None = None) -> int:
-    """Parse flags (failing fast, before any process group, on a bad combination) and train."""
+def run(model_family: str, argv: list[str] | None = None) -> int:
+    """Parse flags (failing fast, before any process group, on a bad combination) and train
+    a ``model_family`` model; returns the exit status."""
     try:
         args = parse_args(argv, model_family=model_family)
     except ArgumentError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from megatron.core.parallel_state import destroy_distributed
     from megatron.training.training import pretrain
 
-    pretrain(args, model_provider)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    pretrain(args)
+    destroy_distributed()
     return 0

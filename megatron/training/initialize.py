@@ -4,34 +4,14 @@ from __future__ import annotations
 
 import os
 import random
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.parallel_state import initialize_distributed
 from megatron.core.process_groups import ProcessGroupCollection
-
-
-def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
-    """Join torchrun's world (or a world of one without torchrun)."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_random_seeds(seed: int, pg_collection: ProcessGroupCollection) -> None:

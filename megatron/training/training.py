@@ -1,7 +1,9 @@
 """The pretraining loop: build, train with periodic logs/eval/checkpoints, finish.
 
-Entry points (examples/pretrain_gpt.py, examples/pretrain_hybrid.py) supply a model
-provider; this module owns everything else. One log line and JSONL record per
+The entry points (``megatron-pretrain-gpt`` / ``megatron-pretrain-hybrid``, see
+:mod:`megatron.training.entry`) only parse the flags; the model is built from the run's
+model record (:func:`~megatron.training.arguments.model_record_from_args`) and this module
+owns everything else. One log line and JSONL record per
 ``--log-interval`` comes from the logging rank (last pipeline stage, every other
 coordinate 0), which holds the loss averaged over the whole global batch.
 """
@@ -20,12 +22,13 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.model_record import model_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tokenizers import build_tokenizer
-from megatron.training.arguments import transformer_config_from_args
+from megatron.training.arguments import model_record_from_args
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
@@ -182,6 +185,18 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
     )
 
 
+def ddp_config_from_args(args) -> DistributedDataParallelConfig:
+    """How the training flags ask gradients to be buffered, bucketed and reduced."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+    )
+
+
 def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
     """The learning-rate and weight-decay schedule the training flags describe."""
     return OptimizerParamScheduler(
@@ -197,26 +212,21 @@ def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
 
 
 class Trainer:
-    """Holds the model, optimizer, scheduler and data of one run and steps them."""
+    """Holds the model, optimizer, scheduler and data of one run and steps them. The model is
+    built from ``self.record``, the run's model record, which its checkpoints store."""
 
-    def __init__(self, args, model_provider, pgc: ProcessGroupCollection):
+    def __init__(self, args, pgc: ProcessGroupCollection):
         self.args = args
         self.pgc = pgc
         self.device = device_for(args)
-        self.config = transformer_config_from_args(args)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
-        model = model_provider(args, self.config, self.vocab_size, pgc).to(self.device)
+        self.record = model_record_from_args(args, self.vocab_size)
+        model = model_from_record(self.record, pgc).to(self.device)
         if args.use_torch_compile:
             model.decoder.compile_layers()
-        self.model = DistributedDataParallel(
-            self.config,
-            DistributedDataParallelConfig(
-                use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16
-            ),
-            model,
-            pg_collection=pgc,
-        )
+        self.config = model.config
+        self.model = DistributedDataParallel(self.config, ddp_config_from_args(args), model, pg_collection=pgc)
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.model], pgc)
         self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
@@ -291,11 +301,13 @@ class Trainer:
                 self.logger.log_evaluation(iteration=state.iteration, loss=self.evaluate())
             if save_due(args, state):
                 self.save()
+        self.model.finish_param_sync()  # the last step's overlapped gathers
         return state
 
     def save(self) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
+        self.model.finish_param_sync()
         save_checkpoint(self)
 
     def load(self) -> None:
@@ -304,11 +316,10 @@ class Trainer:
         load_checkpoint(self)
 
 
-def pretrain(args, model_provider) -> TrainState:
-    """Initialize, build, (resume,) train and close. ``model_provider(args, config,
-    vocab_size, pg_collection)`` returns this stage's model."""
+def pretrain(args) -> TrainState:
+    """Initialize, build the model the flags describe, (resume,) train and close."""
     pgc = initialize_megatron(args)
-    trainer = Trainer(args, model_provider, pgc)
+    trainer = Trainer(args, pgc)
     if args.load:
         trainer.load()
     state = trainer.train()

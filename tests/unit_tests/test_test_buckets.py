@@ -2,12 +2,10 @@
 
 import glob
 import os
-import sys
+
+from tools.run_test_bucket import bucket_files, load_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from run_test_bucket import bucket_files, load_buckets  # noqa: E402
 
 
 def test_every_test_file_is_in_exactly_one_bucket():
@@ -76,7 +74,7 @@ def test_skipped_elsewhere():
 
 
 def test_the_runner_fails_naming_each_rank_and_test_that_failed(tmp_path, capfd):
-    from run_test_bucket import run_bucket
+    from tools.run_test_bucket import run_bucket
 
     planted = tmp_path / "test_planted.py"
     planted.write_text(PLANTED)

@@ -15,17 +15,31 @@ Steps 2 and 3 are linear and act on the same ``main_grad`` so their order does n
 With ``config.calculate_per_token_loss`` every step sums instead (factor 1), and the
 training loop divides by the token count gathered over ``dp_cp_gtp`` (see
 :meth:`DistributedDataParallel.scale_gradients`).
+
+Overlap. Buckets hold parameters in reverse creation order, so the first bucket's gradients
+are complete early in backward. With ``overlap_grad_reduce`` the post-accumulate-grad hook of
+each parameter marks it ready and the buffer launches every complete bucket's collective
+(asynchronously, in bucket order on every replica) while backward goes on;
+:meth:`DistributedDataParallel.finish_grad_sync` only waits. With ``overlap_param_gather`` the
+distributed optimizer launches the parameter all-gathers after its step and a forward pre-hook
+on each module waits for the buckets of that module's own parameters. The bucket layout and
+the arithmetic are the same with and without overlap, so results are identical. With one
+replica there is nothing to communicate and neither kind of hook is installed.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+    default_bucket_size,
+)
+from megatron.core.distributed.param_and_grad_buffer import GradBucket, ParamAndGradBuffer
 from megatron.core.parallel_state import resolve_pg_collection
 
 
@@ -36,7 +50,8 @@ class DistributedDataParallel(torch.nn.Module):
     Per iteration: run forward/backward for each micro-batch (all but the last inside
     :meth:`no_sync`), then :meth:`finish_grad_sync`, the optimizer step, and
     :meth:`zero_grad_buffer`. ``param.grad`` stays None: the backward hook moves each gradient
-    into ``main_grad``.
+    into ``main_grad``. With ``overlap_param_gather``, parameters are complete inside a forward
+    pass; read them elsewhere (saving, comparing) after :meth:`finish_param_sync`.
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module, pg_collection=None):
@@ -46,21 +61,25 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.pg_collection = resolve_pg_collection(pg_collection)
         self.dp_cp_group = self.pg_collection.dp_cp
-        scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dist.get_world_size(self.dp_cp_group)
+        dp_cp_size = dist.get_world_size(self.dp_cp_group)
+        scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_cp_size
+        bucket_size = ddp_config.bucket_size or default_bucket_size(dp_cp_size)
+        self._reduce_in_backward = ddp_config.overlap_grad_reduce and dp_cp_size > 1
+        gather_in_forward = ddp_config.overlap_param_gather and dp_cp_size > 1
         # Reverse creation order approximates the order in which backward produces gradients.
         params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list] = {}
         for param in params:
-            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            by_dtype.setdefault((param.dtype, self._grad_dtype(param)), []).append(param)
         self.param_and_grad_buffers = [
             ParamAndGradBuffer(
                 members,
                 grad_dtype,
                 self.dp_cp_group,
                 scaling_factor,
-                ddp_config.bucket_size,
+                bucket_size,
                 ddp_config.use_distributed_optimizer,
+                overlap_param_gather=gather_in_forward,
             )
             for (_, grad_dtype), members in by_dtype.items()
         ]
@@ -68,12 +87,30 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_enabled = True
         for param in params:
             param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+        if gather_in_forward:
+            self._register_param_gather_hooks()
+
+    def _grad_dtype(self, param) -> torch.dtype:
+        if self.ddp_config.grad_reduce_in_bf16:
+            return torch.bfloat16
+        return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
 
     def _accumulate_into_main_grad(self, param) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self.ddp_config.overlap_grad_reduce and self._sync_enabled:
+        if self._reduce_in_backward and self._sync_enabled:
             self._buffer_of[param].register_grad_ready(param)
+
+    def _register_param_gather_hooks(self) -> None:
+        """Before a module runs, wait for the gathers of the buckets holding its own parameters."""
+        for submodule in self.module.modules():
+            buckets: list[GradBucket] = []
+            for param in submodule.parameters(recurse=False):
+                bucket = self._buffer_of[param].bucket_of(param) if param in self._buffer_of else None
+                if bucket is not None and bucket not in buckets:
+                    buckets.append(bucket)
+            if buckets:
+                submodule.register_forward_pre_hook(partial(_finish_param_sync, buckets))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -98,6 +135,12 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.param_and_grad_buffers:
             buffer.finish_grad_sync()
 
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter gather still in flight (before reading all parameters
+        outside a forward pass, e.g. to save them)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.finish_param_sync()
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and re-arm the buckets for the next iteration."""
         for param in self._buffer_of:
@@ -117,8 +160,14 @@ class DistributedDataParallel(torch.nn.Module):
             dist.broadcast(param.data, src=src, group=self.dp_cp_group)
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (no ``module.`` prefix)."""
+        """The wrapped module's state dict (no ``module.`` prefix), after pending gathers."""
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _finish_param_sync(buckets: list[GradBucket], module, args) -> None:
+    for bucket in buckets:
+        bucket.finish_param_sync()

@@ -6,6 +6,10 @@ optimizer the parameter data becomes a view of a matching flat parameter buffer 
 each bucket is padded to a multiple of the replica-group size so that every replica owns an
 equal, contiguous shard: rank ``r`` owns ``[r * S, (r + 1) * S)`` of each bucket.
 
+Every collective is launched asynchronously and waited on separately, so the gradient
+reductions of early buckets run while backward still computes later ones, and the parameter
+gathers while forward already uses earlier ones (see ``DistributedDataParallel``).
+
 Gloo has no reduce-scatter or all-gather into one tensor: on gloo groups a "reduce-scatter"
 is an in-place all-reduce of the bucket (the owned shard is a view of it, so it holds the
 reduced values; the rest does too, which is harmless), and the parameter all-gather uses
@@ -29,10 +33,13 @@ def _is_gloo(group) -> bool:
 
 
 class GradBucket:
-    """A contiguous range of a buffer whose gradients are reduced by one collective.
+    """A contiguous range of a buffer whose gradients are reduced, and whose parameters are
+    gathered, by one collective each.
 
     ``grad_data``/``param_data`` are views of the owning buffer (``param_data`` is None unless
-    parameters live in a buffer). ``offset`` is where the bucket starts in the buffer.
+    parameters live in a buffer). ``offset`` is where the bucket starts in the buffer. Both
+    collectives are asynchronous: ``start_*`` launches, ``finish_*`` waits (and is a no-op when
+    nothing is in flight).
     """
 
     def __init__(self, index, params, offset, grad_data, param_data, group, scaling_factor, sharded):
@@ -44,13 +51,15 @@ class GradBucket:
         self.group = group
         self.scaling_factor = scaling_factor
         self.sharded = sharded
+        self._world = dist.get_world_size(group)
         self._pending = set(self.params)
         self._launched = False
-        self._handle = None
+        self._grad_handle = None
+        self._param_handle = None
 
     @property
     def shard_numel(self) -> int:
-        return self.grad_data.numel() // dist.get_world_size(self.group)
+        return self.grad_data.numel() // self._world
 
     def shard_range(self) -> tuple[int, int]:
         """``[start, end)`` in buffer coordinates of the shard this replica owns."""
@@ -75,39 +84,47 @@ class GradBucket:
         self._launched = True
         if self.scaling_factor != 1.0:
             self.grad_data.mul_(self.scaling_factor)
-        if dist.get_world_size(self.group) == 1:
+        if self._world == 1:
             return
         if self.sharded and not _is_gloo(self.group):
             start, end = self.shard_range()
             local = self.grad_data.narrow(0, start - self.offset, end - start)
-            self._handle = dist.reduce_scatter_tensor(local, self.grad_data, group=self.group, async_op=True)
+            self._grad_handle = dist.reduce_scatter_tensor(local, self.grad_data, group=self.group, async_op=True)
         else:
-            self._handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+            self._grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction (launching it first if nothing did), then re-arm the bucket."""
         self.start_grad_sync()
-        if self._handle is not None:
-            self._handle.wait()
+        if self._grad_handle is not None:
+            self._grad_handle.wait()
         self.reset()
 
     def reset(self) -> None:
         self._pending = set(self.params)
         self._launched = False
-        self._handle = None
+        self._grad_handle = None
 
-    def gather_params(self) -> None:
-        """Rebuild the whole bucket of parameters from every replica's owned shard."""
-        world = dist.get_world_size(self.group)
-        if world == 1:
+    def start_param_sync(self) -> None:
+        """Launch the rebuild of the whole bucket of parameters from every replica's owned
+        shard (a gather still in flight on this bucket is finished first)."""
+        self.finish_param_sync()
+        if self._world == 1:
             return
-        size = self.shard_numel
-        pieces = list(self.param_data.split(size))
+        pieces = list(self.param_data.split(self.shard_numel))
         mine = pieces[dist.get_rank(self.group)]
         if _is_gloo(self.group):
-            dist.all_gather(pieces, mine, group=self.group)
+            self._param_handle = dist.all_gather(pieces, mine, group=self.group, async_op=True)
         else:
-            dist.all_gather_into_tensor(self.param_data, mine.clone(), group=self.group)
+            self._param_handle = dist.all_gather_into_tensor(
+                self.param_data, mine.clone(), group=self.group, async_op=True
+            )
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter gather in flight, if any."""
+        if self._param_handle is not None:
+            self._param_handle.wait()
+            self._param_handle = None
 
 
 class ParamAndGradBuffer:
@@ -122,10 +139,22 @@ class ParamAndGradBuffer:
         bucket_size: elements per bucket, or None for one bucket.
         for_distributed_optimizer: pad buckets for even sharding, reduce-scatter, and move
             parameter data into a flat buffer.
+        overlap_param_gather: the parameter gathers the optimizer starts are finished by the
+            model's forward pre-hooks (DDP installs them), not by the optimizer step.
     """
 
-    def __init__(self, params, grad_dtype, group, scaling_factor, bucket_size, for_distributed_optimizer):
+    def __init__(
+        self,
+        params,
+        grad_dtype,
+        group,
+        scaling_factor,
+        bucket_size,
+        for_distributed_optimizer,
+        overlap_param_gather=False,
+    ):
         params = list(params)
+        self.overlap_param_gather = overlap_param_gather
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.group = group
@@ -202,6 +231,9 @@ class ParamAndGradBuffer:
             bucket.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
+        """Launch every bucket not launched yet, then wait for all (the collectives of
+        different buckets are in flight together)."""
+        self.start_grad_sync()
         for bucket in self.buckets:
             bucket.finish_grad_sync()
         self._next_to_launch = 0
@@ -213,6 +245,13 @@ class ParamAndGradBuffer:
             bucket.reset()
         self._next_to_launch = 0
 
-    def gather_params(self) -> None:
+    def start_param_sync(self) -> None:
+        """Launch every bucket's parameter gather, in the order the forward pass uses them
+        (the reverse of the bucket order)."""
+        for bucket in reversed(self.buckets):
+            bucket.start_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter gather in flight."""
         for bucket in self.buckets:
-            bucket.gather_params()
+            bucket.finish_param_sync()

@@ -22,10 +22,10 @@ tokenizer) or lists of token ids; outputs come back in prompt order. The text (a
 sequences) come from the engine's outputs (``RequestOutput.new_text``): this class decodes
 nothing itself.
 
-The constructor takes a built model. To serve a training checkpoint, rebuild the model from
-its record and load the weights first (``megatron.training.checkpointing``:
-``model_from_record(load_model_config(DIR), pg)`` then ``load_model_weights(model, DIR)``), as
-``examples/inference/offline_inference.py --load DIR`` does.
+The constructor takes a built model. For a training checkpoint,
+``model, tokenizer, _ = load_inference_model(DIR, pg)``
+(:mod:`megatron.core.inference.checkpoint_loading`) builds it from the checkpoint's model
+record and loads the weights, as ``examples/inference/offline_inference.py --load DIR`` does.
 """
 
 from __future__ import annotations

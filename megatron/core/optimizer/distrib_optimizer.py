@@ -5,7 +5,9 @@ built with ``use_distributed_optimizer=True``: DDP reduce-scatters each bucket's
 that replica ``r`` holds the reduced values of its contiguous ``1/|dp_cp|`` shard of the
 bucket. This optimizer makes masters (and so Adam state) only for the pieces of parameters
 that fall in this replica's shards, steps them, writes them into the flat parameter buffer
-and all-gathers every bucket so all replicas see all updated parameters.
+and all-gathers every bucket so all replicas see all updated parameters: blocking at the end
+of the step, or, for buffers built with ``overlap_param_gather``, launched there and finished
+by the model's forward pre-hooks in the next forward pass.
 """
 
 from __future__ import annotations
@@ -41,9 +43,23 @@ class DistributedOptimizer(MegatronOptimizer):
     def _sum_groups(self) -> list:
         return [self.pg_collection.mp, self.pg_collection.dp_cp]
 
+    def step_with_ready_grads(self) -> None:
+        # A gather no forward pass waited for (a bucket of unused parameters) must not run
+        # while the step rewrites this replica's shards.
+        self.finish_param_sync()
+        super().step_with_ready_grads()
+
     def _gather_params(self) -> None:
         for buffer in self.buffers:
-            buffer.gather_params()
+            buffer.start_param_sync()
+        for buffer in self.buffers:
+            if not buffer.overlap_param_gather:
+                buffer.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter gather still in flight."""
+        for buffer in self.buffers:
+            buffer.finish_param_sync()
 
     def shard_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
         """``(model_param, start, end)`` flat element ranges owned here, in state-index order."""

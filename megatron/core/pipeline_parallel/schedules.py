@@ -9,6 +9,10 @@ divides the gradients by the global token count). Non-first stages receive their
 virtual stage; interleaving is not implemented yet, so the list must have one element).
 ``grad_scale_func`` (e.g. the fp16 optimizer's loss scaling) is applied to the loss that is
 back-propagated, not to the reported metrics.
+
+Gradient synchronization (``no_sync_func``, default ``model.no_sync`` when the model has it,
+e.g. DDP) is held off for every backward pass but the last micro-batch's, so DDP's
+overlapped reductions launch once per iteration, after all micro-batches have accumulated.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class _MicrobatchRunner:
         is_last_stage,
         forward_only,
         grad_scale_func=None,
+        grad_sync_hold: contextlib.ExitStack | None = None,
     ):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
@@ -70,6 +75,8 @@ class _MicrobatchRunner:
         self.grad_scale_func = grad_scale_func
         self.metrics: list[dict] = []
         self.num_tokens = 0
+        self.grad_sync_hold = grad_sync_hold
+        self.num_backward = 0
 
     def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
         _set_input_tensor(self.model, input_tensor)
@@ -92,12 +99,25 @@ class _MicrobatchRunner:
         self.metrics.append(metrics)
         return self.grad_scale_func(loss) if self.grad_scale_func is not None else loss
 
-    @staticmethod
-    def backward(input_tensor, output_tensor, output_grad) -> torch.Tensor | None:
+    def backward(self, input_tensor, output_tensor, output_grad) -> torch.Tensor | None:
+        self.num_backward += 1
+        if self.num_backward == self.num_microbatches and self.grad_sync_hold is not None:
+            self.grad_sync_hold.close()  # the last micro-batch: let its backward reduce
         if input_tensor is not None:
             input_tensor.retain_grad()
         torch.autograd.backward(output_tensor, grad_tensors=output_grad)
         return input_tensor.grad if input_tensor is not None else None
+
+
+def _hold_grad_sync(model, no_sync_func, forward_only) -> contextlib.ExitStack:
+    """An exit stack inside ``no_sync_func()`` (default ``model.no_sync``); the runner closes
+    it before the last micro-batch's backward. Enter it with ``with`` so an error closes it too."""
+    hold = contextlib.ExitStack()
+    if no_sync_func is None:
+        no_sync_func = getattr(model, "no_sync", contextlib.nullcontext)
+    if not forward_only:
+        hold.enter_context(no_sync_func())
+    return hold
 
 
 def forward_backward_no_pipelining(
@@ -111,27 +131,19 @@ def forward_backward_no_pipelining(
     grad_scale_func: Callable | None = None,
     **_unused,
 ) -> tuple[list[dict], int]:
-    """Gradient accumulation over micro-batches on a single stage.
-
-    Gradient synchronization (``no_sync_func``, default ``model.no_sync`` when present) is
-    held off for all but the last micro-batch. Returns (per-micro-batch metrics, token count).
-    """
+    """Gradient accumulation over micro-batches on a single stage. Returns (per-micro-batch
+    metrics, token count)."""
     model = _single_chunk(model)
     if num_microbatches < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if no_sync_func is None:
-        no_sync_func = getattr(model, "no_sync", contextlib.nullcontext)
-    runner = _MicrobatchRunner(
-        forward_step_func, data_iterator, model, num_microbatches, True, forward_only, grad_scale_func
-    )
-    with no_sync_func():
-        for _ in range(num_microbatches - 1):
+    with _hold_grad_sync(model, no_sync_func, forward_only) as hold:
+        runner = _MicrobatchRunner(
+            forward_step_func, data_iterator, model, num_microbatches, True, forward_only, grad_scale_func, hold
+        )
+        for _ in range(num_microbatches):
             loss = runner.forward(None)
             if not forward_only:
                 runner.backward(None, loss, None)
-    loss = runner.forward(None)
-    if not forward_only:
-        runner.backward(None, loss, None)
     return runner.metrics, runner.num_tokens
 
 
@@ -146,6 +158,7 @@ def forward_backward_pipelining_without_interleaving(
     device: torch.device | None = None,
     forward_only: bool = False,
     pg_collection: ProcessGroupCollection | None = None,
+    no_sync_func: Callable | None = None,
     grad_scale_func: Callable | None = None,
     **_unused,
 ) -> tuple[list[dict], int]:
@@ -161,10 +174,23 @@ def forward_backward_pipelining_without_interleaving(
     pgc = resolve_pg_collection(pg_collection)
     device = device or next(model.parameters()).device
     comm = P2PCommunicator(pgc.pp, tuple(tensor_shape), dtype, device)
-    runner = _MicrobatchRunner(
-        forward_step_func, data_iterator, model, num_microbatches, comm.is_last_stage, forward_only, grad_scale_func
-    )
+    with _hold_grad_sync(model, no_sync_func, forward_only) as hold:
+        runner = _MicrobatchRunner(
+            forward_step_func,
+            data_iterator,
+            model,
+            num_microbatches,
+            comm.is_last_stage,
+            forward_only,
+            grad_scale_func,
+            hold,
+        )
+        _run_1f1b(runner, comm, num_microbatches, forward_only)
+    return runner.metrics, runner.num_tokens
 
+
+def _run_1f1b(runner: _MicrobatchRunner, comm: P2PCommunicator, num_microbatches: int, forward_only: bool) -> None:
+    """This stage's forwards, backwards and exchanges with its neighbours in 1F1B order."""
     num_warmup = min(comm.num_stages - comm.stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
     inputs: list = []
@@ -201,7 +227,6 @@ def forward_backward_pipelining_without_interleaving(
             output_grad = comm.recv_backward()
             input_grad = runner.backward(inputs.pop(0), outputs.pop(0), output_grad)
             comm.send_backward(input_grad)
-    return runner.metrics, runner.num_tokens
 
 
 def get_forward_backward_func(

@@ -1,12 +1,21 @@
-"""Kernel switch for the Mamba-2 scan: mamba-ssm Triton kernels on CUDA, plain torch elsewhere.
+"""Kernel switch for the Mamba-2 mixer: Triton kernels (mamba-ssm's scan, our conv and gated
+norm) on CUDA, plain torch elsewhere.
 
 Both backends take the raw ``dt`` (before ``dt_bias`` and softplus) and the same shapes, so
 the mixer never branches on the backend:
 
+- ``mix(zxbcdt [s,b,local], weights, dims, chunk_size, eps) -> [s,b,d_inner_local]``: the whole
+  sequence path between in_proj and out_proj for a fresh sequence (training): conv + SiLU,
+  scan, gated RMSNorm. The Triton backend runs it as one autograd Function
+  (:mod:`mixer_triton`) with the fewest passes over memory.
 - ``chunk_scan(x [b,l,h,p], dt [b,l,h], A [h], B/C [b,l,g,n], chunk_size, D [h], dt_bias [h],
-  initial_state [b,h,p,n] | None) -> (y [b,l,h,p], final_state [b,h,p,n])``
+  initial_state [b,h,p,n] | None) -> (y [b,l,h,p], final_state [b,h,p,n])`` (prefill from states)
 - ``state_update(ssm_state [b,h,p,n], x [b,h,p], dt [b,h], A, B/C [b,g,n], D, dt_bias) -> y [b,h,p]``,
-  advancing ``ssm_state`` in place.
+  advancing ``ssm_state`` in place (decode).
+
+The chunk size is the scan's blocking, not part of the function: the Triton scan uses chunks of
+at least :data:`TRITON_MIN_CHUNK_SIZE` tokens (:func:`triton_chunk_size`; tensor-core tiles, where
+the small config default suits the CPU reference), which changes results only by rounding.
 """
 
 from __future__ import annotations
@@ -15,15 +24,42 @@ import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.errors import MegatronConfigError
+from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
 from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
 
+if TYPE_CHECKING:
+    from megatron.core.ssm.mamba_mixer import MambaDims
+    from megatron.core.ssm.mixer_triton import ScanPasses
+
 BACKEND_NAMES = ("auto", "torch", "triton")
+TRITON_MIN_CHUNK_SIZE = 128
+
+
+def triton_chunk_size(chunk_size: int) -> int:
+    """The chunk length the Triton scan uses for a configured ``mamba_chunk_size``."""
+    return max(chunk_size, TRITON_MIN_CHUNK_SIZE)
+
+
+class MixerWeights(NamedTuple):
+    """The TP-local mixer parameters the sequence path reads between in_proj and out_proj."""
+
+    conv_weight: torch.Tensor  # [c, 1, d_conv]
+    conv_bias: torch.Tensor  # [c]
+    A_log: torch.Tensor  # [h]
+    D: torch.Tensor  # [h]
+    dt_bias: torch.Tensor  # [h]
+    norm_weight: torch.Tensor  # [d_inner]
+
+    @property
+    def A(self) -> torch.Tensor:
+        """The (negative) fp32 decay rates ``-exp(A_log)``."""
+        return -torch.exp(self.A_log.float())
 
 
 class SSMBackendError(MegatronConfigError):
@@ -34,6 +70,12 @@ class TorchSSMBackend:
     """The reference path of :mod:`megatron.core.ssm.ssd_reference` (any device, autograd)."""
 
     name = "torch"
+
+    def mix(self, zxbcdt, weights: MixerWeights, dims: MambaDims, chunk_size: int, eps: float):
+        z, xBC, dt = dims.split_in_proj(zxbcdt.transpose(0, 1))  # [b, s, ...]: the scan wants batch first
+        x, B, C = dims.split_conv(causal_conv1d_silu(xBC, weights.conv_weight, weights.conv_bias))
+        y, _ = self.chunk_scan(x, dt, weights.A, B, C, chunk_size, weights.D, weights.dt_bias)
+        return gated_rms_norm(y.flatten(-2), z, weights.norm_weight, dims.norm_group_size, eps).transpose(0, 1)
 
     @staticmethod
     def chunk_scan(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state=None):
@@ -51,15 +93,22 @@ class TorchSSMBackend:
 class _MambaKernels(NamedTuple):
     chunk_scan_combined: Callable
     selective_state_update: Callable
+    scan: ScanPasses  # mamba-ssm's chunked-scan forward and backward passes
+    conv_scan_norm: Callable  # mixer_triton.conv_scan_norm
 
 
 class TritonSSMBackend:
-    """mamba-ssm's ``mamba_chunk_scan_combined`` and ``selective_state_update`` (CUDA only)."""
+    """mamba-ssm's chunked scan and ``selective_state_update``, and the fused sequence path of
+    :mod:`mixer_triton` (CUDA only)."""
 
     name = "triton"
 
     def __init__(self, kernels: _MambaKernels):
         self._kernels = kernels
+
+    def mix(self, zxbcdt, weights: MixerWeights, dims: MambaDims, chunk_size: int, eps: float):
+        chunk = triton_chunk_size(chunk_size)
+        return self._kernels.conv_scan_norm(zxbcdt, weights, dims, chunk, eps, self._kernels.scan)
 
     def chunk_scan(self, x, dt, A, B, C, chunk_size, D, dt_bias, initial_state=None):
         return self._kernels.chunk_scan_combined(
@@ -68,7 +117,7 @@ class TritonSSMBackend:
             A,
             B,
             C,
-            chunk_size,
+            triton_chunk_size(chunk_size),
             D=D,
             z=None,
             dt_bias=dt_bias,
@@ -96,10 +145,12 @@ class TritonSSMBackend:
 
 @functools.cache
 def load_mamba_kernels() -> _MambaKernels | None:
-    """Import mamba-ssm's Triton kernels, or return None when CUDA or the package is missing.
+    """Import mamba-ssm's Triton kernels and ours, or return None when CUDA, Triton or mamba-ssm is missing.
 
     ``mamba_ssm/__init__`` imports its compiled ``selective_scan_cuda`` extension, which we
     never call and which is often not built; a stub module lets the Triton kernels import.
+    Our kernel modules are imported here, not at the top: Triton decorates kernels at import,
+    and tests choose its interpreter before that.
     """
     if not torch.cuda.is_available():
         return None
@@ -111,12 +162,19 @@ def load_mamba_kernels() -> _MambaKernels | None:
         stubbed = True
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        from mamba_ssm.ops.triton.ssd_combined import (
+            _mamba_chunk_scan_combined_bwd,
+            _mamba_chunk_scan_combined_fwd,
+            mamba_chunk_scan_combined,
+        )
+
+        from megatron.core.ssm.mixer_triton import ScanPasses, conv_scan_norm
     except (ImportError, OSError, RuntimeError):
         if stubbed:
             del sys.modules["selective_scan_cuda"]
         return None
-    return _MambaKernels(mamba_chunk_scan_combined, selective_state_update)
+    scan = ScanPasses(_mamba_chunk_scan_combined_fwd, _mamba_chunk_scan_combined_bwd)
+    return _MambaKernels(mamba_chunk_scan_combined, selective_state_update, scan, conv_scan_norm)
 
 
 def get_ssm_backend(device: torch.device, name: str = "auto") -> TorchSSMBackend | TritonSSMBackend:

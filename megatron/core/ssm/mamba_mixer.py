@@ -1,11 +1,12 @@
 """Mamba-2 mixer, tensor-parallel over heads and groups.
 
 ``in_proj`` packs ``[z, x, B, C, dt]`` (each part split over TP on its own), a depthwise causal
-conv runs over the TP-local ``x|B|C`` channels, the SSD scan (torch reference or mamba-ssm
-Triton kernels, see :mod:`backends`) mixes along the sequence, a gated RMSNorm normalizes per
-group, and ``out_proj`` (row parallel) reduces over TP. GTP sharding of the two projections
-comes from the parallel linears; ``A_log``, ``D``, ``dt_bias``, the conv and the norm weight are
-whole on every GTP peer (``gtp_sharded = False``).
+conv runs over the TP-local ``x|B|C`` channels, the SSD scan mixes along the sequence, a gated
+RMSNorm normalizes per group, and ``out_proj`` (row parallel) reduces over TP. What runs between
+the two projections is picked by the backend switch (:mod:`backends`): the torch reference, or
+on CUDA one fused Triton path for training (:mod:`mixer_triton`). GTP sharding of the two
+projections comes from the parallel linears; ``A_log``, ``D``, ``dt_bias``, the conv and the
+norm weight are whole on every GTP peer (``gtp_sharded = False``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.parallel_state import resolve_pg_collection
-from megatron.core.ssm.backends import get_ssm_backend
+from megatron.core.ssm.backends import MixerWeights, get_ssm_backend
+from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.sharding import create_parallel_parameter
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
@@ -107,8 +109,36 @@ class MambaDims:
         """Global sizes of the conv channel parts ``[x, B, C]``."""
         return self.in_proj_sizes[1:4]
 
+    @property
+    def norm_group_size(self) -> int:
+        """Channels per gated-norm group (the heads of one B/C group share a statistic)."""
+        return self.d_inner // self.ngroups
+
+    def scan_flops_per_token(self, chunk_size: int) -> int:
+        """Matmul FLOPs of the chunked SSD scan per token, forward + backward (3x forward), whole
+        layer (all TP ranks). Forward, per token: within its chunk of ``Q`` tokens, ``C.B^T``
+        (``2.Q.N`` per group) and its product with x (``2.Q.P`` per head), both halved by the causal
+        mask as attention's are; the chunk state it feeds (``2.N.P`` per head) and the read-out of
+        the carried state (``2.N.P`` per head)."""
+        within_chunk = chunk_size * (self.d_state * self.ngroups + self.head_dim * self.nheads)
+        return 3 * (within_chunk + 4 * self.d_state * self.head_dim * self.nheads)
+
     def local(self, size: int) -> int:
         return size // self.tp_size
+
+    def split_in_proj(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``(z, xBC, dt)`` of a TP-local in_proj output ``[..., z|x|B|C|dt]``."""
+        sizes = [self.local(self.d_inner), self.local(sum(self.conv_sizes)), self.local(self.nheads)]
+        return zxbcdt.split(sizes, dim=-1)
+
+    def split_conv(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of a TP-local conv output ``[..., x|B|C]``: x ``[..., h, p]``, B and C ``[..., g, n]``."""
+        x, B, C = xBC.split([self.local(s) for s in self.conv_sizes], dim=-1)
+        return (
+            x.unflatten(-1, (-1, self.head_dim)),
+            B.unflatten(-1, (-1, self.d_state)),
+            C.unflatten(-1, (-1, self.d_state)),
+        )
 
     def conv_state_shape(self) -> tuple[int, int]:
         """Per-request TP-local conv state: ``(conv_channels, d_conv - 1)``."""
@@ -133,10 +163,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gated = x.float() * F.silu(gate.float())
-        grouped = gated.unflatten(-1, (-1, self.group_size))
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.flatten(-2).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)
 
 
 def _uniform_init(bound: float):
@@ -202,7 +229,7 @@ class MambaMixer(nn.Module):
         self.dt_bias = create_parallel_parameter(config, (dims.nheads,), _init_dt_bias, pg, partition_dim=0)
         self.D = create_parallel_parameter(config, (dims.nheads,), nn.init.ones_, pg, partition_dim=0)
         norm_weight = create_parallel_parameter(config, (dims.d_inner,), nn.init.ones_, pg, partition_dim=0)
-        self.norm = GatedRMSNorm(norm_weight, dims.d_inner // dims.ngroups, config.layernorm_epsilon)
+        self.norm = GatedRMSNorm(norm_weight, dims.norm_group_size, config.layernorm_epsilon)
         self.out_proj = RowParallelLinear(
             dims.d_inner,
             dims.hidden_size,
@@ -214,53 +241,38 @@ class MambaMixer(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, inference_context: MambaInferenceContext | None = None):
-        dims = self.dims
-        zxbcdt, _ = self.in_proj(hidden_states)
-        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, local]: the scan wants batch first
-        z, xBC, dt = zxbcdt.split(
-            [dims.local(dims.d_inner), dims.local(sum(dims.conv_sizes)), dims.local(dims.nheads)], dim=-1
-        )
+        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, local z|x|B|C|dt]
         backend = get_ssm_backend(hidden_states.device, self.ssm_backend)
         if inference_context is None:
-            y = self._scan(backend, xBC, dt, None, None)
-        elif getattr(inference_context, "step", None) is not None:
+            y = backend.mix(zxbcdt, self.weights(), self.dims, self.config.mamba_chunk_size, self.norm.eps)
+        else:
+            y = self._inference(backend, zxbcdt, inference_context)
+        return self.out_proj(y)
+
+    def weights(self) -> MixerWeights:
+        """The parameters the backends' sequence path reads (TP-local)."""
+        return MixerWeights(self.conv1d_weight, self.conv1d_bias, self.A_log, self.D, self.dt_bias, self.norm.weight)
+
+    def _inference(self, backend, zxbcdt: torch.Tensor, inference_context: MambaInferenceContext) -> torch.Tensor:
+        """Prefill or decode over the context's per-request states; returns the out_proj input ``[s, b, d]``."""
+        z, xBC, dt = self.dims.split_in_proj(zxbcdt.transpose(0, 1))  # [b, s, ...]: the scan wants batch first
+        if getattr(inference_context, "step", None) is not None:
             y = self._packed_step(backend, xBC[0], dt[0], inference_context).unsqueeze(0)
         else:
             conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
             if inference_context.is_decode_only():
                 y = self._step(backend, xBC, dt, conv_state, ssm_state)
             else:
-                y = self._scan(backend, xBC, dt, conv_state, ssm_state)
-        y = self.norm(y, z)
-        return self.out_proj(y.transpose(0, 1))
+                y = self._prefill(backend, xBC, dt, conv_state, ssm_state)
+        return self.norm(y, z).transpose(0, 1)
 
-    def _ssm_inputs(self, xBC: torch.Tensor):
-        """Split conv output ``[..., x|B|C]`` into x ``[..., h, p]`` and B, C ``[..., g, n]``."""
-        dims = self.dims
-        x, B, C = xBC.split([dims.local(s) for s in dims.conv_sizes], dim=-1)
-        return (
-            x.unflatten(-1, (-1, dims.head_dim)),
-            B.unflatten(-1, (-1, dims.d_state)),
-            C.unflatten(-1, (-1, dims.d_state)),
-        )
-
-    def _scan(self, backend, xBC, dt, conv_state, ssm_state):
-        """Whole-sequence path (training, and prefill continuing from the given states)."""
-        batch, seq_len, channels = xBC.shape
-        history = (
-            conv_state.to(xBC.dtype) if conv_state is not None else xBC.new_zeros(batch, channels, self.dims.d_conv - 1)
-        )
-        window = torch.cat([history, xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv - 1 + s]
-        if conv_state is not None:
-            conv_state.copy_(window[..., window.shape[-1] - (self.dims.d_conv - 1) :])
-        conv_out = F.conv1d(window, self.conv1d_weight, self.conv1d_bias, groups=channels)
-        x, B, C = self._ssm_inputs(F.silu(conv_out).transpose(1, 2))
-        A = -torch.exp(self.A_log.float())
+    def _prefill(self, backend, xBC, dt, conv_state, ssm_state):
+        """Whole-sequence path continuing from (and advancing) the given conv and SSM states."""
+        x, B, C = self.dims.split_conv(causal_conv1d_silu(xBC, self.conv1d_weight, self.conv1d_bias, conv_state))
         y, final_state = backend.chunk_scan(
-            x, dt, A, B, C, self.config.mamba_chunk_size, self.D, self.dt_bias, initial_state=ssm_state
+            x, dt, self.weights().A, B, C, self.config.mamba_chunk_size, self.D, self.dt_bias, initial_state=ssm_state
         )
-        if ssm_state is not None:
-            ssm_state.copy_(final_state)
+        ssm_state.copy_(final_state)
         return y.flatten(-2)
 
     def _packed_step(self, backend, xBC, dt, inference_context):
@@ -299,7 +311,6 @@ class MambaMixer(nn.Module):
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv]
         conv_state.copy_(window[..., 1:])
         conv_out = (window * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias
-        x, B, C = self._ssm_inputs(F.silu(conv_out))
-        A = -torch.exp(self.A_log.float())
-        y = backend.state_update(ssm_state, x, dt[:, 0], A, B, C, self.D, self.dt_bias)
+        x, B, C = self.dims.split_conv(F.silu(conv_out))
+        y = backend.state_update(ssm_state, x, dt[:, 0], self.weights().A, B, C, self.D, self.dt_bias)
         return y.flatten(-2).unsqueeze(1)

@@ -1,6 +1,6 @@
-"""tools/preprocess_data.py: JSONL in, Megatron-named .bin/.idx out with the expected ids."""
+"""megatron-preprocess-data (its script tools/preprocess_data.py as a subprocess, the
+package module in process): JSONL in, Megatron-named .bin/.idx out with the expected ids."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,18 +10,12 @@ from pathlib import Path
 import pytest
 
 from megatron.core.datasets import IndexedDataset
+from megatron.core.datasets import preprocess_data as tool
 from megatron.core.tokenizers import ByteLevelTokenizer, HuggingFaceTokenizer
 from tests.unit_tests.tokenizers.tiny_hf_tokenizer import generated_sentences, train_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tools" / "preprocess_data.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_jsonl(path, records):
@@ -74,7 +68,7 @@ def test_byte_level_default_writes_one_dataset_per_json_key(tmp_path):
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     (tmp_path / "in.jsonl").write_text(input_path.read_text() + "\n\n")  # blank lines are skipped
     args = ["--input", str(input_path), "--output-prefix", str(tmp_path / "p"), "--json-keys", "text", "title"]
-    load_tool().main(args)
+    assert tool.main(args) == 0
     text, title = IndexedDataset(tmp_path / "p_text_document"), IndexedDataset(tmp_path / "p_title_document")
     assert [text[i].tolist() for i in range(2)] == [list("héllo".encode()), []]
     assert [title[i].tolist() for i in range(2)] == [[97], [98, 98]]
@@ -95,18 +89,14 @@ def test_byte_level_default_writes_one_dataset_per_json_key(tmp_path):
 def test_bad_lines_fail_naming_the_line_and_leave_no_files(tmp_path, capsys, lines, message):
     input_path = tmp_path / "in.jsonl"
     input_path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        load_tool().main(["--input", str(input_path), "--output-prefix", str(tmp_path / "p")])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("preprocess_data.py: error: ")
+    assert tool.main(["--input", str(input_path), "--output-prefix", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err.startswith("megatron-preprocess-data: error: ")
     with pytest.raises(ValueError, match=message):
-        tool = load_tool()
         tool.preprocess(tool.parse_args(["--input", str(input_path), "--output-prefix", str(tmp_path / "p")]))
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
 def test_bad_arguments_are_rejected(tmp_path, capsys):
-    tool = load_tool()
     with pytest.raises(SystemExit):
         tool.parse_args(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", "p"])
     assert f"--input {tmp_path / 'missing.jsonl'} not found" in capsys.readouterr().err

@@ -17,7 +17,6 @@ from megatron.training.training import pretrain
 from tests.unit_tests.dist_checkpointing.tiny_models import gpt_model, layout, tokens
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import losses_by_iteration
-from tests.unit_tests.training.test_checkpointing import _provider
 
 
 def _trained(distributed: bool, pg):
@@ -113,7 +112,7 @@ COMMON = [
 
 def _train(flags, metrics_jsonl):
     args = parse_args(COMMON + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl], "gpt", world_size=4)
-    pretrain(args, _provider())
+    pretrain(args)
 
 
 def _losses(flags, metrics_jsonl) -> dict[int, float]:

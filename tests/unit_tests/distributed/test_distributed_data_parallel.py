@@ -254,13 +254,13 @@ def test_bf16_params_with_fp32_grad_buffer_and_param_buffer_views():
 
 def test_bad_bucket_size_is_rejected():
     with pytest.raises(
-        DistributedConfigError, match=r"bucket_size must be None \(one bucket\) or an integer >= 1, got 0"
+        DistributedConfigError, match=r"bucket_size must be None \(the default size\) or an integer >= 1, got 0"
     ):
         DistributedDataParallelConfig(bucket_size=0)
 
 
 def _late_gradient_is_rejected():
-    pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(1))
+    pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(2))
     model = tiny_mlp()
     ddp = DistributedDataParallel(
         ModelParallelConfig(), DistributedDataParallelConfig(overlap_grad_reduce=True), model, pg_collection=pgc
@@ -276,4 +276,4 @@ def _late_gradient_is_rejected():
 
 
 def test_gradient_after_its_bucket_was_launched_is_rejected():
-    run_distributed(_late_gradient_is_rejected, 1)
+    run_distributed(_late_gradient_is_rejected, 2)

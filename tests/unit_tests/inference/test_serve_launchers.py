@@ -1,21 +1,21 @@
 """The serving launchers end to end on a checkpoint trained here (2 steps of pretraining):
-``examples/inference/serve.py`` (one process) and ``tools/run_text_generation_server.py``
-(torchrun, DP2 and TP2) answer the `openai` client with the greedy text of an offline LLM run
-of the same checkpoint and shut down cleanly on a signal; ``disaggregated.py --load`` reports
-what ``offline_inference.py --load`` reports; the shared loader builds inference models."""
+the README's ``megatron-serve`` command (one process; its curl commands too) and its torchrun
+form (TP2), and the script wrappers (``tools/run_text_generation_server.py`` under torchrun as
+two data-parallel replicas, ``examples/inference/serve.py``) answer the `openai` client with
+the greedy text of an offline LLM run of the same checkpoint and shut down cleanly on a
+signal; the README's ``disaggregated.py --load`` command reports what its
+``offline_inference.py --load`` command reports; the shared loader builds inference models."""
 
 import concurrent.futures
-import contextlib
-import importlib.util
+import dataclasses
+import functools
 import json
 import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -24,29 +24,36 @@ import pytest
 import torch
 
 from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.inference.checkpoint_loading import load_inference_model
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.server import ServerConfigError, bind_socket
+from megatron.core.inference.server import ServerConfigError, bind_socket, launcher
 from megatron.core.inference.server.chat_template import render_chat
+from megatron.core.models.model_record import (
+    MODEL_RECORD_FILENAME,
+    load_model_weights,
+    model_from_record,
+    read_model_record,
+    resolve_checkpoint_dir,
+)
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from megatron.training.arguments import parse_args as parse_training_args
-from megatron.training.checkpointing import (
-    MODEL_CONFIG_FILENAME,
-    load_model_config,
-    load_model_weights,
-    model_from_record,
-    resolve_checkpoint_dir,
-)
-from megatron.training.inference_model import load_inference_model
 from megatron.training.training import pretrain
+from tests.readme import ROOT, command_env, needs_a_device_per_rank, readme_command, run_command, start_command
 from tests.unit_tests.dist_harness import device, run_distributed
+from tests.unit_tests.inference.launched_server import kill_tree, serving
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-SERVE = os.path.join(ROOT, "examples", "inference", "serve.py")
-LAUNCHER = os.path.join(ROOT, "tools", "run_text_generation_server.py")
-OFFLINE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
-DISAGGREGATED = os.path.join(ROOT, "examples", "inference", "disaggregated.py")
+SERVE = str(ROOT / "examples" / "inference" / "serve.py")  # the script wrappers of megatron-serve
+LAUNCHER = str(ROOT / "tools" / "run_text_generation_server.py")
+# The README commands these tests run (on their checkpoint, on a free port).
+README_SERVE = "megatron-serve --load runs/quickstart"
+README_SERVE_TORCHRUN = "torchrun --standalone --nproc-per-node 2 --no-python megatron-serve"
+README_CURL_HEALTH = "curl http://127.0.0.1:8000/health"
+README_CURL_COMPLETIONS = "curl http://127.0.0.1:8000/v1/completions"
+README_CURL_CHAT = "curl -N http://127.0.0.1:8000/v1/chat/completions"
+README_OFFLINE = "python examples/inference/offline_inference.py --load runs/quickstart"
+README_DISAGGREGATED = "python examples/inference/disaggregated.py --load runs/quickstart"
 TRAIN_FLAGS = [
     "--num-layers",
     "2",
@@ -55,7 +62,7 @@ TRAIN_FLAGS = [
     "--num-attention-heads",
     "4",
     "--seq-length",
-    "64",
+    "128",  # the README's curl commands ask for 64 tokens
     "--micro-batch-size",
     "2",
     "--global-batch-size",
@@ -76,27 +83,16 @@ ENGINE_KWARGS = dict(block_size=8, num_blocks=64, max_requests=8, max_tokens_per
 MAX_TOKENS = 8
 PROMPTS = ["Hello", "The sky is", "def f(x):", "import os", "1, 2, 3,", "class A", "Once upon", "zzz"]
 CHAT = [{"role": "user", "content": "Hi there"}]
-STARTUP_TIMEOUT_S = 90
 TOKENIZER = ByteLevelTokenizer()
 ON_CPU = not torch.cuda.is_available()  # where launched servers run
 
 
-def _env() -> dict:
-    """This environment without torchrun's variables (each command starts its own world)."""
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
 def _pretrain(save_dir):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     backend = "nccl" if device().type == "cuda" else "gloo"
     args = parse_training_args(
         TRAIN_FLAGS + ["--distributed-backend", backend, "--save", save_dir], model_family="gpt", world_size=1
     )
-    pretrain(args, module.model_provider)
+    pretrain(args)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +106,7 @@ def _offline_greedy(checkpoint_dir, token_prompts):
     """Greedy tokens of an in-process LLM over the checkpoint, built with the checkpointing
     functions themselves (not the loader under test)."""
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    model = model_from_record(read_model_record(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
     llm = LLM(model.to(device()), TOKENIZER, pg_collection=pg, **ENGINE_KWARGS)
     outputs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True))
@@ -132,92 +128,31 @@ def reference(checkpoint):
     }
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process that ``pid`` started, directly or not (torchrun gives its workers
-    sessions of their own, so a process group would not hold them)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, frontier = [], [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _kill_tree(process: subprocess.Popen) -> None:
-    """Kill a command and every process it started, by their ids."""
-    for pid in [process.pid, *_descendants(process.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait(10)
-
-
-class _Server:
-    """A serving command; its output is collected by a reader thread."""
-
-    def __init__(self, command: list[str]):
-        self.process = subprocess.Popen(
-            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for_url(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            match = re.fullmatch(r"Serving on (http://127\.0\.0\.1:\d+)\n", line)
-            if match:
-                return match.group(1)
-        raise AssertionError(f"no 'Serving on' line; output:\n{''.join(self.output)}")
-
-    def stop(self, signum: int, timeout_s: float = 30) -> int:
-        """Send ``signum`` to the command; its exit code once it and its workers are gone."""
-        workers = _descendants(self.process.pid)
-        self.process.send_signal(signum)
-        code = self.process.wait(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while any(map(_alive, workers)):
-            assert time.monotonic() < deadline, f"workers outlived the launcher:\n{''.join(self.output)}"
-            time.sleep(0.1)
-        return code
-
-
-@contextlib.contextmanager
 def _serving(command: list[str]):
-    server = _Server(command)
-    try:
-        yield server, server.wait_for_url()
-    finally:
-        _kill_tree(server.process)
+    return serving(
+        subprocess.Popen(command, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
+
+
+def _serving_readme_command(prefix: str, checkpoint: str):
+    """The README's serving command starting with ``prefix``, on ``checkpoint`` and a free port,
+    with the engine flags of the offline reference."""
+    replacements = {"runs/quickstart": checkpoint, "--port 8000": "--port 0 " + " ".join(ENGINE_FLAGS)}
+    return serving(start_command(readme_command(prefix), ROOT, replacements))
+
+
+def _check_readme_curl_commands(url: str) -> None:
+    """The README's curl commands against the server at ``url``: health, a completion, a
+    streamed chat completion (server-sent events ending in [DONE])."""
+    run = functools.partial(run_command, cwd=ROOT, replacements={"http://127.0.0.1:8000": url}, timeout_s=60)
+    assert json.loads(run(readme_command(README_CURL_HEALTH)).stdout) == {"status": "ok"}
+    completion = json.loads(run(readme_command(README_CURL_COMPLETIONS)).stdout)
+    assert completion["object"] == "text_completion" and completion["choices"][0]["finish_reason"] == "length"
+    assert completion["usage"]["completion_tokens"] == 64
+    events = [line for line in run(readme_command(README_CURL_CHAT)).stdout.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and all(event.startswith("data: {") for event in events[:-1])
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
 
 
 def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], reference, exact: bool) -> None:
@@ -232,12 +167,6 @@ def _assert_generations(got: list[tuple[str, list[float]]], prompts: list[str], 
             assert log_probs == want_log_probs, prompt
         else:
             torch.testing.assert_close(log_probs, want_log_probs, rtol=0, atol=1e-5)
-
-
-def _needs_a_device_per_rank(num_ranks: int) -> None:
-    """Launched servers run on CUDA when the machine has it (one GPU per rank), else on CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs (found {torch.cuda.device_count()})")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -267,9 +196,10 @@ def _wait_for_engine_tokens(url: str, total: int) -> dict[str, float]:
 
 
 def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text(checkpoint, reference):
-    with _serving([sys.executable, SERVE, "--load", checkpoint, "--port", "0", *ENGINE_FLAGS]) as (server, url):
+    with _serving_readme_command(README_SERVE, checkpoint) as (server, url):
         health = urllib.request.urlopen(url + "/health", timeout=10)
         assert (health.status, json.loads(health.read())) == (200, {"status": "ok"})
+        _check_readme_curl_commands(url)
         api = _client(url)
         _assert_generations(_complete(api, PROMPTS[1]), PROMPTS[1:2], reference, exact=ON_CPU)
         chunks = [
@@ -286,7 +216,7 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
 
 
 def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
-    _needs_a_device_per_rank(2)
+    needs_a_device_per_rank(2)
     command = [
         sys.executable,
         "-m",
@@ -313,66 +243,38 @@ def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent
 
 
 def test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text(checkpoint, reference):
-    _needs_a_device_per_rank(2)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        LAUNCHER,
-        "--load",
-        checkpoint,
-        "--port",
-        "0",
-        "--tensor-model-parallel-size",
-        "2",
-        *ENGINE_FLAGS,
-    ]
-    with _serving(command) as (server, url):
+    needs_a_device_per_rank(2)
+    with _serving_readme_command(README_SERVE_TORCHRUN, checkpoint) as (server, url):
         _assert_generations(_complete(_client(url), PROMPTS[:4]), PROMPTS[:4], reference, exact=False)
         assert _wait_for_engine_tokens(url, MAX_TOKENS * 4) == {"replica-0": MAX_TOKENS * 4}  # one replica
         server.stop(signal.SIGTERM)
 
 
 def test_disaggregated_load_reports_what_offline_load_reports(checkpoint, tmp_path):
-    ids_file = tmp_path / "prompts.jsonl"
-    ids_file.write_text("".join(json.dumps(TOKENIZER.tokenize(p)) + "\n" for p in PROMPTS[:3]))
-    flags = [
-        "--load",
-        checkpoint,
-        "--prompt-token-ids-file",
-        str(ids_file),
-        "--num-tokens-to-generate",
-        "6",
-        "--kv-block-size",
-        "4",
-        "--max-tokens-per-step",
-        "8",
-        "--enable-chunked-prefill",
-    ]
-    runs = {
-        example: subprocess.Popen(
-            [sys.executable, example, *flags, "--output-json", str(tmp_path / f"{i}.json")],
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+    """The README's two commands on this checkpoint, with a short chunked-prefill run."""
+    flags = "--num-tokens-to-generate 6 --kv-block-size 4 --max-tokens-per-step 8 --enable-chunked-prefill"
+    runs = [
+        start_command(
+            readme_command(prefix),
+            ROOT,
+            {
+                "runs/quickstart": checkpoint,
+                "--output-json out.json": f"--output-json {tmp_path / f'{i}.json'} {flags}",
+            },
         )
-        for i, example in enumerate((OFFLINE, DISAGGREGATED))
-    }  # side by side: the wait is mostly start-up
+        for i, prefix in enumerate((README_OFFLINE, README_DISAGGREGATED))
+    ]  # side by side: the wait is mostly start-up
     reports = []
     try:
-        for i, run in enumerate(runs.values()):
-            _, stderr = run.communicate(timeout=180)
-            assert run.returncode == 0, stderr
+        for i, run in enumerate(runs):
+            output, _ = run.communicate(timeout=180)
+            assert run.returncode == 0, output
             reports.append(json.loads((tmp_path / f"{i}.json").read_text())["requests"])
     finally:
-        for run in runs.values():
-            _kill_tree(run)
+        for run in runs:
+            kill_tree(run)
     assert reports[1] == reports[0]
-    assert [r["prompt_tokens"] for r in reports[0]] == [TOKENIZER.tokenize(p) for p in PROMPTS[:3]]
+    assert [r["prompt_tokens"] for r in reports[0]] == [TOKENIZER.tokenize(p) for p in ("def fib(n):", "import ")]
 
 
 def _tensor_parallel_logits(checkpoint_dir, tokens):
@@ -385,7 +287,7 @@ def _tensor_parallel_logits(checkpoint_dir, tokens):
 
 def _single_rank_logits(checkpoint_dir, tokens):
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = model_from_record(load_model_config(checkpoint_dir), pg)
+    model = model_from_record(read_model_record(checkpoint_dir), pg)
     load_model_weights(model, checkpoint_dir)
     with torch.no_grad():
         return model.to(device()).eval()(torch.tensor([tokens], device=device())).cpu()
@@ -395,10 +297,11 @@ def test_loader_builds_an_eval_model_without_sequence_parallelism_for_any_layout
     copy = str(tmp_path / "ckpt")
     shutil.copytree(checkpoint, copy)
     iteration = resolve_checkpoint_dir(copy)
-    record = load_model_config(iteration)
-    record["transformer_config"]["sequence_parallel"] = True  # as a sequence-parallel training run writes it
-    with open(os.path.join(iteration, MODEL_CONFIG_FILENAME), "w", encoding="utf-8") as f:
-        json.dump(record, f)
+    record = read_model_record(iteration)
+    # as a sequence-parallel training run writes it
+    record = record.replace(config=dataclasses.replace(record.config, sequence_parallel=True))
+    with open(os.path.join(iteration, MODEL_RECORD_FILENAME), "w", encoding="utf-8") as f:
+        json.dump(record.to_dict(), f)
     tokens = TOKENIZER.tokenize(PROMPTS[2])
     expected = run_distributed(_single_rank_logits, 1, copy, tokens)[0]
     ranks = run_distributed(_tensor_parallel_logits, 2, copy, tokens)
@@ -415,13 +318,6 @@ def test_loader_names_a_directory_that_is_no_checkpoint(tmp_path):
         load_inference_model(str(tmp_path), None)
 
 
-def _launcher_module():
-    spec = importlib.util.spec_from_file_location("run_text_generation_server", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -432,12 +328,11 @@ def _launcher_module():
 )
 def test_launcher_flags_are_checked_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _launcher_module().parse_args(argv)
+        launcher.parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_launcher_refuses_a_server_option_out_of_range():
-    launcher = _launcher_module()
     args = launcher.parse_args(["--load", "ckpt", "--max-prompt-tokens", "0"])
     with pytest.raises(ServerConfigError, match="max_prompt_tokens must be a positive integer"):
         launcher.serve_checkpoint(args)
@@ -448,7 +343,7 @@ def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
         port = taken.getsockname()[1]
         done = subprocess.run(
             [sys.executable, SERVE, "--load", checkpoint, "--port", str(port)],
-            env=_env(),
+            env=command_env(),
             capture_output=True,
             text=True,
             timeout=60,
@@ -457,4 +352,12 @@ def test_serve_on_a_taken_port_fails_at_once_naming_it(checkpoint):
     assert done.stderr.strip().endswith(
         f"error: cannot serve on 127.0.0.1:{port} (Address already in use); pick "
         "another --port, or --port 0 for a free one"
+    )
+
+
+def test_serve_names_a_load_directory_that_is_no_checkpoint_before_starting(tmp_path, capsys):
+    assert launcher.main(["--load", str(tmp_path), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path} is neither a checkpoint iteration directory (no model_config.json) nor a checkpoint "
+        "root (no latest_checkpointed_iteration.txt)\n"
     )

@@ -1,10 +1,7 @@
-"""tools/checkpoint/convert.py: HF (Llama, GPT-2, NemotronH; random weights, save_pretrained)
--> ours -> HF is bit-identical, the converted model (loaded at TP2) gives HF's logits, and
-ours -> ours re-targets the default layout without touching the weights."""
-
-import importlib.util
-import os
-import sys
+"""The converter (megatron.core.models.checkpoint_converter, ``megatron-convert``): HF (Llama,
+GPT-2, NemotronH; random weights, save_pretrained) -> ours -> HF is bit-identical, the
+converted model (loaded at TP2) gives HF's logits, and ours -> ours re-targets the default
+layout without touching the weights."""
 
 import pytest
 import torch
@@ -19,16 +16,9 @@ from transformers import (
 )
 
 from megatron.core import parallel_state
-from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record
+from megatron.core.models import checkpoint_converter as convert_tool
+from megatron.core.models.model_record import load_model_weights, model_from_record, read_model_record
 from tests.unit_tests.dist_harness import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-_spec = importlib.util.spec_from_file_location(
-    "checkpoint_convert", os.path.join(ROOT, "tools", "checkpoint", "convert.py")
-)
-convert_tool = importlib.util.module_from_spec(_spec)
-sys.modules["checkpoint_convert"] = convert_tool  # dataclasses look their module up
-_spec.loader.exec_module(convert_tool)
 
 HF_MODELS = {
     "llama": lambda: LlamaForCausalLM(
@@ -85,8 +75,8 @@ def _convert(argv):
 
 
 def _logits_at_record_layout(path, ids):
-    record = load_model_config(path)
-    tp = record["transformer_config"]["tensor_model_parallel_size"]
+    record = read_model_record(path)
+    tp = record.config.tensor_model_parallel_size
     pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model = model_from_record(record, pg, parallel_output=False).eval()
     load_model_weights(model, path)
@@ -133,7 +123,7 @@ def test_hf_to_ours_and_back_is_bit_identical_and_keeps_the_logits(tmp_path, nam
 
 def _state(path):
     parallel_state.initialize_model_parallel()
-    model = model_from_record(load_model_config(path))
+    model = model_from_record(read_model_record(path))
     load_model_weights(model, path)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -160,8 +150,8 @@ def test_ours_to_ours_retargets_the_default_layout(tmp_path):
             "2",
         ],
     )
-    config = load_model_config(retargeted)["transformer_config"]
-    assert (config["pipeline_model_parallel_size"], config["generalized_tensor_parallel_size"]) == (2, 2)
+    config = read_model_record(retargeted).config
+    assert (config.pipeline_model_parallel_size, config.generalized_tensor_parallel_size) == (2, 2)
     (before,), (after,) = run_distributed(_state, 1, ours), run_distributed(_state, 1, retargeted)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 

@@ -1,9 +1,6 @@
 """Checkpointed training through the real loop: 10 steps + save + resume + 10 steps equals 20
 straight steps exactly; --finetune / --no-load-optim; the config record rebuilds the model."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +8,12 @@ import torch.nn.functional as F
 from megatron.core.activations import ACTIVATIONS, gelu_tanh, squared_relu
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.dist_checkpointing import write_latest_iteration
-from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import load_model_config, load_model_weights, model_from_record
+from megatron.core.models.model_record import TokenizerRecord, load_model_weights, model_from_record, read_model_record
+from megatron.training.arguments import model_record_from_args, parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 COMMON = [
     "--num-layers",
     "2",
@@ -50,18 +46,10 @@ COMMON = [
 ]
 
 
-def _provider(family="gpt"):
-    path = os.path.join(ROOT, "examples", f"pretrain_{family}.py")
-    spec = importlib.util.spec_from_file_location(f"pretrain_{family}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.model_provider
-
-
 def _train(flags, world_size, metrics_jsonl=None):
     metrics = ["--log-interval", "1", "--metrics-jsonl", str(metrics_jsonl)] if metrics_jsonl else []
     args = parse_args(COMMON + flags + metrics, model_family="gpt", world_size=world_size)
-    state = pretrain(args, _provider())
+    state = pretrain(args)
     return state.iteration, state.consumed_samples
 
 
@@ -117,7 +105,7 @@ def _logits_from_record(path):
     from megatron.core import parallel_state
 
     pg = parallel_state.initialize_model_parallel()
-    model = model_from_record(load_model_config(path), pg, parallel_output=False).eval()
+    model = model_from_record(read_model_record(path), pg, parallel_output=False).eval()
     before = model(torch.arange(16).unsqueeze(0) % 64)
     load_model_weights(model, path)
     return before, model(torch.arange(16).unsqueeze(0) % 64)
@@ -125,24 +113,21 @@ def _logits_from_record(path):
 
 def _logits_from_flags(path, flags):
     from megatron.core import parallel_state
-    from megatron.training.arguments import transformer_config_from_args
 
     args = parse_args(COMMON + flags, model_family="gpt", world_size=1)
     pg = parallel_state.initialize_model_parallel()
-    model = _provider()(args, transformer_config_from_args(args), 64, pg)
-    model.parallel_output = False
-    model.eval()
+    model = model_from_record(model_record_from_args(args, 64), pg, parallel_output=False).eval()
     load_model_weights(model, path)
     return model(torch.arange(16).unsqueeze(0) % 64)
 
 
 def test_config_record_rebuilds_the_model_without_flags(straight_run):
     save, _ = straight_run
-    record = load_model_config(save)  # plain JSON, no process group in this process
-    assert record["model_family"] == "gpt" and record["model_kwargs"]["vocab_size"] == 64
-    assert record["model_kwargs"]["share_embeddings_and_output_weights"] is True
-    assert record["transformer_config"]["hidden_dropout"] == 0.1
-    assert record["tokenizer_type"] == "ByteLevelTokenizer"
+    record = read_model_record(save)  # plain JSON, no process group in this process
+    assert (record.family, record.spec, record.vocab_size) == ("gpt", "gpt_local", 64)
+    assert record.share_embeddings_and_output_weights is True
+    assert record.config.hidden_dropout == 0.1
+    assert record.tokenizer == TokenizerRecord("ByteLevelTokenizer")
     ((before, rebuilt),) = run_distributed(_logits_from_record, 1, save)
     (reference,) = run_distributed(_logits_from_flags, 1, save, ["--train-iters", "20"])
     assert not torch.allclose(before, reference, atol=1e-3)

@@ -1,26 +1,12 @@
 """The same training run under TP2, PP2, GTP2, DP2 (with and without the distributed
 optimizer) gives the single-process loss curve, and the loss goes down."""
 
-import importlib.util
-import os
-
 import pytest
 
 from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def _provider(family):
-    path = os.path.join(ROOT, "examples", f"pretrain_{family}.py")
-    spec = importlib.util.spec_from_file_location(f"pretrain_{family}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.model_provider
-
 
 COMMON = [
     "--num-layers",
@@ -55,7 +41,7 @@ COMMON = [
 
 def _train(family, flags, world_size, metrics_jsonl):
     args = parse_args(COMMON + flags + ["--metrics-jsonl", metrics_jsonl], model_family=family, world_size=world_size)
-    pretrain(args, _provider(family))
+    pretrain(args)
 
 
 def _curve(family, flags, world_size, tmp_dir):

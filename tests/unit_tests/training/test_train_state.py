@@ -11,7 +11,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.training import TrainState, pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import losses_by_iteration
-from tests.unit_tests.training.test_checkpointing import COMMON, _provider
+from tests.unit_tests.training.test_checkpointing import COMMON
 
 
 def test_the_state_is_counters_only():
@@ -50,7 +50,7 @@ def _train(flags, metrics_jsonl, legacy_save=False):
     if legacy_save:  # this rank is a forked process: the patch dies with it
         checkpointing.train_state_object = _save_like_earlier_versions
     args = parse_args(COMMON + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl], "gpt", world_size=1)
-    state = pretrain(args, _provider())
+    state = pretrain(args)
     return dataclasses.asdict(state)
 
 

@@ -2,17 +2,17 @@
 every request in prompt order with tokens and log-probs equal to an in-process LLM run of
 the same random model, and ``--load`` of that model's checkpoint reproduces the report."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+from megatron.core.inference import offline_inference
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.models.model_record import model_from_record, save_model_checkpoint
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
-from megatron.training.checkpointing import model_config_record, save_model_checkpoint
 from tests.unit_tests.dist_harness import device, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
@@ -45,19 +45,17 @@ def _plain_env() -> dict:
     return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
-def _example_module():
-    spec = importlib.util.spec_from_file_location("offline_inference", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def example_model(ids_file: str, pg):
+    """The random model the example builds from FLAGS, and its record."""
+    args = offline_inference.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
+    record = offline_inference.random_model_record(args, ByteLevelTokenizer().vocab_size)
+    return model_from_record(record, pg).to(device()), record
 
 
 def _llm_run_of_the_example_model(token_prompts, ids_file):
-    example = _example_module()
-    args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
     tokenizer = ByteLevelTokenizer()
     pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = example.build_random_model(args, tokenizer.vocab_size, pg).to(device())
+    model, _ = example_model(ids_file, pg)
     llm = LLM(
         model,
         tokenizer,
@@ -104,20 +102,7 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
 
 
 def _save_example_model(ids_file, root):
-    example = _example_module()
-    args = example.parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
-    pg = ProcessGroupCollection.from_layout(RankLayout())
-    model = example.build_random_model(args, ByteLevelTokenizer().vocab_size, pg)
-    record = model_config_record(
-        "gpt",
-        model.config,
-        {
-            "vocab_size": model.vocab_size,
-            "max_sequence_length": model.max_sequence_length,
-            "position_embedding_type": "rope",
-        },
-        "ByteLevelTokenizer",
-    )
+    model, record = example_model(ids_file, ProcessGroupCollection.from_layout(RankLayout()))
     save_model_checkpoint({"model": model.sharded_state_dict()}, root, 1, record)
 
 

@@ -10,7 +10,7 @@ import sys
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
-from tests.unit_tests.inference.engines.test_offline_example import FLAGS, ROOT, _example_module
+from tests.unit_tests.inference.engines.test_offline_example import FLAGS, ROOT, example_model
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 EXAMPLE = os.path.join(ROOT, "examples", "inference", "disaggregated.py")
@@ -19,8 +19,7 @@ PROMPTS = [[72, 101, 108, 108, 111], list(range(60, 73)), [1, 2, 3]]
 
 @on_single_rank
 def _llm_outputs(pg, ids_file, report_file):
-    args = _example_module().parse_args(["--prompt-token-ids-file", ids_file, *FLAGS])
-    model = _example_module().build_random_model(args, ByteLevelTokenizer().vocab_size, pg)
+    model, _ = example_model(ids_file, pg)
     llm = LLM(
         model,
         ByteLevelTokenizer(),

@@ -1,26 +1,23 @@
-"""List what a distributed checkpoint holds: tensors (shape, dtype, size, pieces), object grids
-and the common state.
+"""``megatron-inspect-ckpt``: list what a distributed checkpoint holds: tensors (shape, dtype,
+size, pieces), object grids and the common state
+(``python -m megatron.core.dist_checkpointing.inspect_checkpoint``).
 
-Usage: python tools/checkpoint/inspect.py CHECKPOINT_DIR
+    megatron-inspect-ckpt CHECKPOINT_DIR
+
+CHECKPOINT_DIR is a checkpoint (an ``iter_*`` directory) or a root whose tracker names one.
 Reads only our metadata.json (never unpickles anything).
 """
 
+import argparse
+import math
 import os
 import sys
 
-# This file is named like the standard library's `inspect`; when run as a script its folder is
-# sys.path[0] and would shadow it for every module imported below. The repository root takes
-# its place so that `megatron` imports without being installed.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.append(os.path.dirname(os.path.dirname(_HERE)))
+import torch
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-
-import torch  # noqa: E402
-
-from megatron.core.dist_checkpointing.metadata import read_metadata  # noqa: E402
+from megatron.core.dist_checkpointing.core import iteration_dir, read_latest_iteration
+from megatron.core.dist_checkpointing.errors import CheckpointingError
+from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_metadata
 
 
 def _size(nbytes: int) -> str:
@@ -31,7 +28,10 @@ def _size(nbytes: int) -> str:
 
 
 def describe(checkpoint_dir: str) -> str:
-    """The listing printed by this tool, as text."""
+    """The listing printed by this tool, as text; a root is listed at its latest iteration."""
+    iteration = read_latest_iteration(checkpoint_dir)
+    if not os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME)) and iteration is not None:
+        checkpoint_dir = iteration_dir(checkpoint_dir, iteration)
     metadata = read_metadata(checkpoint_dir)
     lines = [f"checkpoint {checkpoint_dir}", f"{'key':<40} {'shape':<18} {'dtype':<10} {'size':>10} pieces"]
     total = 0
@@ -52,10 +52,14 @@ def describe(checkpoint_dir: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megatron-inspect-ckpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir")
     args = parser.parse_args(argv)
-    print(describe(args.checkpoint_dir))
+    try:
+        print(describe(args.checkpoint_dir))
+    except CheckpointingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,214 @@
+"""``megatron-convert``: convert checkpoints between HuggingFace and ours, or re-target ours
+to another default layout (``python -m megatron.core.models.checkpoint_converter``,
+``python tools/checkpoint/convert.py``).
+
+    megatron-convert --loader hf --saver megatron --load-dir HF_DIR --save-dir OUT \\
+        [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N] \\
+        [--target-generalized-tensor-parallel-size N]
+    megatron-convert --loader megatron --saver hf --load-dir OUT --save-dir HF_DIR
+
+HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, GPT2LMHeadModel or
+NemotronHForCausalLM (detected from config.json). Runs in one CPU process (a gloo world of 1).
+Our checkpoints are layout-independent, so the target sizes only become the default layout
+of the saved model record. The HF config travels in the record, so HF -> ours -> HF gives
+back the same config and bit-identical tensors; the tokenizer (an HF directory's
+tokenizer.json, or the one inside our checkpoint) is copied into the checkpoint written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import read_latest_iteration
+from megatron.core.errors import MegatronError, MegatronInputError
+from megatron.core.models import hf_mapping
+from megatron.core.models.model_record import (
+    ModelRecord,
+    TokenizerRecord,
+    load_model_weights,
+    model_from_record,
+    read_model_record,
+    save_model_checkpoint,
+)
+
+
+class ConversionError(MegatronInputError):
+    """A conversion that cannot be done; the message says what was found and what is accepted."""
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """How one HF architecture maps onto our models (functions of ``hf_mapping``)."""
+
+    ours: str  # our model family
+    config_from_hf: Callable  # hf_config -> (TransformerConfig, constructor arguments)
+    state_dict_from_hf: Callable  # (hf_state_dict, record) -> ours
+    state_dict_to_hf: Callable  # (ours, record) -> hf_state_dict
+
+
+HF_FAMILIES = {
+    "LlamaForCausalLM": HFFamily(
+        "gpt",
+        hf_mapping.llama_config_from_hf,
+        lambda sd, r: hf_mapping.llama_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
+        lambda sd, r: hf_mapping.llama_state_dict_to_hf(sd, r.config, r.vocab_size),
+    ),
+    "GPT2LMHeadModel": HFFamily(
+        "gpt",
+        hf_mapping.gpt2_config_from_hf,
+        lambda sd, r: hf_mapping.gpt2_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
+        lambda sd, r: hf_mapping.gpt2_state_dict_to_hf(sd, r.config, r.vocab_size),
+    ),
+    "NemotronHForCausalLM": HFFamily(
+        "hybrid",
+        hf_mapping.nemotron_h_config_from_hf,
+        lambda sd, r: hf_mapping.nemotron_h_state_dict_from_hf(
+            sd, r.config, r.layer_pattern, r.share_embeddings_and_output_weights
+        ),
+        lambda sd, r: hf_mapping.nemotron_h_state_dict_to_hf(sd, r.config, r.vocab_size, r.layer_pattern),
+    ),
+}
+
+
+@dataclass
+class Converted:
+    """A model in transit: our full (TP1/PP1) state dict, its record, and its iteration."""
+
+    state_dict: dict
+    record: ModelRecord
+    iteration: int
+
+
+def hf_family(architectures) -> tuple[str, HFFamily]:
+    """The first supported name of an HF config's ``architectures`` and its mapping."""
+    for name in architectures or []:
+        if name in HF_FAMILIES:
+            return name, HF_FAMILIES[name]
+    raise ConversionError(f"HF architectures {architectures} are not supported; supported: {sorted(HF_FAMILIES)}")
+
+
+def load_hf(load_dir: str) -> Converted:
+    """Our state dict and record from an HF ``save_pretrained`` directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(load_dir)
+    architecture, family = hf_family(hf_config.architectures)
+    config, kwargs = family.config_from_hf(hf_config)
+    has_tokenizer = os.path.isfile(os.path.join(load_dir, "tokenizer.json"))
+    record = ModelRecord(
+        family=family.ours,
+        config=config,
+        vocab_size=kwargs.pop("vocab_size"),
+        max_sequence_length=kwargs.pop("max_sequence_length"),
+        layer_pattern=kwargs.pop("hybrid_layer_pattern", None),
+        tokenizer=TokenizerRecord("HuggingFaceTokenizer", os.path.abspath(load_dir)) if has_tokenizer else None,
+        hf_architecture=architecture,
+        hf_config=hf_config.to_dict(),
+        **kwargs,
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32)
+    return Converted(family.state_dict_from_hf(hf_model.state_dict(), record), record, 0)
+
+
+def load_megatron(load_dir: str) -> Converted:
+    """Our full state dict from a checkpoint of ours (any saving layout)."""
+    record = read_model_record(load_dir)
+    model = model_from_record(record, parallel_state.get_process_group_collection())
+    load_model_weights(model, load_dir)
+    iteration = read_latest_iteration(load_dir)
+    return Converted(model.state_dict(), record, iteration or 0)
+
+
+def save_megatron(converted: Converted, save_dir: str, target_sizes: dict) -> str:
+    """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout."""
+    record = converted.record.replace(config=dataclasses.replace(converted.record.config, **target_sizes))
+    model = model_from_record(record, parallel_state.get_process_group_collection())
+    model.load_state_dict(converted.state_dict, strict=True)
+    return save_model_checkpoint({"model": model.sharded_state_dict()}, save_dir, converted.iteration, record)
+
+
+def save_hf(converted: Converted, save_dir: str) -> str:
+    """Save as the HF model the checkpoint was converted from (its config is in the record),
+    with the checkpoint's HF tokenizer files beside it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    record = converted.record
+    if record.hf_config is None:
+        raise ConversionError(
+            "this checkpoint was not converted from HuggingFace, so it carries no HF config to save with; "
+            f"HF export needs a checkpoint made by --loader hf (architectures {sorted(HF_FAMILIES)})"
+        )
+    hf_dict = dict(record.hf_config)
+    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+    family = HF_FAMILIES[record.hf_architecture]
+    model = model_from_record(record, parallel_state.get_process_group_collection())
+    hf_state_dict = family.state_dict_to_hf(converted.state_dict, record.replace(config=model.config))
+    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hf_model.load_state_dict(hf_state_dict, strict=True)
+    hf_model.save_pretrained(save_dir)
+    if record.tokenizer is not None and record.tokenizer.type == "HuggingFaceTokenizer":
+        for path in record.tokenizer.files():
+            shutil.copyfile(path, os.path.join(save_dir, os.path.basename(path)))
+    return save_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-convert", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--loader", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--saver", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--target-generalized-tensor-parallel-size", type=int, default=1)
+    return parser
+
+
+def convert(argv: list[str] | None = None) -> str:
+    """Run a conversion (see the module docstring); returns the directory written."""
+    args = build_parser().parse_args(argv)
+    for flag in (
+        "target_tensor_parallel_size",
+        "target_pipeline_parallel_size",
+        "target_generalized_tensor_parallel_size",
+    ):
+        if getattr(args, flag) < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    parallel_state.initialize_distributed("gloo")
+    if dist.get_world_size() != 1:
+        raise ConversionError(f"convert runs in one process; it was started in a world of {dist.get_world_size()}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    converted = load_hf(args.load_dir) if args.loader == "hf" else load_megatron(args.load_dir)
+    if args.saver == "hf":
+        return save_hf(converted, args.save_dir)
+    targets = {
+        "tensor_model_parallel_size": args.target_tensor_parallel_size,
+        "pipeline_model_parallel_size": args.target_pipeline_parallel_size,
+        "generalized_tensor_parallel_size": args.target_generalized_tensor_parallel_size,
+    }
+    return save_megatron(converted, args.save_dir, targets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path = convert(argv)
+    except (ValueError, MegatronError) as error:  # bad input, or a corrupt checkpoint: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"converted {argv if argv is not None else sys.argv[1:]} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""The one description of a model: :class:`ModelRecord`, and the functions that build from it.
+
+A record says everything needed to rebuild a language model with no flags: its family
+(``gpt`` or ``hybrid``), the layer spec it is built from (by name, see :data:`SPECS`), its
+TransformerConfig (whose parallel sizes are only the default layout), the constructor's
+model-shape arguments (vocabulary, sequence length, position embeddings, tied output layer,
+hybrid layer pattern) and its tokenizer. It is made once, where the model is first described
+(the pretraining flags, an HF config, a checkpoint), and training, checkpoint loading for
+inference and serving, and the converter all build through :func:`model_from_record`.
+
+In a checkpoint the record is ``iter_XXXXXXX/model_config.json`` (plain JSON, readable with no
+process group), and a tokenizer read from files is copied into ``iter_XXXXXXX/tokenizer/``
+and named relative to the iteration directory, so a checkpoint moved elsewhere still opens.
+Version 1 records (written before records had a version 2, with ``model_kwargs`` and
+``tokenizer_type``/``tokenizer_model`` keys and tokenizer paths as given on the command line)
+are still read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.config import TransformerConfig
+from megatron.core.dist_checkpointing import (
+    CheckpointingError,
+    iteration_dir,
+    load,
+    read_latest_iteration,
+    save,
+    write_latest_iteration,
+)
+from megatron.core.dist_checkpointing.core import write_file_atomically
+from megatron.core.dist_checkpointing.model_state import load_model_pieces
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.hybrid import HybridModel
+from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.factory import build_tokenizer
+from megatron.core.tokenizers.huggingface import CONFIG_FILE, resolve_tokenizer_file
+
+MODEL_RECORD_FILENAME = "model_config.json"
+TOKENIZER_DIRNAME = "tokenizer"
+RECORD_VERSION = 2
+FAMILIES = {"gpt": GPTModel, "hybrid": HybridModel}
+
+
+class ModelRecordError(CheckpointingError):
+    """A model record that cannot be read or built; the message names the field at fault."""
+
+
+def _gpt_local_spec(config: TransformerConfig) -> dict:
+    layer = get_gpt_layer_local_spec()
+    return {
+        "transformer_layer_spec": layer,
+        "mtp_block_spec": get_gpt_mtp_block_spec(layer) if config.mtp_num_layers else None,
+    }
+
+
+def _hybrid_local_spec(config: TransformerConfig) -> dict:
+    return {"hybrid_stack_spec": get_hybrid_stack_local_spec()}
+
+
+@dataclass(frozen=True)
+class SpecBuilder:
+    """A named layer spec: the family it builds and the spec arguments of that family's
+    constructor for a config (e.g. the MTP block spec when the config has MTP depths)."""
+
+    family: str
+    build: Callable[[TransformerConfig], dict]
+
+
+SPECS = {"gpt_local": SpecBuilder("gpt", _gpt_local_spec), "hybrid_local": SpecBuilder("hybrid", _hybrid_local_spec)}
+DEFAULT_SPECS = {"gpt": "gpt_local", "hybrid": "hybrid_local"}
+DEFAULT_POSITION_EMBEDDINGS = {"gpt": "learned_absolute", "hybrid": "none"}
+
+
+@dataclass(frozen=True)
+class TokenizerRecord:
+    """A tokenizer as ``--tokenizer-type`` / ``--tokenizer-model`` name it. ``model`` is the
+    tokenizer's file or directory (None for tokenizers that need no files); in a checkpoint's
+    JSON it is relative to the iteration directory."""
+
+    type: str
+    model: str | None = None
+
+    def build(self) -> MegatronTokenizer:
+        return build_tokenizer(self.type, self.model)
+
+    def files(self) -> list[str]:
+        """The files this tokenizer is read from (none for a tokenizer without a model)."""
+        if self.model is None:
+            return []
+        tokenizer_file = resolve_tokenizer_file(self.model)
+        config_file = tokenizer_file.parent / CONFIG_FILE
+        return [str(tokenizer_file)] + ([str(config_file)] if config_file.is_file() else [])
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """What rebuilds a model with no flags (see the module docstring).
+
+    ``position_embedding_type`` and ``spec`` default to the family's; ``layer_pattern`` is the
+    hybrid layer pattern (hybrid models only); ``hf_architecture`` / ``hf_config`` are kept by
+    the converter so a model converted from HuggingFace converts back to the same HF config.
+    """
+
+    family: str
+    config: TransformerConfig
+    vocab_size: int
+    max_sequence_length: int
+    spec: str | None = None
+    layer_pattern: str | None = None
+    position_embedding_type: str | None = None
+    share_embeddings_and_output_weights: bool = False
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    tokenizer: TokenizerRecord | None = None
+    hf_architecture: str | None = None
+    hf_config: dict | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ModelRecordError(f"model family {self.family!r} is unknown; accepted: {sorted(FAMILIES)}")
+        if self.spec is None:
+            object.__setattr__(self, "spec", DEFAULT_SPECS[self.family])
+        if self.position_embedding_type is None:
+            object.__setattr__(self, "position_embedding_type", DEFAULT_POSITION_EMBEDDINGS[self.family])
+        builder = SPECS.get(self.spec)
+        if builder is None or builder.family != self.family:
+            accepted = sorted(name for name, spec in SPECS.items() if spec.family == self.family)
+            raise ModelRecordError(f"spec {self.spec!r} does not build {self.family} models; accepted: {accepted}")
+        if (self.family == "hybrid") != (self.layer_pattern is not None):
+            raise ModelRecordError(
+                f"layer_pattern is {'required' if self.family == 'hybrid' else 'only valid'} for hybrid models "
+                f"(family {self.family!r}, layer_pattern {self.layer_pattern!r})"
+            )
+        if self.family == "hybrid" and self.rope_scaling:
+            raise ModelRecordError("rope_scaling is only supported by gpt models")
+        for name in ("vocab_size", "max_sequence_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelRecordError(f"{name} must be a positive integer, got {value!r}")
+
+    def config_for(self, pg_collection: ProcessGroupCollection) -> TransformerConfig:
+        """The config with the parallel sizes of ``pg_collection`` (the record's are only defaults)."""
+        tp = pg_collection.size("tp")
+        return dataclasses.replace(
+            self.config,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pg_collection.size("pp"),
+            generalized_tensor_parallel_size=pg_collection.size("gtp"),
+            context_parallel_size=pg_collection.size("cp") if pg_collection.has("cp") else 1,
+            sequence_parallel=self.config.sequence_parallel and tp > 1,
+        )
+
+    def replace(self, **changes) -> ModelRecord:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The JSON object of this record (the current :data:`RECORD_VERSION`)."""
+        data = {"version": RECORD_VERSION}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "config":
+                value = value.to_dict()
+            elif field.name == "tokenizer" and value is not None:
+                value = dataclasses.asdict(value)
+            data[field.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelRecord:
+        """Inverse of :meth:`to_dict`; reads version 1 records too. Unknown keys are an error."""
+        version = data.get("version")
+        if version == 1:
+            return _from_version_1(data)
+        if version != RECORD_VERSION:
+            raise ModelRecordError(f"model record version {version!r} is not supported; readable: 1, {RECORD_VERSION}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields - {"version"})
+        if unknown:
+            raise ModelRecordError(f"model record has unknown fields {unknown}; known: {sorted(fields)}")
+        values = {k: v for k, v in data.items() if k != "version"}
+        values["config"] = TransformerConfig.from_dict(values["config"])
+        if values.get("tokenizer") is not None:
+            values["tokenizer"] = TokenizerRecord(**values["tokenizer"])
+        return cls(**values)
+
+
+# Version 1: {"model_family", "transformer_config", "model_kwargs": constructor arguments,
+# "tokenizer_type", "tokenizer_model", and from the converter "hf_config", "hf_architecture"}.
+_VERSION_1_KEYS = {"version", "model_family", "transformer_config", "model_kwargs", "tokenizer_type", "tokenizer_model"}
+_VERSION_1_KWARGS = {
+    "vocab_size",
+    "max_sequence_length",
+    "position_embedding_type",
+    "share_embeddings_and_output_weights",
+    "rotary_percent",
+    "rotary_base",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "hybrid_layer_pattern",
+}
+
+
+def _from_version_1(data: dict) -> ModelRecord:
+    unknown = sorted(set(data) - _VERSION_1_KEYS - {"hf_config", "hf_architecture"})
+    unknown += sorted(f"model_kwargs.{k}" for k in set(data["model_kwargs"]) - _VERSION_1_KWARGS)
+    if unknown:
+        raise ModelRecordError(f"version 1 model record has unknown fields {unknown}")
+    kwargs = dict(data["model_kwargs"])
+    tokenizer = None
+    if data.get("tokenizer_type"):
+        tokenizer = TokenizerRecord(data["tokenizer_type"], data.get("tokenizer_model"))
+    return ModelRecord(
+        family=data["model_family"],
+        config=TransformerConfig.from_dict(data["transformer_config"]),
+        layer_pattern=kwargs.pop("hybrid_layer_pattern", None),
+        tokenizer=tokenizer,
+        hf_architecture=data.get("hf_architecture"),
+        hf_config=data.get("hf_config"),
+        **kwargs,
+    )
+
+
+def model_from_record(record: ModelRecord, pg_collection: ProcessGroupCollection | None = None, **overrides):
+    """This pipeline stage's model as ``record`` describes it, for the layout of
+    ``pg_collection`` (None: the global one), built from the spec the record names.
+    ``overrides`` replace constructor arguments (e.g. ``parallel_output=False``)."""
+    pg = resolve_pg_collection(pg_collection)
+    config = record.config_for(pg)
+    kwargs = {
+        "vocab_size": record.vocab_size,
+        "max_sequence_length": record.max_sequence_length,
+        "pre_process": pg.rank("pp") == 0,
+        "post_process": pg.rank("pp") == pg.size("pp") - 1,
+        "share_embeddings_and_output_weights": record.share_embeddings_and_output_weights,
+        "position_embedding_type": record.position_embedding_type,
+        "rotary_percent": record.rotary_percent,
+        "rotary_base": record.rotary_base,
+        "pg_collection": pg,
+        **SPECS[record.spec].build(config),
+    }
+    if record.family == "gpt":
+        kwargs.update(rope_scaling=record.rope_scaling, rope_scaling_factor=record.rope_scaling_factor)
+    else:
+        kwargs["hybrid_layer_pattern"] = record.layer_pattern
+    return FAMILIES[record.family](config, **(kwargs | overrides))
+
+
+# ------------------------------------------------------------------ records in checkpoints
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` itself when it is an ``iter_*`` directory, else the iteration its tracker names."""
+    if os.path.isfile(os.path.join(path, MODEL_RECORD_FILENAME)):
+        return path
+    iteration = read_latest_iteration(path)
+    if iteration is None:
+        raise CheckpointingError(
+            f"{path} is neither a checkpoint iteration directory (no {MODEL_RECORD_FILENAME}) nor a checkpoint root "
+            "(no latest_checkpointed_iteration.txt)"
+        )
+    return iteration_dir(path, iteration)
+
+
+def read_model_record(path: str) -> ModelRecord:
+    """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
+    read. Its tokenizer path is resolved to where the checkpoint is now."""
+    checkpoint_dir = resolve_checkpoint_dir(path)
+    with open(os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME), encoding="utf-8") as f:
+        data = json.load(f)
+    record = ModelRecord.from_dict(data)
+    tokenizer = record.tokenizer
+    if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
+        located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
+        record = record.replace(tokenizer=TokenizerRecord(tokenizer.type, located))
+    return record
+
+
+def _stored_record(record: ModelRecord) -> ModelRecord:
+    """``record`` as a checkpoint stores it: its tokenizer's files in ``tokenizer/``."""
+    if record.tokenizer is None or record.tokenizer.model is None:
+        return record
+    return record.replace(tokenizer=TokenizerRecord(record.tokenizer.type, TOKENIZER_DIRNAME))
+
+
+def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: ModelRecord) -> str:
+    """Collectively save ``sharded_state_dict`` as iteration ``iteration`` of ``root`` with the
+    model ``record``: the record in the common state and as ``model_config.json``, the
+    tokenizer's files copied into ``tokenizer/``; then move the tracker (so it only ever
+    names directories that are complete). Returns the iteration directory."""
+    tokenizer_files = record.tokenizer.files() if record.tokenizer is not None else []  # every rank: fail alike
+    stored = _stored_record(record)
+    path = iteration_dir(root, iteration)
+    save({**sharded_state_dict, "model_config": stored.to_dict()}, path)
+    if dist.get_rank() == 0:
+        if tokenizer_files:
+            os.makedirs(os.path.join(path, TOKENIZER_DIRNAME))
+        for source in tokenizer_files:
+            with open(source, "rb") as f:
+                write_file_atomically(os.path.join(path, TOKENIZER_DIRNAME, os.path.basename(source)), f.read())
+        write_file_atomically(
+            os.path.join(path, MODEL_RECORD_FILENAME), json.dumps(stored.to_dict(), indent=1).encode()
+        )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_latest_iteration(root, iteration)
+    dist.barrier()
+    return path
+
+
+def load_model_weights(model: torch.nn.Module, path: str) -> str:
+    """Load only the weights of the checkpoint at ``path`` (root or iteration directory) into
+    ``model`` (any layout; a DistributedDataParallel wrapper is looked through); returns the
+    directory read."""
+    checkpoint_dir = resolve_checkpoint_dir(path)
+    model = getattr(model, "module", model)
+    loaded = load({"model": model.sharded_state_dict()}, checkpoint_dir)
+    load_model_pieces(model, loaded["model"])
+    return checkpoint_dir
