@@ -187,7 +187,8 @@ def compare(flags: list[str], steps: int) -> dict:
         "ours_tokens_per_s": tokens_per_step / ours_s,
         "plain_tokens_per_s": tokens_per_step / plain_s,
         "ratio": statistics.median(pair_ratios[1:] or pair_ratios),
-        "cpu_time_ratio": statistics.median(cpu_times["plain"][1:]) / statistics.median(cpu_times["ours"][1:]),
+        "cpu_time_ratio": statistics.median(cpu_times["plain"][1:] or cpu_times["plain"])
+        / statistics.median(cpu_times["ours"][1:] or cpu_times["ours"]),
     }
 
 
