@@ -67,13 +67,10 @@ def activation(x: torch.Tensor, bias: torch.Tensor | None, func, gated: bool) ->
         return activation_reference(x, bias, func, gated)
     name, func_backward, backward_kwargs = fusable
     if fused_backend("activation", x.device) == "torch" or (bias is not None and bias.dtype != x.dtype):
-        if not gated:
+        if not gated or not needs_autograd(x, bias):
             return activation_reference(x, bias, func, gated)
         if bias is not None:
             x = x + bias
-        if not needs_autograd(x):
-            gate, up = x.chunk(2, dim=-1)
-            return func(gate) * up
         return _GatedTorch.apply(x, func, func_backward.grad_input, backward_kwargs)
     from megatron.core.fusions.activations_triton import ActivationFunction, activation_forward
 

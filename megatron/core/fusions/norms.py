@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from megatron.core.fusions.backend import fused_backend, needs_autograd
 from megatron.core.fusions.dropout import dropout, dropout_seed
 
-NORM_KINDS = ("LayerNorm", "RMSNorm")
-
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
     """LayerNorm over the last dim, computed in the input dtype."""
@@ -42,28 +40,29 @@ def bias_dropout_add_reference(x, bias, residual, p, training, sharded_over_tp=F
 
 
 def _triton_ready(*tensors) -> bool:
-    """The kernels take one dtype for every tensor and rows of a contiguous last dim."""
+    """The kernels take one dtype for every tensor (mixed dtypes take the reference)."""
     present = [t for t in tensors if t is not None]
     return all(t.dtype == present[0].dtype for t in present)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as contiguous ``[rows, n]``, the kernels' layout."""
+    return None if t is None else t.reshape(-1, t.shape[-1]).contiguous()
 
 
 def _add_norm_triton(x, bias, residual, p, training, sharded_over_tp, weight, norm_bias, eps, kind, do_norm):
     from megatron.core.fusions.norms_triton import AddNormFunction, add_norm_forward
 
-    shape = x.shape
-    n = shape[-1]
-    rows = lambda t: None if t is None else t.reshape(-1, n).contiguous()  # noqa: E731
     p = p if training else 0.0
     seed = dropout_seed(x.device, sharded_over_tp) if p > 0.0 else None
-    is_rms = kind == "RMSNorm"
-    args = (rows(x), bias, rows(residual), weight, norm_bias if do_norm else None, seed, p, eps, is_rms, do_norm)
+    norm_bias = norm_bias if do_norm else None
+    args = (_rows(x), bias, _rows(residual), weight, norm_bias, seed, p, eps, kind == "RMSNorm", do_norm)
     if needs_autograd(x, bias, residual, weight, norm_bias):
         summed, out = AddNormFunction.apply(*args)
     else:
         x2, bias, res2, weight, norm_bias, seed, p, eps, is_rms, do_norm = args
         summed, out, _, _ = add_norm_forward(x2, bias, res2, seed, p, weight, norm_bias, eps, is_rms, do_norm)
-    unflat = lambda t: None if t is None else t.view(shape)  # noqa: E731
-    return unflat(summed), unflat(out)
+    return tuple(None if t is None else t.view(x.shape) for t in (summed, out))
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
