@@ -273,18 +273,24 @@ class AddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dsum, dout):
+        # Autograd materializes zeros for unused outputs; a None is the grad of a None output.
         s, weight, mean, rstd, seed = ctx.saved_tensors
         p, has_bias, has_residual, has_norm_bias, is_rms, do_norm = ctx.flags
         if not do_norm and seed is None:  # bias + residual add: the gradient passes through
             dbias = dsum.sum(0).to(dsum.dtype) if has_bias else None
             return dsum, dbias, dsum, None, None, None, None, None, None, None
-        dout = dout.contiguous() if do_norm and dout is not None else None
-        dsum = dsum.contiguous() if dsum is not None else None
-        if dout is None and dsum is None:
-            return (None,) * 10
-        if dout is None:  # the normed output was not used: only the sum's gradient flows
-            do_norm = False
         ds, dx, dweight, dnorm_bias, dbias = add_norm_backward(
-            dout, dsum, s, weight, mean, rstd, seed, p, has_norm_bias, has_bias, is_rms, do_norm
+            dout.contiguous() if do_norm else None,
+            None if dsum is None else dsum.contiguous(),
+            s,
+            weight,
+            mean,
+            rstd,
+            seed,
+            p,
+            has_norm_bias,
+            has_bias,
+            is_rms,
+            do_norm,
         )
         return dx, dbias, ds if has_residual else None, dweight, dnorm_bias, None, None, None, None, None
