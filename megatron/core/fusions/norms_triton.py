@@ -213,8 +213,8 @@ def add_norm_backward(dout, dsum, s, weight, mean, rstd, seed, p, has_norm_bias,
     ref = dout if dout is not None else dsum
     rows, n_cols = ref.shape
     programs = max(1, min(rows, _program_count(ref.device)))
-    rows_per_program = triton.cdiv(rows, programs)
-    programs = triton.cdiv(rows, rows_per_program)
+    rows_per_program = max(1, triton.cdiv(rows, programs))
+    programs = max(1, triton.cdiv(rows, rows_per_program))
     ds = torch.empty_like(ref)
     dx = torch.empty_like(ref) if seed is not None else ds
 
