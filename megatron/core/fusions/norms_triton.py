@@ -10,7 +10,8 @@ dropout mask regenerated from the seed (never stored), and per-program fp32 part
 weight/bias gradients, added up by one small reduction afterwards.
 
 Dropout uses Triton's Philox generator keyed by a one-element seed tensor and the element's
-flat index, so a mask costs no memory and the call has no host synchronization (CUDA graph
+flat index (as int32, the counter width every Triton version takes; masks repeat only past 2^32
+elements), so a mask costs no memory and the call has no host synchronization (CUDA graph
 capturable). Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors.
 """
 
@@ -55,7 +56,7 @@ def _add_norm_fwd_kernel(
     if HAS_BIAS:
         x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = tl.rand(tl.load(seed_ptr), offs) >= p
+        keep = tl.rand(tl.load(seed_ptr), offs.to(tl.int32)) >= p
         x = tl.where(keep, x / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -142,7 +143,7 @@ def _add_norm_bwd_kernel(
         tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=m)
         dx = ds
         if HAS_DROPOUT:
-            keep = tl.rand(tl.load(seed_ptr), offs) >= p
+            keep = tl.rand(tl.load(seed_ptr), offs.to(tl.int32)) >= p
             dx = tl.where(keep, ds / (1.0 - p), 0.0)
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
         if HAS_BIAS:
