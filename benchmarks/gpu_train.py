@@ -678,6 +678,13 @@ def _print_config(name: str, result: dict) -> None:
     sys.stdout.flush()
 
 
+def _write(report: dict, path: str | None) -> None:
+    """The JSON so far (written after each stage, so a run cut short still leaves its numbers)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
@@ -700,6 +707,7 @@ def main(argv=None) -> int:
     report = {"environment": environment(), "options": vars(opts), "configs": {}}
     report["kernel_check"] = check_kernels(torch.device("cuda"))
     print(f"environment: {report['environment']}\nkernel check: {report['kernel_check']}", flush=True)
+    _write(report, opts.output_json)
     names = list(CONFIGS) if opts.config == "all" else [opts.config]
     for index, name in enumerate(names):
         try:
@@ -708,12 +716,10 @@ def main(argv=None) -> int:
             report["configs"][name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         _cleanup()
         _print_config(name, report["configs"][name])
-    report["must_show"] = must_show(report["configs"])
-    report["total_s"] = round(opts.budget_s - budget.left(), 1)
+        report["must_show"] = must_show(report["configs"])
+        report["total_s"] = round(opts.budget_s - budget.left(), 1)
+        _write(report, opts.output_json)
     print(f"must show: {json.dumps(report['must_show'])}\ntotal {report['total_s']} s")
-    if opts.output_json:
-        with open(opts.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
     return 0
 
 
