@@ -28,6 +28,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tokenizers import build_tokenizer
+from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.training.arguments import model_record_from_args
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
@@ -112,18 +113,39 @@ def save_due(args, state: TrainState) -> bool:
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of a micro-batch."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group: dist.ProcessGroup | None = None):
+    """Mean per-token loss over the unmasked tokens of a micro-batch.
+
+    Under context parallelism (``cp_group``) each CP rank holds part of the micro-batch's tokens:
+    it divides its loss sum by the token count of the whole micro-batch (summed over ``cp``) and
+    multiplies by the CP size, since gradients and the reported loss are averaged over
+    ``dp_cp``; the CP ranks' terms then add up to the exact per-token mean."""
     losses = output_tensor.float()
-    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    num_tokens = loss_mask.sum()
+    if cp_group is None:
+        loss = (losses * loss_mask).sum() / num_tokens.clamp(min=1)
+    else:
+        dist.all_reduce(num_tokens, group=cp_group)
+        loss = (losses * loss_mask).sum() * dist.get_world_size(cp_group) / num_tokens.clamp(min=1)
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, cp_group: dist.ProcessGroup | None = None):
     """One micro-batch through the model; the loss is computed on the last stage."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], cp_group=cp_group)
+
+
+def data_shard_rank(pgc: ProcessGroupCollection) -> int:
+    """Which of the ``micro_batch_size``-sample slices of a step this rank reads: its index among
+    the data shards of its ``dp_cp_gtp`` group. CP peers share a shard (each keeps its chunks of
+    the sequences), so the index is that of the group's CP-rank-0 member with this rank's other
+    coordinates; without CP it is this rank's index in the group."""
+    layout, me = pgc.layout, dist.get_rank()
+    (members,) = [group for group in layout.group_ranks("dp_cp_gtp") if me in group]
+    readers = [rank for rank in members if layout.coordinates(rank)["cp"] == 0]
+    return readers.index(layout.rank_of(layout.coordinates(me) | {"cp": 0}))
 
 
 def logging_rank(pgc: ProcessGroupCollection) -> int:
@@ -234,25 +256,29 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
         self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size, self.device)
-        seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        self.cp_group = pgc.cp if args.context_parallel_size > 1 else None
+        seq = args.seq_length // args.context_parallel_size
+        seq //= args.tensor_model_parallel_size if args.sequence_parallel else 1
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
 
     def data_iterator(self, dataset, start_sample: int):
-        return microbatches(
+        """This rank's micro-batches; under CP, its load-balanced chunks of each sequence."""
+        batches = microbatches(
             dataset,
             start_sample=start_sample,
             micro_batch_size=self.args.micro_batch_size,
-            data_rank=dist.get_rank(self.pgc.dp_cp_gtp_or_dp_cp()),
+            data_rank=data_shard_rank(self.pgc),
             data_width=self.args.data_parallel_width,
             device=self.device,
         )
+        return (get_batch_on_this_cp_rank(batch, self.cp_group) for batch in batches)
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> torch.Tensor:
         """Forward (and backward) over one global batch; the mean loss over it on every rank
         of the last stage (averaged over the data group), zero elsewhere."""
         metrics, _ = self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, cp_group=self.cp_group),
             data_iterator=data_iterator,
             model=[self.model],
             num_microbatches=self.args.num_microbatches,

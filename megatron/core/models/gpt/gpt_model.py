@@ -8,7 +8,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, check_no_virtual_pipeline
 
@@ -46,7 +46,7 @@ class GPTModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_context_parallel(config, pg_collection)
+        check_context_parallel_config(config, pg_collection, mtp_enabled=mtp_block_spec is not None)
         check_no_virtual_pipeline(vp_stage)
         super().__init__(
             config,

@@ -10,7 +10,7 @@ from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_patt
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_mtp_block_spec
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import check_no_virtual_pipeline
 
@@ -53,7 +53,6 @@ class HybridModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_context_parallel(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         layer_pattern = resolve_hybrid_pattern(
             config.num_layers,
@@ -63,6 +62,7 @@ class HybridModel(LanguageModule):
             hybrid_mlp_ratio,
             hybrid_override_pattern,
         )
+        check_context_parallel_config(config, pg_collection, mtp_enabled=bool(layer_pattern.mtp_patterns))
         mtp_block_spec = (
             get_hybrid_mtp_block_spec(hybrid_stack_spec, layer_pattern.mtp_patterns)
             if layer_pattern.mtp_patterns
