@@ -97,6 +97,12 @@ class DynamicInferenceEngine:
             raise EngineConfigError(
                 "inference runs without sequence parallelism; build the model with sequence_parallel=False"
             )
+        cp_size = max(model.config.context_parallel_size, pg.size("cp") if pg.has("cp") else 1)
+        if cp_size > 1:
+            raise EngineConfigError(
+                f"inference runs at context parallel size 1, got {cp_size}; build the model and its process groups "
+                "with context_parallel_size=1 (a checkpoint trained with CP loads at any CP)"
+            )
         if max_tokens_per_step < 1 or num_speculative_tokens < 0:
             raise EngineConfigError(
                 f"max_tokens_per_step must be >= 1 and num_speculative_tokens >= 0, got {max_tokens_per_step} "

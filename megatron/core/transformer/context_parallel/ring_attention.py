@@ -44,10 +44,11 @@ class RingStep:
     causal: bool
 
     def chunk_pairs(self, chunk_length: int) -> float:
-        """Attention work of the step in chunk pairs (a causal diagonal chunk counts one half)."""
+        """Attention work of the step in chunk pairs (a causal square block computes half its pairs:
+        the pairs below the diagonal, and the diagonal ones half each)."""
         rows = (self.q_rows.stop - self.q_rows.start) // chunk_length
         cols = (self.kv_rows.stop - self.kv_rows.start) // chunk_length
-        return rows * cols - (rows / 2 if self.causal else 0)
+        return rows * cols / 2 if self.causal else rows * cols
 
 
 def ring_plan(cp_rank: int, cp_size: int, chunk_length: int) -> list[RingStep]:
