@@ -21,6 +21,7 @@ from megatron.core.transformer.context_parallel.block_attention import (
 )
 from megatron.core.transformer.context_parallel.ring_attention import context_parallel_attention
 from megatron.training.training import loss_func
+from tests.unit_tests.dist_harness import device
 
 VOCAB, SEQ = 64, 32
 KERNELS = {"torch": TorchBlockAttention, "sdpa": SdpaBlockAttention}
@@ -30,27 +31,29 @@ def collection(**sizes) -> ProcessGroupCollection:
     return ProcessGroupCollection.from_layout(RankLayout.for_world(dist.get_world_size(), **sizes))
 
 
-def attention_against_sdpa(comm_type: str, kernel: str) -> float:
-    """Largest difference of this rank's output and q/k/v gradients from SDPA over the whole
-    sequence (causal, GQA, fp64)."""
+def attention_against_sdpa(comm_type: str, kernel: str) -> tuple[float, float]:
+    """(largest difference of this rank's output and q/k/v gradients from SDPA over the whole
+    sequence (causal, GQA), the tolerance of the dtype): fp64, or bf16 for the fused kernel on CUDA
+    (where its flash kernels run; the reference then computes in fp32 from the same inputs)."""
     group = dist.group.WORLD
     rank, cp = dist.get_rank(), dist.get_world_size()
+    fused_on_gpu = kernel == "sdpa" and device().type == "cuda"
+    dtype, tolerance = (torch.bfloat16, 5e-2) if fused_on_gpu else (torch.float64, 1e-12)
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 8 * cp, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, 2, 8 * cp, 8, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 2, 8 * cp, 8, dtype=torch.float64, requires_grad=True)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+    q, k, v = (torch.randn(2, h, 8 * cp, 8).to(device(), dtype).requires_grad_() for h in (4, 2, 2))
+    full = [t.detach().float().requires_grad_() for t in (q, k, v)] if fused_on_gpu else [q, k, v]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True, scale=0.3)
     dout = torch.randn_like(expected)
     expected.backward(dout)
     local = [shard_sequence(t.detach(), rank, cp, seq_dim=2).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group, comm_type, 0.3, KERNELS[kernel]())
-    out.backward(shard_sequence(dout, rank, cp, seq_dim=2))
+    out.backward(shard_sequence(dout.to(dtype), rank, cp, seq_dim=2))
     errors = [(out - shard_sequence(expected.detach(), rank, cp, seq_dim=2)).abs().max()]
     errors += [
-        (mine.grad - shard_sequence(full.grad, rank, cp, seq_dim=2)).abs().max()
-        for mine, full in zip(local, (q, k, v), strict=True)
+        (mine.grad - shard_sequence(whole.grad, rank, cp, seq_dim=2)).abs().max()
+        for mine, whole in zip(local, full, strict=True)
     ]
-    return max(e.item() for e in errors)
+    return max(e.item() for e in errors), tolerance
 
 
 def model_config(family: str, pg: ProcessGroupCollection, **overrides) -> TransformerConfig:
@@ -101,9 +104,9 @@ def loss_and_gradients(family: str, cp: int) -> tuple[float, dict[str, torch.Ten
     """Per-token mean loss of one micro-batch and every parameter's gradient summed over CP
     (what DDP reduces over ``dp_cp``, up to its 1/|dp_cp|)."""
     pg = collection(cp=cp)
-    model = build_model(family, pg)
+    model = build_model(family, pg).to(device())
     cp_group = pg.cp if cp > 1 else None
-    mine = get_batch_on_this_cp_rank(batch(), cp_group)
+    mine = get_batch_on_this_cp_rank({key: t.to(device()) for key, t in batch().items()}, cp_group)
     losses = model(mine["tokens"], mine["position_ids"], labels=mine["labels"])
     loss, _ = loss_func(mine["loss_mask"], losses, cp_group)
     (loss / cp).backward()  # the 1/|dp_cp| DDP applies
@@ -113,7 +116,7 @@ def loss_and_gradients(family: str, cp: int) -> tuple[float, dict[str, torch.Ten
         grad = param.grad.clone()
         if cp > 1:
             dist.all_reduce(grad, group=pg.cp)
-        grads[name] = grad
+        grads[name] = grad.cpu()
     if cp > 1:
         dist.all_reduce(reported, group=pg.cp)
     return reported.item(), grads
@@ -145,12 +148,12 @@ def attention_work_per_rank(monkeypatch_target=attention) -> tuple[list[int], fl
     monkeypatch_target.get_block_attention = lambda device, dtype: _CountingKernel(calls)
     try:
         pg = collection(cp=cp)
-        model = build_model("gpt", pg)
+        model = build_model("gpt", pg).to(device())
         for layer in model.decoder.layers:
             layer.self_attention.core_attention.register_forward_pre_hook(
                 lambda _, args: lengths.append(args[0].shape[0])
             )
-        mine = get_batch_on_this_cp_rank(batch(), pg.cp)
+        mine = get_batch_on_this_cp_rank({key: t.to(device()) for key, t in batch().items()}, pg.cp)
         model(mine["tokens"], mine["position_ids"], labels=mine["labels"]).sum().backward()
     finally:
         monkeypatch_target.get_block_attention = original
