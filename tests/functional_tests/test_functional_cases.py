@@ -37,3 +37,9 @@ def test_gpt_goldens_match_a_plain_pytorch_loop():
     ((plain, ours),) = run_distributed(_plain_loop_losses, 1, flags, 3)
     assert plain == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)
     assert ours == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)
+
+
+@pytest.mark.parametrize("cp_case, twin", [("gpt_cp2_tp2", "gpt_tp2_pp2"), ("hybrid_cp2_gtp2", "hybrid_tp2_gtp2")])
+def test_context_parallel_goldens_equal_their_twins_without_cp(cp_case, twin):
+    """The same model and data at another layout: CP must not change the losses."""
+    assert CASES[cp_case]["golden_lm_loss"] == pytest.approx(CASES[twin]["golden_lm_loss"], rel=1e-5)
