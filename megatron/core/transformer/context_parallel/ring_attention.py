@@ -90,7 +90,7 @@ class _Ring:
             work.wait()
 
 
-def _merge(out, lse, rows, block_out, block_lse):
+def merge_block(out, lse, rows, block_out, block_lse):
     """Fold a block's (out, lse) for query ``rows`` into the running fp32 (out, lse)."""
     old_lse = lse[..., rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
@@ -118,7 +118,7 @@ class RingAttention(torch.autograd.Function):
             block_out, block_lse = kernel.forward(
                 q[..., step.q_rows, :], kv[0][..., step.kv_rows, :], kv[1][..., step.kv_rows, :], step.causal, scale
             )
-            _merge(out, lse, step.q_rows, block_out, block_lse)
+            merge_block(out, lse, step.q_rows, block_out, block_lse)
             if pending is not None:
                 ring.finish(pending[0])
                 kv = pending[1]
