@@ -87,6 +87,7 @@ GPT_LAYOUTS = {
     "CP2xTP2-SP": (CP2 + TP2 + ["--sequence-parallel"], 4),
     "CP2xPP2": (CP2 + ["--pipeline-model-parallel-size", "2"], 4),
     "CP2xDP2-distopt": (CP2 + ["--use-distributed-optimizer"], 4),
+    "CP2-recompute-selective": (CP2 + ["--recompute-granularity", "selective"], 2),
 }
 
 
