@@ -1,7 +1,8 @@
 """Context parallelism through the real training loop: CP2, CP4 and CP combined with TP+SP,
-PP, GTP and DP with the distributed optimizer give the single-process loss curve (GPT with RoPE
-and GQA; a hybrid ``M*M-`` model), and a checkpoint saved at CP2xTP2 resumes at CP1 and at
-TP2xDP2 on the straight run's curve."""
+PP, GTP, DP with the distributed optimizer, selective recomputation and multi-token
+prediction give the single-process loss curve (GPT with RoPE and GQA; a hybrid ``M*M-``
+model), and a checkpoint saved at CP2xTP2 resumes at CP1 and at TP2xDP2 on the straight
+run's curve."""
 
 import pytest
 
@@ -97,6 +98,13 @@ def test_gpt_context_parallel_layouts_reproduce_single_process_losses(gpt_refere
     curve = _curve("gpt", GPT + flags, world_size, tmp_path)
     assert curve == pytest.approx(gpt_reference, rel=1e-5)
     assert gpt_reference[-1] < gpt_reference[0] - 0.1
+
+
+def test_gpt_multi_token_prediction_under_cp2_reproduces_single_process_losses(tmp_path):
+    """MTP's shifted inputs and targets cross chunk boundaries: they are taken on the whole sequence."""
+    flags = GPT + ["--mtp-num-layers", "2"]
+    reference = _curve("gpt", flags, 1, tmp_path / "cp1")
+    assert _curve("gpt", flags + CP2, 2, tmp_path / "cp2") == pytest.approx(reference, rel=1e-5)
 
 
 HYBRID_LAYOUTS = {

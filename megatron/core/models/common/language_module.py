@@ -278,9 +278,10 @@ class LanguageModule(nn.Module):
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
         )
+        cp_group = self.mtp.cp_group
         depth_losses = [
-            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth))
-            * shifted_target_mask(labels, depth)
+            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth, cp_group=cp_group))
+            * shifted_target_mask(labels, depth, cp_group=cp_group)
             for depth, hidden in enumerate(depth_hidden, start=1)
         ]
         return combine_mtp_losses(loss, depth_losses, self.config.mtp_loss_scaling_factor)

@@ -46,7 +46,7 @@ class GPTModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_context_parallel_config(config, pg_collection, mtp_enabled=mtp_block_spec is not None)
+        check_context_parallel_config(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         super().__init__(
             config,

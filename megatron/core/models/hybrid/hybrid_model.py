@@ -62,7 +62,7 @@ class HybridModel(LanguageModule):
             hybrid_mlp_ratio,
             hybrid_override_pattern,
         )
-        check_context_parallel_config(config, pg_collection, mtp_enabled=bool(layer_pattern.mtp_patterns))
+        check_context_parallel_config(config, pg_collection)
         mtp_block_spec = (
             get_hybrid_mtp_block_spec(hybrid_stack_spec, layer_pattern.mtp_patterns)
             if layer_pattern.mtp_patterns

@@ -17,9 +17,7 @@ from megatron.core.transformer.context_parallel.sharding import (
 )
 
 
-def check_context_parallel_config(
-    config: TransformerConfig, pg_collection: ProcessGroupCollection, mtp_enabled: bool = False
-) -> None:
+def check_context_parallel_config(config: TransformerConfig, pg_collection: ProcessGroupCollection) -> None:
     """Raise ContextParallelConfigError when the config's CP size disagrees with the collection's
     ``cp`` group, or CP > 1 meets a feature that cannot shard the sequence."""
     cp = cp_size_of(pg_collection)
@@ -30,14 +28,10 @@ def check_context_parallel_config(
         )
     if cp == 1:
         return
-    errors = []
-    if mtp_enabled:
-        errors.append("multi-token prediction (its shifted targets cross chunk boundaries)")
     if config.attention_dropout > 0:
-        errors.append(f"attention_dropout={config.attention_dropout} (ring attention has no dropout)")
-    if errors:
         raise ContextParallelConfigError(
-            f"context_parallel_size={cp} does not support {'; '.join(errors)}; use context_parallel_size=1 or drop them"
+            f"context_parallel_size={cp} does not support attention_dropout={config.attention_dropout} (ring "
+            "attention has no dropout); use attention_dropout=0 or context_parallel_size=1"
         )
 
 

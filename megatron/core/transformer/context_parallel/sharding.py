@@ -84,6 +84,18 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) ->
     return shard_sequence(torch.arange(seq_length, device=device), cp_rank, cp_size, seq_dim=0)
 
 
+def on_whole_sequence(fn, tensor: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``fn`` (a map of whole ``[b, s]`` sequences, e.g. a shift of token ids) applied to this CP
+    rank's part ``[b, s/c]``: the parts are all-gathered (no autograd; meant for ids and masks),
+    ``fn`` runs on the whole sequence and this rank keeps its part of the result."""
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return fn(tensor)
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=cp_group)
+    whole = fn(unshard_sequence(pieces, seq_dim=1))
+    return shard_sequence(whole, dist.get_rank(cp_group), dist.get_world_size(cp_group), seq_dim=1)
+
+
 def get_batch_on_this_cp_rank(batch: dict, cp_group: dist.ProcessGroup | None) -> dict:
     """This CP rank's part of a micro-batch of ``[b, s]`` tensors (tokens, labels, loss mask,
     position ids, ...): the one place the data path shards sequences. Non-tensor values and

@@ -1,7 +1,7 @@
 """CP2 on two real gloo processes: ring and all-gather attention equal SDPA on the whole
 sequence (forward and backward, GQA); GPT and hybrid (``M*M-``) losses and gradients equal
 CP1's; each rank's attention input is half the sequence with equal work; the batch sharding
-of the data path; the typed refusals (MTP, attention dropout, masks, mismatched sizes, Mamba
+of the data path; the typed refusals (attention dropout, masks, mismatched sizes, Mamba
 heads that do not split, the inference engine)."""
 
 import pytest
@@ -10,8 +10,6 @@ import torch.distributed as dist
 
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.engines.errors import EngineConfigError
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer.context_parallel import ContextParallelConfigError, get_batch_on_this_cp_rank
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.transformer.context_parallel import cp_cases
@@ -74,11 +72,6 @@ def _refusals():
         except error_type as error:
             messages[name] = str(error)
 
-    spec = get_gpt_layer_local_spec()
-    mtp_config = cp_cases.model_config("gpt", pg, mtp_num_layers=1)
-    refused(
-        "mtp", lambda: GPTModel(mtp_config, spec, 64, 32, mtp_block_spec=get_gpt_mtp_block_spec(), pg_collection=pg)
-    )
     refused("dropout", lambda: cp_cases.build_model("gpt", pg, attention_dropout=0.1))
     refused("mismatch", lambda: cp_cases.build_model("gpt", pg, context_parallel_size=1))
     refused("mamba_heads", lambda: cp_cases.build_model("hybrid", pg, mamba_num_groups=1))
@@ -92,10 +85,8 @@ def _refusals():
 def test_features_that_cannot_shard_the_sequence_are_refused_with_typed_errors():
     messages = run_distributed(_refusals, CP)[0]
     assert messages == {
-        "mtp": "context_parallel_size=2 does not support multi-token prediction (its shifted targets cross chunk "
-        "boundaries); use context_parallel_size=1 or drop them",
         "dropout": "context_parallel_size=2 does not support attention_dropout=0.1 (ring attention has no dropout); "
-        "use context_parallel_size=1 or drop them",
+        "use attention_dropout=0 or context_parallel_size=1",
         "mismatch": "config.context_parallel_size (1) differs from the cp group size (2); build the config for the "
         "collection (ModelRecord.config_for does)",
         "mamba_heads": "mamba_num_heads (8) and mamba_num_groups (1) must be divisible by tensor_model_parallel_size "
