@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import (
     init_rng_scope,
     pad_vocab_size,
 )
+from megatron.core.transformer.context_parallel.sharding import cp_size_of, local_position_ids
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.multi_token_prediction import (
     combine_mtp_losses,
@@ -184,7 +185,7 @@ class LanguageModule(nn.Module):
         layer of ``self.decoder`` (it must serve both protocols when a model mixes them).
         ``return_decoder_output``: the last stage returns ``(loss or logits, decoder output
         [s, b, h])``, the decoder output being what multi-token prediction starts from."""
-        position_ids = self.position_ids_for(input_ids, position_ids, labels)
+        position_ids = self._default_position_ids(input_ids, position_ids, labels)
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
         rotary_pos_emb = self.rotary(position_ids)
@@ -200,6 +201,14 @@ class LanguageModule(nn.Module):
             hidden_states, input_ids, position_ids, labels, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         return (output, hidden_states) if return_decoder_output else output
+
+    def _default_position_ids(self, input_ids, position_ids, labels):
+        """``position_ids``, or the positions of the given tokens: ``0..s-1``, or under context
+        parallelism the global positions of this rank's chunks."""
+        tokens = input_ids if input_ids is not None else labels
+        if position_ids is None and tokens is not None and cp_size_of(self.pg_collection) > 1:
+            return local_position_ids(tokens, self.pg_collection.cp)
+        return self.position_ids_for(input_ids, position_ids, labels)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""

@@ -84,6 +84,15 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) ->
     return shard_sequence(torch.arange(seq_length, device=device), cp_rank, cp_size, seq_dim=0)
 
 
+def local_position_ids(tokens: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Global positions ``[b, s/c]`` of this CP rank's part ``tokens [b, s/c]`` of sequences
+    starting at position 0 (what a caller that passes no position ids means)."""
+    cp_size = dist.get_world_size(cp_group)
+    batch, local_length = tokens.shape
+    positions = local_positions(local_length * cp_size, dist.get_rank(cp_group), cp_size, tokens.device)
+    return positions.unsqueeze(0).expand(batch, local_length)
+
+
 def on_whole_sequence(fn, tensor: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """``fn`` (a map of whole ``[b, s]`` sequences, e.g. a shift of token ids) applied to this CP
     rank's part ``[b, s/c]``: the parts are all-gathered (no autograd; meant for ids and masks),

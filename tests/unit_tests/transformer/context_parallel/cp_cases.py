@@ -161,3 +161,14 @@ def attention_work_per_rank(monkeypatch_target=attention) -> tuple[list[int], fl
     first_layer = calls[:cp]
     work = sum(sq * sk / (2 if causal else 1) for sq, sk, causal in first_layer) / chunk**2
     return lengths, work
+
+
+def default_positions_are_global(family: str) -> bool:
+    """Whether a forward without position ids equals one given the sharded global positions."""
+    pg = collection(cp=dist.get_world_size())
+    model = build_model(family, pg).to(device())
+    mine = get_batch_on_this_cp_rank({key: t.to(device()) for key, t in batch().items()}, pg.cp)
+    with torch.no_grad():
+        given = model(mine["tokens"], mine["position_ids"], labels=mine["labels"])
+        derived = model(mine["tokens"], labels=mine["labels"])
+    return torch.equal(given, derived)

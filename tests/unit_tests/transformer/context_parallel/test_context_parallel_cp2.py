@@ -34,6 +34,10 @@ def test_loss_and_gathered_gradients_equal_cp1(family):
         torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_without_position_ids_each_rank_uses_the_global_positions_of_its_chunks():
+    assert all(run_distributed(cp_cases.default_positions_are_global, CP, "gpt"))
+
+
 def test_each_rank_attends_half_the_sequence_with_equal_work():
     results = run_distributed(cp_cases.attention_work_per_rank, CP)
     for lengths, work in results:
