@@ -105,8 +105,8 @@ def block_case(args, seq, cp, block, device, dtype) -> dict:
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     expected = _plain(qa, ka, va, causal, scale)
     expected.backward(dout)
-    out, lse = fused.forward(q, k, v, causal, scale)
-    grads = fused.backward(dout, q, k, v, out, lse, causal, scale)
+    out, lse, aux = fused.forward(q, k, v, causal, scale)
+    grads = fused.backward(dout, q, k, v, out, lse, aux, causal, scale)
     scores = torch.matmul(q.float(), k.float().repeat_interleave(args.heads // args.kv_groups, 1).transpose(-1, -2))
     scores = scores * scale
     if causal:
@@ -127,8 +127,8 @@ def block_case(args, seq, cp, block, device, dtype) -> dict:
         _plain(q, k, v, causal, scale)
 
     def fused_fwd_bwd():
-        o, l_ = fused.forward(q, k, v, causal, scale)
-        fused.backward(dout, q, k, v, o, l_, causal, scale)
+        o, l_, aux_ = fused.forward(q, k, v, causal, scale)
+        fused.backward(dout, q, k, v, o, l_, aux_, causal, scale)
 
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
@@ -167,7 +167,7 @@ def ring_case(args, seq, cp, device, dtype) -> dict:
         out = torch.zeros(q.shape, dtype=torch.float32, device=device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=device)
         for step in plan:  # the K/V of other ranks would arrive here; their shapes are the same
-            block_out, block_lse = fused.forward(
+            block_out, block_lse, _ = fused.forward(
                 q[..., step.q_rows, :], k[..., step.kv_rows, :], v[..., step.kv_rows, :], step.causal, scale
             )
             merge_block(out, lse, step.q_rows, block_out, block_lse)

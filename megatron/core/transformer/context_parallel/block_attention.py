@@ -8,7 +8,9 @@ top-left (query i sees keys 0..i).
 
 The backward of a block takes the *final* output and log-sum-exp of its query rows (merged over
 every block of the ring), so ``exp(scores - lse)`` is the true attention probability and the
-per-block gradients add up exactly (the flash-attention backward).
+per-block gradients add up exactly (the flash-attention backward), and the opaque ``aux`` its
+forward returned (what the fused kernel's backward needs of its forward: sequence metadata,
+RNG state; None for the torch kernel).
 
 Two kernels behind :func:`get_block_attention`:
 
@@ -19,7 +21,7 @@ Two kernels behind :func:`get_block_attention`:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +35,8 @@ class BlockAttention(Protocol):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [b, heads, sq, d] in q's dtype, lse [b, heads, sq] fp32, fp64 for fp64 inputs)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(out [b, heads, sq, d] in q's dtype, lse [b, heads, sq] fp32 (fp64 for fp64 inputs), aux)."""
         ...
 
     def backward(
@@ -45,6 +47,7 @@ class BlockAttention(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        aux: Any,
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,9 +87,9 @@ class TorchBlockAttention:
     def forward(self, q, k, v, causal, scale):
         probs, lse = self._probabilities(q, k, causal, scale)
         out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))  # [b, g, r, sq, d]
-        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2), None
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
         groups, acc = k.shape[1], _acc_dtype(q)
         probs, _ = self._probabilities(q, k, causal, scale, lse)
         dout_g = _grouped(dout.to(acc), groups)
@@ -118,21 +121,22 @@ class SdpaBlockAttention:
         heads = q.shape[1]
         k, v = _expand_groups(k, heads), _expand_groups(v, heads)
         if q.is_cuda:
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(_acc_dtype(q))
+            out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, _ = (
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            )
+            return out, lse.float(), (cum_seq_q, cum_seq_k, max_q, max_k, seed, offset)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(_acc_dtype(q)), None
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
         heads, groups = q.shape[1], k.shape[1]
         k_x, v_x = _expand_groups(k, heads), _expand_groups(v, heads)
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
         if q.is_cuda:
-            sq, sk = q.shape[2], k.shape[2]
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
-            rng = torch.empty(2, dtype=torch.int64, device=q.device)
+            cum_seq_q, cum_seq_k, max_q, max_k, seed, offset = aux
+            q, k_x, v_x, lse = (t.contiguous() for t in (q, k_x, v_x, lse.float()))
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k_x, v_x, out, lse, empty, empty, sq, sk, 0.0, causal, rng, empty, scale=scale
+                dout, q, k_x, v_x, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
             )
         else:
             lse = lse.to(q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32)

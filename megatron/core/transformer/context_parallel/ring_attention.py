@@ -113,18 +113,20 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
+        auxes = []
         for i, step in enumerate(plan):
             pending = ring.start(kv, KV_TAG) if i < len(plan) - 1 else None
-            block_out, block_lse = kernel.forward(
+            block_out, block_lse, aux = kernel.forward(
                 q[..., step.q_rows, :], kv[0][..., step.kv_rows, :], kv[1][..., step.kv_rows, :], step.causal, scale
             )
             merge_block(out, lse, step.q_rows, block_out, block_lse)
+            auxes.append(aux)
             if pending is not None:
                 ring.finish(pending[0])
                 kv = pending[1]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
+        ctx.group, ctx.scale, ctx.kernel, ctx.auxes = group, scale, kernel, auxes
         return out
 
     @staticmethod
@@ -146,6 +148,7 @@ class RingAttention(torch.autograd.Function):
                 kv[1][..., cols, :],
                 out[..., rows, :],
                 lse[..., rows],
+                ctx.auxes[i],
                 step.causal,
                 scale,
             )

@@ -94,13 +94,13 @@ def test_block_attention_matches_sdpa_forward_backward_and_lse(kernel, causal):
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
     dout = torch.randn_like(expected)
     expected.backward(dout)
-    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), causal, scale)
+    out, lse, aux = kernel.forward(q.detach(), k.detach(), v.detach(), causal, scale)
     scores = (q.detach() @ k.detach().repeat_interleave(2, dim=1).transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=1e-6, atol=1e-6)
-    grads = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, scale)
+    grads = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, aux, causal, scale)
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
