@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.transformer import ContextParallelNotSupportedError, PipelineLayoutError
+from megatron.core.transformer import ContextParallelConfigError, PipelineLayoutError
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 SIGNATURE = [
@@ -108,8 +108,9 @@ def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
 
 
 @on_single_rank
-def test_context_parallel_fails_at_construction(pg):
-    with pytest.raises(ContextParallelNotSupportedError, match="context parallelism is not supported yet"):
+def test_a_context_parallel_config_without_its_cp_group_fails_at_construction(pg):
+    message = r"config.context_parallel_size \(2\) differs from the cp group size \(1\)"
+    with pytest.raises(ContextParallelConfigError, match=message):
         GPTModel(tiny_config(context_parallel_size=2), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
 
 
