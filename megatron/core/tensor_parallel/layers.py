@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import gtp as gtp_ops
 from megatron.core.tensor_parallel.mappings import (
@@ -44,10 +45,11 @@ def _gtp_gather_args(weight: torch.Tensor, pg_collection, config) -> dict | None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, pg_collection, config) -> torch.Tensor:
-    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded)."""
+    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded);
+    in the inference forward's batch-invariant mode, rows independent of the row count."""
     gtp_args = _gtp_gather_args(weight, pg_collection, config)
     if gtp_args is None:
-        return F.linear(x, weight)
+        return invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
     return gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args)
 
 
