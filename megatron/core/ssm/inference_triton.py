@@ -118,7 +118,7 @@ def _conv_state_kernel(
 def _ssm_kernel(
     xbc_ptr,
     dt_ptr,
-    A_ptr,
+    A_log_ptr,
     D_ptr,
     dt_bias_ptr,
     ssm_slots_ptr,
@@ -149,12 +149,11 @@ def _ssm_kernel(
     row_ok = rows < HEAD_DIM
     col_ok = cols < D_STATE
     group = head // HEADS_PER_GROUP
-    state_ptrs = (
-        ssm_slots_ptr + slot.to(tl.int64) * stride_slot + head * stride_head + rows[:, None] * stride_row + cols[None, :]
-    )
+    state_ptrs = ssm_slots_ptr + slot.to(tl.int64) * stride_slot + head * stride_head
+    state_ptrs += rows[:, None] * stride_row + cols[None, :]
     tile_ok = (rows < tl.where(slot >= 0, HEAD_DIM, 0))[:, None] & col_ok[None, :]
     state = tl.load(state_ptrs, mask=tile_ok, other=0.0)
-    A = tl.load(A_ptr + head).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
     D = tl.load(D_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     x_cols = head * HEAD_DIM + rows
@@ -181,7 +180,7 @@ def packed_recurrence(
     dt: torch.Tensor,
     conv_weight: torch.Tensor,
     conv_bias: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     D: torch.Tensor,
     dt_bias: torch.Tensor,
     conv_slots: torch.Tensor,
@@ -195,8 +194,8 @@ def packed_recurrence(
     Args:
         xBC: ``[T, channels]`` in_proj output part ``x|B|C`` (row stride free, channel stride 1).
         dt: ``[T, heads]`` raw time steps (before ``dt_bias`` and softplus).
-        conv_weight ``[channels, 1, d_conv]``, conv_bias ``[channels]``, A ``[heads]`` (negative,
-        fp32), D and dt_bias ``[heads]``: the TP-local mixer parameters.
+        conv_weight ``[channels, 1, d_conv]``, conv_bias ``[channels]``, A_log, D and dt_bias
+        ``[heads]`` (the decay rate is ``A = -exp(A_log)``): the TP-local mixer parameters.
         conv_slots, ssm_slots, slot_ids, cu_query_lengths: as in the module doc.
         ngroups: TP-local B/C groups.
     Returns:
@@ -217,7 +216,7 @@ def packed_recurrence(
     y = torch.zeros(num_tokens, heads * head_dim, dtype=xBC.dtype, device=xBC.device)
     if num_tokens == 0 or num_requests == 0:
         return y
-    conv_out = torch.zeros(num_tokens, channels, dtype=xBC.dtype, device=xBC.device)
+    conv_out = torch.empty(num_tokens, channels, dtype=xBC.dtype, device=xBC.device)  # padding rows unread
     conv_weight = conv_weight.reshape(channels, width).contiguous()
     channel_blocks = triton.cdiv(channels, CONV_BLOCK_C)
     _conv_kernel[(num_tokens, channel_blocks)](
@@ -236,7 +235,7 @@ def packed_recurrence(
         conv_slots.stride(1),
         WIDTH=width,
         BLOCK_C=CONV_BLOCK_C,
-        REQ_PAD=max(16, triton.next_power_of_2(num_requests)),
+        REQ_PAD=max(64, triton.next_power_of_2(num_requests)),  # few variants to compile
     )
     _conv_state_kernel[(num_requests, channel_blocks)](
         xBC,
@@ -254,7 +253,7 @@ def packed_recurrence(
     _ssm_kernel[(num_requests, heads, triton.cdiv(head_dim, SSM_BLOCK_P))](
         conv_out,
         dt,
-        A,
+        A_log,
         D,
         dt_bias,
         ssm_slots,

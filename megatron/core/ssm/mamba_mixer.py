@@ -313,7 +313,7 @@ class MambaMixer(nn.Module):
                 dt,
                 weights.conv_weight,
                 weights.conv_bias,
-                weights.A,
+                weights.A_log,
                 weights.D,
                 weights.dt_bias,
                 conv_slots,

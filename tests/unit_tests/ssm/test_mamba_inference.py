@@ -112,7 +112,8 @@ def test_triton_recurrence_matches_token_by_token_path_is_split_invariant_and_le
     assert_close_to(ssm, want_ssm, 1e-5)
     assert torch.equal(conv, slot_states(whole_ctx)[0]) and torch.equal(ssm, slot_states(whole_ctx)[1])
     unused = [s for s in range(6) if s not in slots]
-    assert torch.isnan(got_ctx.mamba_slots.ssm[0, unused]).all() and torch.isnan(got_ctx.mamba_slots.conv[0, unused]).all()
+    assert torch.isnan(got_ctx.mamba_slots.ssm[0, unused]).all()
+    assert torch.isnan(got_ctx.mamba_slots.conv[0, unused]).all()
 
 
 @on_single_rank
@@ -143,7 +144,7 @@ def test_gpu_decode_and_prefill_kernels_at_hybrid_shapes_match_the_reference_and
     channels = heads * head_dim + 2 * groups * state
     conv_w = (torch.randn(channels, 1, width, device="cuda") * 0.3).bfloat16()
     conv_b = (torch.randn(channels, device="cuda") * 0.1).bfloat16()
-    A = -torch.rand(heads, device="cuda") * 4 - 0.5
+    A_log = torch.rand(heads, device="cuda") * 2 - 1
     D, dt_bias = torch.randn(heads, device="cuda").bfloat16(), (torch.randn(heads, device="cuda") - 3).bfloat16()
     tokens = 40
     xBC = torch.randn(tokens, channels, device="cuda").bfloat16()
@@ -156,7 +157,7 @@ def test_gpu_decode_and_prefill_kernels_at_hybrid_shapes_match_the_reference_and
         for n in pieces:
             cu = torch.tensor([0, n], device="cuda")
             slot = torch.tensor([1], device="cuda")
-            args = (conv_w, conv_b, A, D, dt_bias, conv_slots, ssm_slots, slot, cu, groups)
+            args = (conv_w, conv_b, A_log, D, dt_bias, conv_slots, ssm_slots, slot, cu, groups)
             ys.append(packed_recurrence(xBC[start : start + n], dt[start : start + n], *args))
             start += n
         return torch.cat(ys), conv_slots[1], ssm_slots[1]
@@ -175,7 +176,7 @@ def test_gpu_decode_and_prefill_kernels_at_hybrid_shapes_match_the_reference_and
             ssm,
             x[t].reshape(1, heads, head_dim),
             step_dt[t][None],
-            A,
+            -torch.exp(A_log),
             B[t].reshape(1, groups, state),
             C[t].reshape(1, groups, state),
             D.float(),

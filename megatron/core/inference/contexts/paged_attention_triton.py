@@ -135,9 +135,9 @@ def _paged_attention_kernel(
         key_pos = split_start + tile * TILE + keys
         key_ok = key_pos < kv_len
         column = key_pos // BLOCK_SIZE
-        block_id = tl.load(
-            table_ptr + request * stride_tr + column, mask=key_ok & (column < table_width), other=0
-        ).to(tl.int64)
+        block_id = tl.load(table_ptr + request * stride_tr + column, mask=key_ok & (column < table_width), other=0).to(
+            tl.int64
+        )
         in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
         tile_ok = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(
@@ -281,7 +281,7 @@ def triton_paged_attention(
     group_pad = triton.next_power_of_2(group)
     tokens_per_block = max(MIN_ROWS // group_pad, 1)
     dim = max(16, triton.next_power_of_2(head_dim))
-    req_pad = max(16, triton.next_power_of_2(num_requests))
+    req_pad = max(64, triton.next_power_of_2(num_requests))  # few variants to compile
     num_blocks = min(num_tokens, triton.cdiv(num_tokens, tokens_per_block) + num_requests)
     num_splits = max(1, triton.cdiv(block_tables.shape[1] * block_size, kv_split_size))
     if num_splits > 1:

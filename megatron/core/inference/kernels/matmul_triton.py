@@ -44,7 +44,8 @@ class TileConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int | None) -> int:
+def device_sm_count(device_index: int | None) -> int:
+    """SMs of CUDA device ``device_index`` (a stand-in count for the interpreter, ``None``)."""
     if device_index is None:
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -52,11 +53,13 @@ def _num_sms(device_index: int | None) -> int:
 
 def tile_config(n: int, k: int, element_size: int, num_sms: int) -> TileConfig:
     """Tiles for a weight of ``n`` output and ``k`` input features (independent of the row
-    count by design; see module doc). The widest column tile that still gives
-    ``PROGRAMS_PER_SM`` programs per SM at one row tile, K in steps of up to 128 (64 for fp32)."""
+    count by design; see module doc): the widest column tile that still gives
+    ``PROGRAMS_PER_SM`` programs per SM at one row tile; narrow tiles take longer K steps, so
+    each program keeps as many weight bytes in flight (the K step is 64 for fp32)."""
     block_n = next((b for b in COLUMN_TILES if triton.cdiv(n, b) >= PROGRAMS_PER_SM * num_sms), COLUMN_TILES[-1])
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    block_k = min(128 if element_size < 4 else 64, max(16, triton.next_power_of_2(k)))
+    block_k = 64 if element_size >= 4 else 256 if block_n <= 32 else 128
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return TileConfig(block_n, block_k, num_warps=4, num_stages=3 if block_n >= 128 else 4)
 
 
@@ -110,9 +113,11 @@ def _linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def triton_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: TileConfig | None = None
+) -> torch.Tensor:
     """``x [..., K] @ weight[N, K].T (+ bias [N])`` in ``x``'s dtype, batch invariant (see
-    module doc). Forward only."""
+    module doc). Forward only. ``config`` overrides :func:`tile_config` (benchmark sweeps)."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype != x.dtype:
@@ -129,7 +134,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     device_index = x.device.index if x.device.type == "cuda" else None
     if device_index is None and x.device.type == "cuda":
         device_index = torch.cuda.current_device()
-    config = tile_config(n, k, x.element_size(), _num_sms(device_index))
+    config = config or tile_config(n, k, x.element_size(), device_sm_count(device_index))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n),)
     _linear_kernel[grid](
         x2,
