@@ -246,7 +246,8 @@ def test_gpu_kernel_at_model_shapes_matches_reference_and_is_split_invariant(q_h
         used += n
         slots = (table[row, :n, None] * block_size + torch.arange(block_size)).flatten()[:length]
         for cache in (key_cache, value_cache):
-            cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(length, kv_heads, head_dim, generator=gen).bfloat16()
+            values = torch.randn(length, kv_heads, head_dim, generator=gen)
+            cache.view(-1, kv_heads, head_dim)[slots] = values.bfloat16()
     key_cache, value_cache, table = key_cache.cuda(), value_cache.cuda(), table.cuda()
     query = torch.randn(requests, q_heads, head_dim, generator=gen).bfloat16().cuda()
     ones = torch.ones(requests, dtype=torch.long, device="cuda")
