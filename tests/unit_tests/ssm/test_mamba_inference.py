@@ -185,3 +185,80 @@ def test_gpu_decode_and_prefill_kernels_at_hybrid_shapes_match_the_reference_and
     want = torch.stack(want)
     assert (whole.float() - want).abs().max() <= 2e-2 * want.abs().max()
     assert (ssm_whole - ssm[0]).abs().max() <= 2e-2 * ssm.abs().max()
+
+
+@pytest.mark.gpu(1)
+def test_gpu_decode_replays_in_a_cuda_graph_and_matches_selective_state_update():
+    """A decode bucket of 8 requests on scattered slots captured once and replayed for new
+    tokens and new slot assignments: every replay gives the eager bits (outputs and slots), and
+    the step agrees with mamba-ssm's ``selective_state_update`` (when it imports; else the torch
+    ``ssd_step``) on the same states."""
+    from megatron.core.ssm.backends import TorchSSMBackend, get_ssm_backend, load_mamba_kernels
+    from megatron.core.ssm.inference_triton import packed_recurrence
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    heads, head_dim, groups, state, width, requests, num_slots = 64, 64, 8, 128, 4, 8, 20
+    channels = heads * head_dim + 2 * groups * state
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=gen) * scale
+
+    params = (
+        randn(channels, 1, width, scale=0.3).bfloat16(),
+        randn(channels, scale=0.1).bfloat16(),
+        torch.rand(heads, device="cuda", generator=gen) * 2 - 1,
+        randn(heads).bfloat16(),
+        (randn(heads) - 3).bfloat16(),
+    )
+    conv_slots = randn(num_slots, channels, width - 1)
+    ssm_slots = randn(num_slots, heads, head_dim, state, scale=0.1)
+    xBC = torch.zeros(requests, channels, dtype=torch.bfloat16, device="cuda")
+    dt = torch.zeros(requests, heads, dtype=torch.bfloat16, device="cuda")
+    slot_ids = torch.zeros(requests, dtype=torch.long, device="cuda")
+    cu = torch.arange(requests + 1, device="cuda")
+
+    def step(conv, ssm):
+        return packed_recurrence(xBC, dt, *params, conv, ssm, slot_ids, cu, groups)
+
+    def new_tokens():
+        xBC.copy_(randn(requests, channels).bfloat16())
+        dt.copy_(randn(requests, heads).bfloat16())
+        slot_ids.copy_(torch.randperm(num_slots, device="cuda", generator=gen)[:requests])
+
+    new_tokens()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(conv_slots.clone(), ssm_slots.clone())  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(conv_slots, ssm_slots)
+    kernels = load_mamba_kernels()
+    backend = get_ssm_backend(torch.device("cuda"), "triton") if kernels is not None else TorchSSMBackend()
+    conv_weight, conv_bias, A_log, D, dt_bias = params
+    for _ in range(3):
+        new_tokens()
+        conv_eager, ssm_eager = conv_slots.clone(), ssm_slots.clone()
+        conv_before, ssm_reference = conv_slots[slot_ids], ssm_slots[slot_ids]  # copies
+        graph.replay()
+        eager = step(conv_eager, ssm_eager)
+        assert torch.equal(captured, eager)
+        assert torch.equal(conv_slots, conv_eager) and torch.equal(ssm_slots, ssm_eager)
+
+        window = torch.cat([conv_before, xBC.float()[:, :, None]], -1)  # [R, c, d_conv]
+        assert torch.equal(conv_slots[slot_ids], window[..., 1:])
+        x_conv = torch.nn.functional.silu((window * conv_weight.float().squeeze(1)).sum(-1) + conv_bias.float())
+        x, B, C = x_conv.bfloat16().split([heads * head_dim, groups * state, groups * state], -1)
+        want = backend.state_update(
+            ssm_reference,
+            x.reshape(requests, heads, head_dim),
+            dt,
+            -torch.exp(A_log),
+            B.reshape(requests, groups, state),
+            C.reshape(requests, groups, state),
+            D,
+            dt_bias,
+        ).flatten(1)
+        assert (captured.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+        assert (ssm_slots[slot_ids] - ssm_reference).abs().max() <= 1e-2 * ssm_reference.abs().max()
