@@ -17,6 +17,12 @@ the same process, with the achieved bandwidth against a measured device-to-devic
    its state, as the batch-variant mode runs it) vs the torch token-by-token loop; decode through
    our in-place kernels vs mamba-ssm's ``selective_state_update`` vs the torch step; SSM-state
    bytes / time; split invariance.
+5. one decode step of the models (64 requests at 128 tokens of context, through the dynamic
+   context): the 1.4B Llama-style GPT and the hybrid model of the training issue
+   (``M-M-M-M*-M-M-M-M*-M-M-M-``), the fused ops of :mod:`megatron.core.fusions` (norms with the
+   residual add, RoPE in the QKV split, SwiGLU) on Triton vs their torch path, batch-variant and
+   batch-invariant mode, eager and from a CUDA graph: step time, GPU ops per step (profiler),
+   graph replay == eager bitwise, fused vs torch logits.
 
     python -m benchmarks.inference_kernels_gpu [--json inference_kernels_gpu.json]   (repo root)
 
@@ -33,6 +39,7 @@ import argparse
 import json
 import statistics
 import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -462,6 +469,188 @@ def mamba_section(timer: Timer, copy_bw: float, checks: dict) -> dict:
     return result
 
 
+# ---- 5. one decode step of the models ------------------------------------------------------
+DECODE_REQUESTS, DECODE_PROMPT, BLOCK_SIZE = 64, 128, 16
+HYBRID_PATTERN = "M-M-M-M*-M-M-M-M*-M-M-M-"  # the training issue's hybrid configuration
+
+
+def inference_model(kind: str, pg, device, **overrides):
+    """The 1.4B Llama-style GPT (24 layers, hidden 2048, 16 MHA heads, SwiGLU ffn 5504, RMSNorm,
+    RoPE, vocab 50304, untied) or the hybrid model of the training issue, bf16, random weights,
+    in eval mode on ``device``. ``overrides`` shrink it (the CPU smoke test)."""
+    import torch.nn.functional as F
+
+    from megatron.core.config import TransformerConfig
+    from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    vocab = overrides.pop("vocab_size", 50304)
+    common = dict(hidden_size=2048, num_attention_heads=16, normalization="RMSNorm", add_bias_linear=False, bf16=True)
+    common["layout_invariant_init"] = False  # TP 1: initialize the local tensors directly (faster)
+    torch.manual_seed(0)
+    if kind == "gpt":
+        settings = dict(num_layers=LAYERS, ffn_hidden_size=5504, gated_linear_unit=True, activation_func=F.silu)
+        config = TransformerConfig(**(common | settings | overrides))
+        model = GPTModel(
+            config, get_gpt_layer_local_spec(), vocab, 1024, position_embedding_type="rope", pg_collection=pg
+        )
+    else:
+        pattern = overrides.pop("hybrid_layer_pattern", HYBRID_PATTERN)
+        settings = dict(num_layers=len(pattern), ffn_hidden_size=8192, mamba_state_dim=STATE, mamba_head_dim=HEAD_DIM)
+        settings |= dict(mamba_num_groups=GROUPS, mamba_chunk_size=128)
+        config = TransformerConfig(**(common | settings | overrides))
+        model = HybridModel(
+            config, get_hybrid_stack_local_spec(), vocab, 1024, hybrid_layer_pattern=pattern, pg_collection=pg
+        )
+    return model.eval().to(device)
+
+
+def prefilled_context(model, device, requests: int, prompt: int, max_tokens_per_step: int = 1024):
+    """A dynamic context holding ``requests`` prompts of ``prompt`` random tokens, prefilled
+    through the model, each with one sampled token appended: ready for a decode step."""
+    from megatron.core.inference.contexts import Capacity, DynamicInferenceContext, PageReason
+    from megatron.core.inference.model_runner import model_is_hybrid, stage_cache_spec
+
+    spec = stage_cache_spec(model, BLOCK_SIZE, 1)
+    blocks_each = -(-(prompt + 8) // BLOCK_SIZE)
+    hybrid = model_is_hybrid(model)
+    capacity = Capacity(requests * blocks_each, requests, num_mamba_slots=requests if hybrid else 0)
+    ctx = DynamicInferenceContext(
+        spec,
+        capacity,
+        max_sequence_length=prompt + 8,
+        max_tokens_per_step=max_tokens_per_step,
+        is_hybrid_model=hybrid,
+        device=device,
+    )
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.vocab_size if hasattr(model, "vocab_size") else 50304
+    for r in range(requests):
+        ctx.add_request(r, torch.randint(0, vocab, (prompt,), generator=gen).tolist(), max_new_tokens=8)
+    per_step = max(1, max_tokens_per_step // prompt)
+    with torch.no_grad():
+        for lo in range(0, requests, per_step):
+            batch = ctx.build_step([(r, prompt) for r in range(lo, min(lo + per_step, requests))])
+            model(batch.token_ids[None], batch.positions[None], inference_context=ctx)
+            ctx.commit_step()
+    for r in range(requests):
+        ctx.append_tokens(r, [int(torch.randint(0, vocab, (1,), generator=gen))])
+        ctx.ensure_token_capacity(r, prompt + 1, PageReason.DECODE_GROWTH)
+    return ctx
+
+
+def decode_forward(model, ctx, batch) -> torch.Tensor:
+    """The model's forward over a built decode step (the step stays uncommitted, so the same
+    step can be run again: it rewrites the same K/V slots; Mamba states are restored by the caller)."""
+    with torch.no_grad():
+        return model(batch.token_ids[None], batch.positions[None], inference_context=ctx)
+
+
+def _gpu_ops_per_call(fn) -> int:
+    """CUDA kernels and copies of one call, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def decode_step_section(timer: Timer, checks: dict, pg) -> dict:
+    """One decode step (64 requests at 128 tokens of context) of the 1.4B GPT and of the hybrid
+    model through the dynamic context: the fused ops (``megatron.core.fusions``: norms with the
+    residual add, RoPE in the QKV split, SwiGLU) on Triton vs their torch reference path, in the
+    batch-variant and the batch-invariant mode, eager and replayed from a CUDA graph; GPU ops per
+    step; graph == eager bitwise; fused vs torch logits."""
+    from megatron.core import fusions
+    from megatron.core.inference import kernels
+
+    result = {}
+    for kind in ("gpt", "hybrid"):
+        model = inference_model(kind, pg, DEVICE)
+        ctx = prefilled_context(model, DEVICE, DECODE_REQUESTS, DECODE_PROMPT)
+        batch = ctx.build_step([(r, 1) for r in range(DECODE_REQUESTS)])
+        mamba_saved = (
+            (ctx.mamba_slots.conv.clone(), ctx.mamba_slots.ssm.clone()) if ctx.mamba_slots is not None else None
+        )
+
+        def restore_mamba(saved=mamba_saved, ctx=ctx):
+            if saved is not None:  # a decode step advances the Mamba states in place: rewind
+                ctx.mamba_slots.conv.copy_(saved[0])
+                ctx.mamba_slots.ssm.copy_(saved[1])
+
+        rows, logits = [], {}
+        for invariant in (False, True):
+            for ops in ("torch", "triton"):
+                name = f"{kind} {'invariant' if invariant else 'variant'} fusions={ops}"
+
+                def call(invariant=invariant, ops=ops, ctx=ctx, batch=batch, model=model):
+                    with fusions.fusion_backend(ops), kernels.batch_invariant(invariant):
+                        return decode_forward(model, ctx, batch)
+
+                restore_mamba()
+                eager_out = call().float()
+                logits[(invariant, ops)] = eager_out
+                restore_mamba()
+                ops_count = _gpu_ops_per_call(call)
+                times = timer({"eager": (call, False)})
+                try:
+                    graph_times = timer({"graph": (call, True)})
+                    graph_error = None
+                except RuntimeError as error:  # something in the forward is not capturable
+                    graph_times, graph_error = {}, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                if graph_error is None:
+                    restore_mamba()
+                    graph = torch.cuda.CUDAGraph()
+                    call()  # warm
+                    restore_mamba()
+                    with torch.cuda.graph(graph):
+                        captured = call()
+                    restore_mamba()
+                    graph.replay()
+                    same = torch.equal(captured.float(), eager_out)
+                    checks[f"decode step {name}: graph replay == eager, bitwise"] = same
+                row = {
+                    "model": kind,
+                    "mode": "invariant" if invariant else "variant",
+                    "fusions": ops,
+                    "gpu_ops_per_step": ops_count,
+                    "eager_ms": times["eager"] * 1e3,
+                    "graph_ms": graph_times["graph"] * 1e3 if graph_times else None,
+                    "graph_error": graph_error,
+                    "tokens_per_s_graph": DECODE_REQUESTS / graph_times["graph"] if graph_times else None,
+                }
+                rows.append(row)
+                print(
+                    f"   {name:36s} {ops_count:5d} GPU ops  eager {row['eager_ms']:7.2f} ms  "
+                    + (f"graph {row['graph_ms']:7.2f} ms" if graph_times else f"graph failed: {graph_error}")
+                )
+        for invariant in (False, True):
+            want, got = logits[(invariant, "torch")], logits[(invariant, "triton")]
+            rel = ((got - want).abs().max() / want.abs().max()).item()
+            checks[
+                f"decode step {kind} ({'invariant' if invariant else 'variant'}): fused vs torch ops logits, "
+                "max diff <= 5% of max |logit|"
+            ] = bool(torch.isfinite(got).all()) and rel <= 5e-2
+            result[f"{kind}_{'invariant' if invariant else 'variant'}_fused_vs_torch_rel_diff"] = rel
+        result[kind] = rows
+        del model, ctx, batch
+        torch.cuda.empty_cache()
+    return result
+
+
+def decode_step_with_groups(timer: Timer, checks: dict) -> dict:
+    """Section 5 inside a world of one process (the models take its groups)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_distributed("nccl")
+    try:
+        return decode_step_section(timer, checks, parallel_state.initialize_model_parallel())
+    finally:
+        parallel_state.destroy_distributed()
+
+
 def run(args) -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure (run this on a GPU machine)")
@@ -477,20 +666,42 @@ def run(args) -> int:
     checks: dict[str, bool] = {}
     copy_bw = copy_bandwidth(timer)
     print(f"0. device-to-device copy of 1 GiB: {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print("1. paged decode attention (bf16, blocks of 16, head dim 128, NaN in every unwritten slot)")
-    results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
-    results["attention"] = attention_section(timer, copy_bw, checks)
-    print("2. batch-invariant GEMM vs cuBLAS (bf16), the 1.4B model's linears")
-    results["gemm"] = gemm_section(timer, copy_bw, checks)
-    print("3. per-row log-softmax [M, 50304]")
-    results["log_softmax"] = log_softmax_section(timer, checks)
-    print("4. Mamba mixer kernels (64 heads x 64, 8 groups, state 128; bf16 inputs, fp32 states)")
-    results["mamba"] = mamba_section(timer, copy_bw, checks)
-    results["checks"] = checks
+    results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "checks": checks}
+    sections = [
+        (
+            "attention",
+            "1. paged decode attention (bf16, blocks of 16, head dim 128, NaN in every unwritten slot)",
+            lambda: attention_section(timer, copy_bw, checks),
+        ),
+        (
+            "gemm",
+            "2. batch-invariant GEMM vs cuBLAS (bf16), the 1.4B model's linears",
+            lambda: gemm_section(timer, copy_bw, checks),
+        ),
+        ("log_softmax", "3. per-row log-softmax [M, 50304]", lambda: log_softmax_section(timer, checks)),
+        (
+            "mamba",
+            "4. Mamba mixer kernels (64 heads x 64, 8 groups, state 128; bf16 inputs, fp32 states)",
+            lambda: mamba_section(timer, copy_bw, checks),
+        ),
+        (
+            "decode_step",
+            "5. one decode step, 64 requests x 128 context: fused ops (Triton) vs their torch path",
+            lambda: decode_step_with_groups(timer, checks),
+        ),
+    ]
+    for key, title, section in sections:
+        print(title)
+        try:
+            results[key] = section()
+        except Exception as error:  # a broken section is reported; the others still run
+            traceback.print_exc()
+            results[key] = {"error": f"{type(error).__name__}: {error}"}
+            checks[f"section {key} ran"] = False
+        with open(args.json, "w") as f:  # after every section: a later crash keeps the numbers
+            json.dump(results, f, indent=2)
     for name, ok in checks.items():
         print(f"   check {name}: {'ok' if ok else 'FAILED'}")
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
     print(f"wrote {args.json}; " + ("all checks passed" if all(checks.values()) else "SOME CHECKS FAILED"))
     return 0 if all(checks.values()) else 1
 
