@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions import fusion_backend
 from megatron.core.inference.kernels import (
     BACKEND_ENV,
     KernelBackendError,
@@ -66,12 +67,16 @@ def test_tile_shape_is_a_function_of_the_weight_only():
 
 
 @on_single_rank
-def test_model_linears_are_batch_invariant_inside_the_mode_only(pg):
-    config = TransformerConfig(num_layers=1, hidden_size=24, num_attention_heads=2, add_bias_linear=True)
-    layer = ColumnParallelLinear(24, 40, config=config, init_method=init_method(config), pg_collection=pg)
-    x = torch.randn(50, 1, 24, generator=torch.Generator().manual_seed(1)).to(next(layer.parameters()).device)
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_model_linears_are_batch_invariant_inside_the_mode_only(pg, monkeypatch, kernels):
+    """``kernels="triton"``: every kernel on Triton (as on a GPU), the fused ops too, so the
+    linear adds its bias in the GEMM's epilogue, and that GEMM must be the invariant one."""
+    monkeypatch.setenv(BACKEND_ENV, kernels)
+    config = TransformerConfig(num_layers=1, hidden_size=72, num_attention_heads=2, add_bias_linear=True)
+    layer = ColumnParallelLinear(72, 40, config=config, init_method=init_method(config), pg_collection=pg)
+    x = torch.randn(50, 1, 72, generator=torch.Generator().manual_seed(1)).to(next(layer.parameters()).device)
     assert not is_batch_invariant()
-    with torch.no_grad(), batch_invariant():
+    with torch.no_grad(), fusion_backend(kernels), batch_invariant():
         assert is_batch_invariant()
         full, _ = layer(x)
         assert torch.equal(layer(x[:3])[0], full[:3]) and torch.equal(layer(x[20:21])[0], full[20:21])
