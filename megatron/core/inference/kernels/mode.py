@@ -48,7 +48,11 @@ def triton_importable() -> bool:
 
 
 def is_batch_invariant() -> bool:
-    """Whether the forward being run must be batch invariant (see module doc)."""
+    """Whether the forward being run must be batch invariant (see module doc). Never inside
+    ``torch.compile`` (training's compiled layers): reading the context variable there would
+    break the graph, and the engine's forward is not compiled."""
+    if torch.compiler.is_compiling():
+        return False
     return _batch_invariant.get()
 
 
