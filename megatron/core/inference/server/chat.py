@@ -10,11 +10,12 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from megatron.core.inference.parsers import ToolCallEvent, build_output_parser, collect
+from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.inference.server.errors import bad_request
 from megatron.core.inference.server.protocol import ChatCompletionRequest, NamedToolChoice
-from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
+from megatron.core.inference.server.service import OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
 from megatron.core.tokenizers import TokenizerError
 
@@ -36,9 +37,8 @@ def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[di
 class _ChatChoice:
     """Per-choice state: the output parser and what it produced."""
 
-    def __init__(self, service: OpenAIService, body: ChatCompletionRequest, choice: Choice, parsed_tools):
+    def __init__(self, service: OpenAIService, body: ChatCompletionRequest, parsed_tools):
         config = service.config
-        self.choice = choice
         self.tokenizer = service.tokenizer
         self.parser = build_output_parser(
             config.reasoning_parser,
@@ -68,13 +68,14 @@ class _ChatChoice:
 
 async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) -> Response:
     service.check_model(body.model)
+    service.check_fan_out(1, body.n)
     tools, parsed_tools = _tools(service, body)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
     try:
         prompt_text = render_chat(service.tokenizer, messages, tools)
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    prompt = service.check_prompt(service.tokenizer.tokenize(prompt_text), "messages")
+    prompt = service.check_prompt(tokenize_prompt(service.tokenizer, prompt_text), "messages")
     params = service.sampling_params(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -86,17 +87,17 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     started = time.monotonic()
     choices = await service.start_choices(request_id, [prompt], params, body.n)
     service.metrics.observe_ttft(time.monotonic() - started)
-    states = {c.index: _ChatChoice(service, body, c, parsed_tools) for c in choices}
+    states = {index: _ChatChoice(service, body, parsed_tools) for index in range(choices.size)}
     created = R.now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(service, body, request_id, created, prompt, choices, states, include_usage))
-    events: dict[int, list] = {c.index: [] for c in choices}
-    logprobs: dict[int, list] = {c.index: [] for c in choices}
+    events: dict[int, list] = {index: [] for index in states}
+    logprobs: dict[int, list] = {index: [] for index in states}
     reasons: dict[int, str] = {}
     service.metrics.running += 1
     try:
-        async for choice, delta in merged_deltas(choices):
+        async for choice, delta in choices.deltas():
             if delta.finish_reason == "error":
                 raise error_from_output(delta.error)
             state = states[choice.index]
@@ -112,7 +113,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
         )
         for index in sorted(events)
     ]
-    usage = service.account(choices, [prompt])
+    usage = service.account(choices.choices, [prompt])
     return JSONResponse(R.envelope("chat.completion", request_id, body.model, created, result, usage=usage))
 
 
@@ -137,15 +138,15 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
 
     service.metrics.running += 1
     try:
-        for choice in choices:
+        for index in states:
             opening = {
-                "index": choice.index,
+                "index": index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             yield chunk([opening])
-        async for choice, delta in merged_deltas(choices):
+        async for choice, delta in choices.deltas():
             if delta.finish_reason == "error":
                 yield R.sse(error_from_output(delta.error).body())
                 continue
@@ -159,7 +160,7 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
             }
             if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
                 yield chunk([part])
-        usage = service.account(choices, [prompt])
+        usage = service.account(choices.choices, [prompt])
         if include_usage:
             yield chunk([], usage=usage)
         yield R.SSE_DONE

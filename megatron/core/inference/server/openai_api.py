@@ -41,9 +41,10 @@ def build_app(client: InferenceClient, tokenizer=None, config: ServerConfig | No
 
     app = FastAPI(title="Megatron OpenAI-compatible server", lifespan=lifespan)
     app.state.service = service
+    app.state.server_config = config  # serve.py reads its connection options
     install_error_handlers(app)
     _add_routes(app, service)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     paths = frozenset(route.path for route in app.routes)

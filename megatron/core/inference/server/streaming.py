@@ -9,9 +9,13 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its response
+
 
 async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``; if the HTTP client leaves first, cancel it (its cleanup aborts the engine requests)."""
+    """Run ``work``; if the HTTP client leaves first, cancel it and wait until it has cleaned up
+    (its cleanup aborts the engine requests), then answer 499 (which nobody reads, but which
+    the request counters see)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -24,8 +28,10 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
         watcher.cancel()
         if not task.done():
             task.cancel()
+        # Also when this coroutine itself is cancelled: the work is never left running.
+        await asyncio.wait({task, watcher})
     if task.cancelled():
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return task.result()
 
 
