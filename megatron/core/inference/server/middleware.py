@@ -112,12 +112,12 @@ class RequestCounterMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status: int | None = None
-        complete = left = False
+        complete = abandoned = False
 
         async def watching_receive() -> Message:
-            nonlocal left
+            nonlocal abandoned
             message = await receive()
-            left |= message["type"] == "http.disconnect"
+            abandoned |= message["type"] == "http.disconnect" and not complete
             return message
 
         async def counting_send(message: Message) -> None:
@@ -131,7 +131,6 @@ class RequestCounterMiddleware:
         try:
             await self.app(scope, watching_receive, counting_send)
         finally:
-            abandoned = left and not complete
             if status is None:
                 status = CLIENT_CLOSED_REQUEST if abandoned else 500
             path = scope["path"] if scope["path"] in self.paths else "other"
