@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -91,20 +92,23 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     created = R.now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(service, body, request_id, created, prompt, choices, states, include_usage))
+        return EventStreamResponse(
+            _stream(service, body, request_id, created, prompt, choices, states, include_usage), on_close=choices.abort
+        )
     events: dict[int, list] = {index: [] for index in states}
     logprobs: dict[int, list] = {index: [] for index in states}
     reasons: dict[int, str] = {}
     service.metrics.running += 1
     try:
-        async for choice, delta in choices.deltas():
-            if delta.finish_reason == "error":
-                raise error_from_output(delta.error)
-            state = states[choice.index]
-            events[choice.index] += state.events(delta)
-            logprobs[choice.index] += state.logprobs(delta) if state.want_logprobs else []
-            if delta.finish_reason is not None:
-                reasons[choice.index] = state.finish_reason(delta.finish_reason)
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    raise error_from_output(delta.error)
+                state = states[choice.index]
+                events[choice.index] += state.events(delta)
+                logprobs[choice.index] += state.logprobs(delta) if state.want_logprobs else []
+                if delta.finish_reason is not None:
+                    reasons[choice.index] = state.finish_reason(delta.finish_reason)
     finally:
         service.metrics.running -= 1
     result = [
@@ -146,20 +150,21 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
                 "finish_reason": None,
             }
             yield chunk([opening])
-        async for choice, delta in choices.deltas():
-            if delta.finish_reason == "error":
-                yield R.sse(error_from_output(delta.error).body())
-                continue
-            state = states[choice.index]
-            content = state.events(delta)
-            part = {
-                "index": choice.index,
-                "delta": R.chat_delta(content),
-                "logprobs": {"content": state.logprobs(delta)} if state.want_logprobs else None,
-                "finish_reason": state.finish_reason(delta.finish_reason),
-            }
-            if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
-                yield chunk([part])
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    yield R.sse(error_from_output(delta.error).body())
+                    continue
+                state = states[choice.index]
+                content = state.events(delta)
+                part = {
+                    "index": choice.index,
+                    "delta": R.chat_delta(content),
+                    "logprobs": {"content": state.logprobs(delta)} if state.want_logprobs else None,
+                    "finish_reason": state.finish_reason(delta.finish_reason),
+                }
+                if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
+                    yield chunk([part])
         usage = service.account(choices.choices, [prompt])
         if include_usage:
             yield chunk([], usage=usage)

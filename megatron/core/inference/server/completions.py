@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -77,15 +78,17 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
-            _stream(service, body, request_id, created, prompts, choices, renderers, include_usage)
+            _stream(service, body, request_id, created, prompts, choices, renderers, include_usage),
+            on_close=choices.abort,
         )
     service.metrics.running += 1
     try:
         rendered: dict[int, list[dict[str, Any]]] = {index: [] for index in range(choices.size)}
-        async for choice, delta in choices.deltas():
-            if delta.finish_reason == "error":
-                raise error_from_output(delta.error)
-            rendered[choice.index].append(renderers.render(choice, delta))
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    raise error_from_output(delta.error)
+                rendered[choice.index].append(renderers.render(choice, delta))
     finally:
         service.metrics.running -= 1
     result = [_join(parts) for _, parts in sorted(rendered.items())]
@@ -120,12 +123,13 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
 async def _stream(service, body, request_id, created, prompts, choices, renderers, include_usage) -> AsyncIterator[str]:
     service.metrics.running += 1
     try:
-        async for choice, delta in choices.deltas():
-            if delta.finish_reason == "error":
-                yield R.sse(error_from_output(delta.error).body())
-                continue
-            chunk = renderers.render(choice, delta)
-            yield R.sse(R.envelope("text_completion", request_id, body.model, created, [chunk]))
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    yield R.sse(error_from_output(delta.error).body())
+                    continue
+                chunk = renderers.render(choice, delta)
+                yield R.sse(R.envelope("text_completion", request_id, body.model, created, [chunk]))
         usage = service.account(choices.choices, prompts)
         if include_usage:
             yield R.sse(R.envelope("text_completion", request_id, body.model, created, [], usage=usage))

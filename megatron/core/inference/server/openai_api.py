@@ -2,9 +2,11 @@
 
 ``build_app(client, tokenizer, config)`` returns a FastAPI app with /v1/completions,
 /v1/chat/completions, /v1/models, /health and /metrics. Each HTTP request becomes one
-engine request per choice. A request is admitted only once every choice has its first
-output, so admission errors get a proper status even for streams. A client that
-disconnects or closes its stream aborts its engine requests.
+engine request per choice, at most ``config.max_in_flight_per_request`` of them at a time
+(see :class:`~megatron.core.inference.server.service.ChoiceSet`). A request is admitted only
+once the choices of that first window have their first output, so admission errors get a
+proper status even for streams. A client that disconnects or closes its stream aborts its
+engine requests (a whole request then answers 499, counted in /metrics as abandoned).
 """
 
 from __future__ import annotations

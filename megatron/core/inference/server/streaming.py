@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import Request
@@ -36,21 +36,29 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE response that also watches for the client leaving and then closes the body stream."""
+    """SSE response that also watches for the client leaving and then closes the body stream;
+    ``on_close`` runs once the stream is over either way (also when it never started)."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]):
+        super().__init__(content)
+        self._on_close = on_close
+
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away mid-send
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-        await self.body_iterator.aclose()
+            await self.body_iterator.aclose()
+        finally:
+            self._on_close()

@@ -14,7 +14,7 @@ from ..coordinator.cluster import wait_until
 from ..coordinator.engine_double import HashEngine, expected_tokens
 from ..server.harness import TOKENIZER, openai_server
 
-HALF_SENT = 40  # of each kind
+HALF_SENT = 100  # of each kind
 
 
 @pytest.fixture(scope="module")
