@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from megatron.core.inference.server import ServerConfig
+from megatron.core.inference.server import ServerConfig, launcher
 
 from ..coordinator.cluster import wait_until
 from ..coordinator.engine_double import HashEngine, expected_tokens
@@ -121,3 +121,12 @@ def test_a_small_request_is_not_queued_behind_a_large_one():
     assert [choice["text"] for choice in results["big"].json()["choices"]] == [_text(p, 3) for p in BIG]
     assert results["small"].json()["choices"][0]["text"] == _text("small", 3)
     assert ServerConfig().max_in_flight_per_request == WINDOW
+
+
+def test_megatron_serve_flags_set_the_caps():
+    configured = launcher.server_config(
+        launcher.parse_args(["--load", "ckpt", "--max-prompts-per-request", "8", "--max-n", "3"])
+    )
+    default = launcher.server_config(launcher.parse_args(["--load", "ckpt"]))
+    assert (configured.max_prompts_per_request, configured.max_n) == (8, 3)
+    assert (default.max_prompts_per_request, default.max_n) == (256, 16)

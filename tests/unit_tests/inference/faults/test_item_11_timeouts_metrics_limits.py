@@ -10,6 +10,8 @@ import socket
 import httpx
 import pytest
 
+from megatron.core.inference.server import launcher
+
 from ..coordinator.cluster import wait_until
 from ..coordinator.engine_double import HashEngine, expected_tokens
 from ..server.harness import TOKENIZER, openai_server
@@ -43,6 +45,14 @@ def _metrics(server) -> set[str]:
 def test_half_sent_heads_and_bodies_are_cut_off():
     with openai_server(header_timeout_s=0.5, body_timeout_s=0.5) as (server, coordinator):
         _cut_off_half_sent_requests(server)
+
+
+def test_megatron_serve_flags_set_the_deadlines():
+    argv = ["--load", "ckpt", "--http-header-timeout", "0.5", "--http-body-timeout", "2"]
+    configured = launcher.server_config(launcher.parse_args(argv))
+    default = launcher.server_config(launcher.parse_args(["--load", "ckpt"]))
+    assert (configured.header_timeout_s, configured.body_timeout_s) == (0.5, 2.0)
+    assert (default.header_timeout_s, default.body_timeout_s) == (10.0, 30.0)
 
 
 def _cut_off_half_sent_requests(server) -> None:
