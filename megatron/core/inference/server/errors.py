@@ -52,10 +52,16 @@ def _is_union_branch(part) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or not re.fullmatch(r"[a-z_][a-z0-9_]*", part))
 
 
+def _is_type_mismatch(error: dict) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or (kind == "literal_error" and not isinstance(error.get("input"), str))
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    # Of a union's failed branches, report the one whose type the input had (not a type mismatch).
-    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    # Of a union's failed branches, report the one whose type the input had (not a type mismatch;
+    # a literal's error for an input that is no string is one too).
+    first = next((e for e in errors if not _is_type_mismatch(e)), errors[0])
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_branch(part)]
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")

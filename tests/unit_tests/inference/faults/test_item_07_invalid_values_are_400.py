@@ -32,6 +32,10 @@ SURROGATE_BODIES = {
         "/v1/chat/completions",
         "{" + CHAT + r', "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}',
     ),
+    "tool_choice.function.name": (
+        "/v1/chat/completions",
+        "{" + CHAT + r', "tool_choice": {"type": "function", "function": {"name": "\ud800"}}}',
+    ),
     "tools.0.function.parameters": (
         "/v1/chat/completions",
         "{" + CHAT + r', "tools": [{"type": "function", "function": {"name": "f", "parameters": {"\ud800": 1}}}]}',
