@@ -19,11 +19,14 @@ Messages (decode -> prefill): ``readers {peers}`` (once: the transport descripto
 ranks, so the prefill side can tell when they are all gone), ``prefill {request_id,
 prompt_tokens, sampling_params}``, ``abort {request_id}``, ``release {request_id}``, ``abandon
 {request_id}``, ``stop {}``. (prefill -> decode): ``record {record}``, ``finished {output}``
-(ended on the prefill engine).
+(ended on the prefill engine). A frame that is not one of these (not msgpack, several parts, an
+unknown kind, a missing field) is dropped and counted (:attr:`HandoffChannel.num_dropped`), and
+so is a message whose fields its receiver cannot use: neither end stops serving over one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,20 +35,42 @@ from typing import Any
 import msgpack
 import zmq
 
-from megatron.core.inference.coordinator.messages import sampling_params_from_dict, sampling_params_to_dict
+from megatron.core.inference.coordinator.messages import (
+    ProtocolError,
+    check_output,
+    sampling_params_from_dict,
+    sampling_params_to_dict,
+)
 from megatron.core.inference.engines.requests import RequestOutput
 from megatron.core.inference.errors import DuplicateRequestIdError, InferenceRequestError
 from megatron.core.inference.handoff.decode_side import ABANDON, RELEASE, DecodeSide
 from megatron.core.inference.handoff.failures import HandoffConfigError, PrefillFailedError
 from megatron.core.inference.handoff.metadata import HandoffRecord
 from megatron.core.inference.handoff.prefill_side import PrefillSide
+from megatron.core.inference.handoff.transport import TransportError
 from megatron.core.inference.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Each message kind and the fields its payload must carry.
+MESSAGE_FIELDS = {
+    "readers": ("peers",),
+    "prefill": ("request_id", "prompt_tokens", "sampling_params"),
+    "abort": ("request_id",),
+    RELEASE: ("request_id",),
+    ABANDON: ("request_id",),
+    "stop": (),
+    "record": ("record",),
+    "finished": ("output",),
+}
 
 
 class HandoffChannel:
     """A msgpack message stream over a ZeroMQ PAIR socket (one end binds, the other connects).
     Sends never block: :meth:`send` returns False when the message cannot be queued (no peer,
-    or ``max_queued`` messages already waiting for one)."""
+    or ``max_queued`` messages already waiting for one). :meth:`receive` returns only messages
+    of :data:`MESSAGE_FIELDS` (a string ``request_id`` where there is one); it drops the rest,
+    counting them in ``num_dropped``."""
 
     def __init__(self, address: str, *, bind: bool, max_queued: int = 10_000):
         self._socket = zmq.Context.instance().socket(zmq.PAIR)
@@ -59,6 +84,7 @@ class HandoffChannel:
         else:
             self._socket.connect(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.num_dropped = 0
 
     def send(self, kind: str, **payload: Any) -> bool:
         """Queue one message; False (nothing queued) when it cannot be queued now."""
@@ -69,16 +95,43 @@ class HandoffChannel:
         return True
 
     def receive(self, timeout_ms: int = 0) -> list[tuple[str, dict[str, Any]]]:
-        """Every message that arrived within ``timeout_ms`` (waits only for the first)."""
+        """Every well-formed message that arrived within ``timeout_ms`` (waits only for the first)."""
         messages = []
         while self._socket.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
-            kind, payload = msgpack.unpackb(self._socket.recv(), raw=False)
-            messages.append((kind, payload))
+            message = _parse(self._socket.recv_multipart())
+            if message is None:
+                self.drop("a malformed frame")
+            else:
+                messages.append(message)
         return messages
+
+    def drop(self, what: str) -> None:
+        """Count (and log) a message that is dropped instead of served."""
+        self.num_dropped += 1
+        logger.warning("handoff channel %s dropped %s", self.address, what)
 
     def close(self) -> None:
         self._socket.close()
+
+
+def _parse(frames: list[bytes]) -> tuple[str, dict[str, Any]] | None:
+    """``(kind, payload)`` of a one-part message of :data:`MESSAGE_FIELDS`, else None."""
+    if len(frames) != 1:
+        return None
+    try:
+        message = msgpack.unpackb(frames[0], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if not (isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)):
+        return None
+    kind, payload = message
+    fields = MESSAGE_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None or any(name not in payload for name in fields):
+        return None
+    if "request_id" in fields and not isinstance(payload["request_id"], str):
+        return None
+    return kind, payload
 
 
 class PrefillWorker:
@@ -102,7 +155,10 @@ class PrefillWorker:
             elif kind == ABANDON:
                 self.prefill.abandon(payload["request_id"])
             elif kind == "readers":
-                self.prefill.transport.expect_readers(payload["peers"])
+                try:
+                    self.prefill.transport.expect_readers(payload["peers"])
+                except TransportError as exc:
+                    self.channel.drop(f"readers it cannot use: {exc}")
             elif kind == "stop":
                 self.stopped.set()
         self.prefill.transport.serve()
@@ -115,20 +171,17 @@ class PrefillWorker:
         self.prefill.expire_pins()
 
     def _prefill(self, payload: dict[str, Any]) -> None:
-        request_id = payload["request_id"]
+        request_id, prompt = payload["request_id"], payload["prompt_tokens"]
         try:
-            self.prefill.add_request(
-                request_id, payload["prompt_tokens"], sampling_params_from_dict(payload["sampling_params"])
-            )
+            self.prefill.add_request(request_id, prompt, sampling_params_from_dict(payload["sampling_params"]))
         except (ValueError, TypeError) as exc:
             error = (
                 exc.to_dict()
                 if isinstance(exc, InferenceRequestError)
                 else {"type": type(exc).__name__, "message": str(exc), "details": {}}
             )
-            self.channel.send(
-                "finished", output=_terminal(request_id, "error", len(payload["prompt_tokens"]), error).to_dict()
-            )
+            prompt_length = len(prompt) if isinstance(prompt, list) else 0
+            self.channel.send("finished", output=_terminal(request_id, "error", prompt_length, error).to_dict())
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -228,7 +281,11 @@ class DisaggregatedEngine:
             if kind == "record":
                 self._on_record(payload.get("record"))
             elif kind == "finished":
-                output = RequestOutput.from_dict(payload["output"])
+                try:
+                    output = RequestOutput.from_dict(check_output(payload["output"]))
+                except (ProtocolError, TypeError) as exc:  # TypeError: fields RequestOutput does not take
+                    self.channel.drop(f"an output it cannot use: {exc}")
+                    continue
                 if self._prefilling.pop(output.request_id, None) is not None:
                     self._outputs.append(output)
         deadline = self.clock() - self.prefill_timeout_s
