@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
 from megatron.core.dist_checkpointing import read_latest_iteration
-from megatron.core.models.model_record import ModelRecord, TokenizerRecord, read_model_record
+from megatron.core.models.model_record import (
+    MODEL_RECORD_FILENAME,
+    ModelRecord,
+    TokenizerRecord,
+    read_model_record,
+    resolve_checkpoint_dir,
+)
 
 # Training behaviour kept in the record's config: taken from it unless the flag is given.
 BEHAVIOUR_ARGS = {
@@ -69,8 +76,11 @@ def _flag(dest: str) -> str:
 
 
 def checkpoint_record(load: str | None) -> ModelRecord | None:
-    """The model record of the checkpoint in ``load``, or None when it holds none yet."""
+    """The model record of the checkpoint in ``load``; None when there is no checkpoint yet,
+    or when it records no model (e.g. a MIMO run's)."""
     if load is None or read_latest_iteration(load) is None:
+        return None
+    if not os.path.isfile(os.path.join(resolve_checkpoint_dir(load), MODEL_RECORD_FILENAME)):
         return None
     return read_model_record(load)
 

@@ -27,7 +27,10 @@ def _human(count: int) -> str:
 def run_lines(args, pgc: ProcessGroupCollection) -> list[str]:
     """The arguments, notes, layout and batch lines of the summary."""
     lines = ["------------------------ arguments (differing from the defaults) ------------------------"]
-    lines += [f"  {flag} {value}" for flag, value in sorted(args.non_default_args.items())] or ["  (none)"]
+    shown = [
+        f"  {flag}" if value is True else f"  {flag} {value}" for flag, value in sorted(args.non_default_args.items())
+    ]
+    lines += shown or ["  (none)"]
     lines += [f"  note: {note}" for note in args.compatibility_notes]
     layout = pgc.layout
     lines.append(

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.dist_checkpointing import CheckpointingError, read_latest_iteration
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.model_record import model_from_record
@@ -373,7 +373,7 @@ def pretrain(args) -> TrainState:
     pgc = initialize_megatron(args)
     summary.print_run(args, pgc)
     trainer = Trainer(args, pgc)
-    if args.load and args.checkpoint_record is not None:
+    if args.load and read_latest_iteration(args.load) is not None:
         trainer.load()
     elif args.load and dist.get_rank() == 0:
         print(f"--load {args.load}: no checkpoint there yet; training from scratch", flush=True)

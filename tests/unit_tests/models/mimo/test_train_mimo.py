@@ -15,7 +15,7 @@ SCRIPT = pathlib.Path(__file__).parents[4] / "examples" / "mimo" / "train_mimo.p
 ARGV = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 8 --train-iters 6 --lr 3e-3 --image-size 8 --patch-size 4 --encoder-num-layers 1 "
-    "--encoder-hidden-size 16 --log-interval 3"
+    "--encoder-hidden-size 16 --log-interval 3 --hidden-dropout 0.0 --attention-dropout 0.0"
 ).split()
 
 
