@@ -176,6 +176,8 @@ def count_flops_per_token(
 def optimizer_config_from_args(args) -> OptimizerConfig:
     """The optimizer settings the training flags describe."""
     return OptimizerConfig(
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,

@@ -3,7 +3,7 @@
 The blended index decides, for every sample ``i``, which dataset it comes from and which of
 that dataset's samples it is. It is deterministic and exact: the ``k``-th sample of dataset
 ``d`` (weight ``w_d``) is due at ``(k + 1/2) / w_d`` and the blend takes samples in the order
-they fall due (ties to the lower dataset index). Among the first ``n`` samples every dataset
+they fall due (ties, to within 2^-20, to the lower dataset index). Among the first ``n`` samples every dataset
 then has ``n * w_d`` of them to within one, and exactly ``n * w_d`` when that is a whole
 number whose next sample is strictly later than the others'. Each dataset is built with
 exactly the number of samples the index takes from it. With ``cache_dir``
@@ -28,6 +28,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.split import SPLIT_NAMES, parse_split, split_document_ranges
 
 INDEX_VERSION = 1
+# Due times are compared on a grid of 2^-20, so that ties which rounding hides (1.5 / 0.3 is
+# 5.000000000000001) still go to the lower dataset index.
+_DUE_RESOLUTION = 2.0**20
 
 
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +47,7 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
         # The size-th due time is below size + len(weights) / 2: this many candidates suffice.
         count = math.ceil(size * weight + len(weights) / 2) + 2
         k = np.arange(count, dtype=np.int64)
-        due.append((k + 0.5) / weight)
+        due.append(np.rint((k + 0.5) / weight * _DUE_RESOLUTION))
         owner.append(np.full(count, dataset, dtype=np.int32))
         ordinal.append(k)
     due, owner, ordinal = np.concatenate(due), np.concatenate(owner), np.concatenate(ordinal)
