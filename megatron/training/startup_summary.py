@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.model_state import vocab_rows
 from megatron.core.process_groups import ProcessGroupCollection
 
 
@@ -52,16 +53,19 @@ def print_run(args, pgc: ProcessGroupCollection) -> None:
 
 def parameter_counts_per_stage(model: torch.nn.Module, pgc: ProcessGroupCollection, device) -> list[int]:
     """Parameters of each pipeline stage's model (full sizes: TP and GTP shards counted once,
-    the output layer tied to the first stage's embedding counted there). Collective."""
+    vocabulary rows without padding, the output layer tied to the first stage's embedding
+    counted there), the same under every layout. Collective."""
     coordinates = pgc.layout.coordinates(dist.get_rank())
     counts = torch.zeros(pgc.layout.pp, dtype=torch.float64, device=device)
     if all(coordinates[axis] == 0 for axis in ("tp", "gtp", "cp", "dp")):
         first_stage = coordinates["pp"] == 0
-        total = sum(
-            math.prod(getattr(p, "global_shape", p.shape))
-            for p in model.parameters()
-            if first_stage or not getattr(p, "shared_embedding", False)
-        )
+        true_rows = vocab_rows(model)
+        total = 0
+        for param in model.parameters():
+            if first_stage or not getattr(param, "shared_embedding", False):
+                shape = list(getattr(param, "global_shape", param.shape))
+                shape[0] = true_rows.get(id(param), shape[0])
+                total += math.prod(shape)
         counts[coordinates["pp"]] = total
     dist.all_reduce(counts)
     return [int(c) for c in counts.tolist()]
