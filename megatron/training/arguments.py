@@ -21,7 +21,7 @@ from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
 from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
-from megatron.core.tokenizers import check_tokenizer_inputs
+from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
 
 
@@ -222,7 +222,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--split", type=str, default="969,30,1")
-    g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
+    g.add_argument(
+        "--tokenizer-type",
+        type=str,
+        default=None,
+        help="default: GPT2BPETokenizer with --vocab-file / --merge-file (Megatron's), else ByteLevelTokenizer",
+    )
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss on end-of-document tokens")
     g.add_argument("--vocab-size", type=int, default=None, help="for --mock-data; defaults to the tokenizer's")
@@ -497,6 +502,8 @@ def _check_data(args: argparse.Namespace) -> None:
             f"'{BUILTIN_DATA_PATH}' (the built-in corpus) cannot be blended with other datasets",
         )
     args.data_blends = blends
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file or args.merge_file else DEFAULT_TOKENIZER_TYPE
     try:
         check_tokenizer_inputs(
             args.tokenizer_type,

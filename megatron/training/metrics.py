@@ -132,6 +132,8 @@ class MetricsLogger:
         self._record(record, iteration, scalars)
         grad = "n/a" if grad_norm is None else f"{grad_norm:.3E}"
         extras = "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items() if isinstance(v, float))
+        if loss_scale is not None:
+            extras += f" loss scale: {loss_scale:.1f} |"
         self.print_fn(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
