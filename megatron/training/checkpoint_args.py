@@ -89,13 +89,16 @@ def apply_checkpoint_record(args: argparse.Namespace, explicit: set[str], error:
     """Fill ``args`` from the record of ``args.load`` (see the module docstring); ``explicit``
     holds the destinations given on the command line. Sets ``args.checkpoint_record`` (None
     without a checkpoint) and raises ``error`` naming every contradicting flag."""
-    record = checkpoint_record(args.load)
+    try:
+        record = checkpoint_record(args.load)
+    except (ValueError, OSError) as exc:  # an unreadable or unknown record
+        raise error(f"--load {args.load}: {exc}") from exc
     args.checkpoint_record = record
+    if args.load is not None and args.finetune and read_latest_iteration(args.load) is None:
+        raise error(
+            f"--finetune --load {args.load}: there is no checkpoint there (no latest_checkpointed_iteration.txt)"
+        )
     if record is None:
-        if args.load is not None and args.finetune:
-            raise error(
-                f"--finetune --load {args.load}: there is no checkpoint there (no latest_checkpointed_iteration.txt)"
-            )
         return
     if record.family != args.model_family:
         raise error(

@@ -128,7 +128,11 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
             "NullTokenizer cannot tokenize the built-in corpus; use --mock-data or --data-path",
         ),
         (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "nope.json"], "--vocab-file nope.json: no such file"),
-        (["--vocab-file", "v.json"], "--tokenizer-type ByteLevelTokenizer does not read --vocab-file"),
+        (
+            ["--tokenizer-type", "ByteLevelTokenizer", "--vocab-file", "v.json"],
+            "--tokenizer-type ByteLevelTokenizer does not read --vocab-file",
+        ),
+        (["--vocab-file", "v.json"], "--vocab-file v.json: no such file"),  # GPT2BPETokenizer, Megatron's default
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
         (["--data-path", "a", "--train-data-path", "b"], "--train-data-path and --data-path are mutually exclusive"),
@@ -200,6 +204,14 @@ def test_sample_flags_refuse_iteration_forms():
     train = [a for a in BASE if a not in ("--train-iters", "10")]
     with pytest.raises(ArgumentError, match="--lr-warmup-iters needs iteration-based training .* --lr-warmup-samples"):
         parse_args(train + ["--train-samples", "80", "--lr-warmup-iters", "2"], world_size=1)
+
+
+def test_gpt2_bpe_files_select_megatrons_default_tokenizer(tmp_path):
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("{}")
+    files = ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]
+    assert _args(*files).tokenizer_type == "GPT2BPETokenizer"
+    assert _args().tokenizer_type == "ByteLevelTokenizer"
 
 
 def test_recompute_activations_is_selective_recompute():
