@@ -33,6 +33,7 @@ BEHAVIOUR_ARGS = {
     "init_method_std": "init_method_std",
     "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
     "recompute_granularity": "recompute_granularity",
+    "mamba_chunk_size": "mamba_chunk_size",
     "bf16": "bf16",
     "fp16": "fp16",
 }

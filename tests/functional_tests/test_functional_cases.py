@@ -45,7 +45,7 @@ def test_cases_pin_the_defaults_their_goldens_rely_on():
     for name, case in CASES.items():
         needed = ["--hidden-dropout", "--attention-dropout", "--eval-iters", "--log-interval"]
         if case["entry_point"].endswith("pretrain_hybrid.py"):
-            needed += ["--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups"]
+            needed += ["--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-chunk-size"]
         if "--fp16" in case["flags"]:
             needed.append("--initial-loss-scale")
         assert [flag for flag in needed if flag not in case["flags"]] == [], name

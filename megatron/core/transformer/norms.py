@@ -4,6 +4,9 @@ Norm weights are replicated on every TP and GTP rank. Under sequence parallelism
 rank normalizes only its slice of the sequence, so the weight gradients are partial and
 carry ``sequence_parallel = True`` (finalize_model_grads all-reduces them over ``tp``).
 
+The math is :mod:`megatron.core.fusions.norms` (fused Triton kernels on CUDA, the torch
+reference elsewhere); :meth:`add_and_norm` also takes in the residual add that precedes the norm.
+
 With ``config.layernorm_zero_centered_gamma`` the stored weight is the offset from 1 (it
 starts at 0 and weight decay pulls it towards an identity scale), Megatron's
 ``--apply-layernorm-1p``.
@@ -12,10 +15,10 @@ starts at 0 and weight decay pulls it towards an identity scale), Megatron's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions.norms import bias_dropout_add_norm, norm
 from megatron.core.tensor_parallel import set_parallel_attributes
 
 
@@ -36,13 +39,42 @@ def _norm_weight(config: TransformerConfig, hidden_size: int) -> nn.Parameter:
     return mark_replicated(nn.Parameter(fill(hidden_size, dtype=config.params_dtype)), config.sequence_parallel)
 
 
-def _scale(module: nn.Module) -> torch.Tensor:
-    """The multiplier the norm applies: its weight, or 1 + weight when zero-centered."""
-    return module.weight + 1 if module.zero_centered_gamma else module.weight
+class _Norm(nn.Module):
+    """The forward of both norms; a subclass names its ``kind`` and holds ``weight`` (and ``bias``)
+    and ``zero_centered_gamma``."""
+
+    kind: str
+
+    def scale(self) -> torch.Tensor:
+        """The multiplier the norm applies: its weight, or 1 + weight when zero-centered."""
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm(x, self.scale(), getattr(self, "bias", None), self.eps, self.kind)
+
+    def add_and_norm(
+        self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, config: TransformerConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, self(h))`` for ``h = residual + dropout(x + bias)`` (``config.hidden_dropout``,
+        when training; the mask is sequence-sharded under sequence parallelism), in one pass."""
+        return bias_dropout_add_norm(
+            x,
+            bias,
+            residual,
+            config.hidden_dropout,
+            self.training,
+            config.sequence_parallel,
+            self.scale(),
+            getattr(self, "bias", None),
+            self.eps,
+            self.kind,
+        )
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_Norm):
     """Standard LayerNorm (weight and bias), computed in the input dtype."""
+
+    kind = "LayerNorm"
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
@@ -53,23 +85,17 @@ class LayerNorm(nn.Module):
             nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), _scale(self), self.bias, self.eps)
 
-
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """Root-mean-square norm (weight only); the statistic is computed in fp32."""
+
+    kind = "RMSNorm"
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.weight = _norm_weight(config, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _scale(self) * normed.to(x.dtype)
 
 
 NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}

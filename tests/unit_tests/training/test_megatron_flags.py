@@ -24,6 +24,7 @@ MEGATRON_DEFAULTS = {
     "mamba_state_dim": 128,
     "mamba_head_dim": 64,
     "mamba_num_groups": 8,
+    "mamba_chunk_size": 128,
     "initial_loss_scale": 2.0**32,
     "log_interval": 100,
     "eval_iters": 100,
@@ -237,8 +238,14 @@ def test_apply_layernorm_1p_stores_the_offset_from_one(norm_class):
     with torch.no_grad():
         zero_centered.weight.uniform_(-0.5, 0.5)
         standard.weight.copy_(zero_centered.weight + 1)
-    x = torch.randn(3, 32)
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
     torch.testing.assert_close(zero_centered(x), standard(x), rtol=0, atol=0)
+    # the layers' fused residual-add + norm path scales the same way (no dropout in eval)
+    zero_centered.eval(), standard.eval()
+    fused = zero_centered.add_and_norm(x, None, residual, config)
+    expected = standard.add_and_norm(x, None, residual, config)
+    for got, want in zip(fused, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_non_default_arguments_are_listed_for_the_summary():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron.training.metrics import MetricsLogger, training_flops_per_token
+from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
 
 
 def test_log_line_and_jsonl_records(tmp_path):
@@ -125,3 +125,14 @@ def test_tensorboard_tags_are_megatrons_and_keep_validation_apart(tmp_path):
     for tag, value in expected.items():
         assert scalars[tag] == [(5, pytest.approx(value))], tag
     assert scalars["mem-max-rss-bytes"][0][1] > 1e6  # this CPU process's peak resident memory
+
+
+def test_mamba_scan_flops_by_hand():
+    # per layer and token, forward: C B^T (2QNG) and its product with x (2QPH), halved by the
+    # causal mask, plus chunk states and their readout (2NPH each); x3 for the backward
+    ssd = SSDShape(heads=4, head_dim=8, state_dim=16, groups=2, chunk_size=32)
+    forward = (2 * 32 * 16 * 2 + 2 * 32 * 8 * 4) / 2 + 2 * (2 * 16 * 8 * 4)
+    assert training_flops_per_token(1000, 1, 64, 8, 3, ssd) == 6 * 1000 + 6 * 64 * 8 + 3 * 3 * forward
+    # a sequence shorter than a chunk is one chunk of its own length
+    short = (2 * 16 * 16 * 2 + 2 * 16 * 8 * 4) / 2 + 2 * (2 * 16 * 8 * 4)
+    assert training_flops_per_token(0, 0, 16, 8, 1, ssd) == 3 * short
