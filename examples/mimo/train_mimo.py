@@ -105,6 +105,7 @@ UNSUPPORTED_FLAGS = {
             "--no-manual-gc-eval",
             "--empty-unused-memory-level",
             "--profile",
+            "--use-torch-compile",
         ),
         _NOT_IMPLEMENTED,
     ),

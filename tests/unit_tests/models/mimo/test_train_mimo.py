@@ -115,6 +115,7 @@ def test_overlap_flags_reach_every_module_and_change_nothing_computed(tmp_path):
         (["--exit-interval", "3"], "--exit-interval"),
         (["--manual-gc"], "--manual-gc"),
         (["--profile"], "--profile"),
+        (["--use-torch-compile"], "--use-torch-compile"),
     ],
 )
 def test_flags_the_example_does_not_implement_are_refused(extra, flag):
