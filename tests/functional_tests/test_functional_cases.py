@@ -39,6 +39,18 @@ def test_gpt_goldens_match_a_plain_pytorch_loop():
     assert ours == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)
 
 
+def test_cases_pin_the_defaults_their_goldens_rely_on():
+    """Goldens must not move when a default does (Megatron's dropout, evaluation, logging and
+    Mamba defaults are not what these small runs use): every case names those flags."""
+    for name, case in CASES.items():
+        needed = ["--hidden-dropout", "--attention-dropout", "--eval-iters", "--log-interval"]
+        if case["entry_point"].endswith("pretrain_hybrid.py"):
+            needed += ["--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-chunk-size"]
+        if "--fp16" in case["flags"]:
+            needed.append("--initial-loss-scale")
+        assert [flag for flag in needed if flag not in case["flags"]] == [], name
+
+
 @pytest.mark.parametrize("cp_case, twin", [("gpt_cp2_tp2", "gpt_tp2_pp2"), ("hybrid_cp2_gtp2", "hybrid_tp2_gtp2")])
 def test_context_parallel_goldens_equal_their_twins_without_cp(cp_case, twin):
     """The same model and data at another layout: CP must not change the losses."""
