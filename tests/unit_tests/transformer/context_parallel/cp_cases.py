@@ -108,7 +108,7 @@ def loss_and_gradients(family: str, cp: int) -> tuple[float, dict[str, torch.Ten
     cp_group = pg.cp if cp > 1 else None
     mine = get_batch_on_this_cp_rank({key: t.to(device()) for key, t in batch().items()}, cp_group)
     losses = model(mine["tokens"], mine["position_ids"], labels=mine["labels"])
-    loss, _ = loss_func(mine["loss_mask"], losses, cp_group)
+    loss, _ = loss_func(mine["loss_mask"], losses, cp_group=cp_group)
     (loss / cp).backward()  # the 1/|dp_cp| DDP applies
     reported = loss.detach() / cp
     grads = {}
