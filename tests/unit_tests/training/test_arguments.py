@@ -77,7 +77,12 @@ def test_sequence_parallel_is_dropped_at_tp1():
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--finetune"], 1, "--finetune needs --load"),
         (
-            ["--context-parallel-size", "3"],
+            ["--context-parallel-size", "2"],
+            2,
+            r"--context-parallel-size 2 needs --attention-dropout 0 \(ring attention has no dropout\), got 0.1",
+        ),
+        (
+            ["--context-parallel-size", "3", "--attention-dropout", "0"],
             3,
             r"--seq-length \(16\) must be divisible by 2 x --context-parallel-size \(6\): each CP rank holds two",
         ),
@@ -103,7 +108,8 @@ def test_invalid_combinations_fail_with_the_flags_named(extra, world, message):
 
 
 def test_context_parallel_peers_share_micro_batches():
-    args = parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], world_size=4)
+    flags = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-dropout", "0"]
+    args = parse_args(BASE + flags, world_size=4)
     assert (args.data_parallel_size, args.data_parallel_width) == (2, 2)  # DP 2 x GTP 1: CP peers share
     assert parse_args(BASE, world_size=1).cp_comm_type == "p2p"
 

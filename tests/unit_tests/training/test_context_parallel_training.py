@@ -13,6 +13,10 @@ from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
 
 COMMON = [
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
     "--hidden-size",
     "32",
     "--num-attention-heads",
@@ -105,6 +109,15 @@ def test_gpt_multi_token_prediction_under_cp2_reproduces_single_process_losses(t
     flags = GPT + ["--mtp-num-layers", "2"]
     reference = _curve("gpt", flags, 1, tmp_path / "cp1")
     assert _curve("gpt", flags + CP2, 2, tmp_path / "cp2") == pytest.approx(reference, rel=1e-5)
+
+
+def test_gpt_per_token_loss_under_cp2_reproduces_single_process_losses(tmp_path):
+    """With --calculate-per-token-loss sums and token counts add up over dp_cp, CP ranks included."""
+    flags = GPT + ["--calculate-per-token-loss"]
+    reference = _curve("gpt", flags, 1, tmp_path / "cp1")
+    assert _curve("gpt", flags + CP2 + ["--use-distributed-optimizer"], 4, tmp_path / "cp2") == pytest.approx(
+        reference, rel=1e-5
+    )
 
 
 HYBRID_LAYOUTS = {
