@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.model_record import model_from_record
@@ -224,6 +224,7 @@ class Trainer:
         seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
     def data_iterator(self, dataset, start_sample: int):
         return microbatches(
@@ -282,6 +283,8 @@ class Trainer:
         iterator = self.data_iterator(self.train_ds, state.consumed_samples)
         log = IterationLog(args, self.logger, self.flops_per_token, dist.get_world_size())
         while state.iteration < args.train_iters:
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.poll()  # a failed background save stops training here
             loss, ok, grad_norm = self.train_step(iterator)
             log.record(state, loss, ok, grad_norm, self.scheduler.get_lr())
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
@@ -289,6 +292,8 @@ class Trainer:
             if save_due(args, state):
                 self.save()
         self.model.finish_param_sync()  # the last step's overlapped gathers
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends
         return state
 
     def save(self) -> None:
@@ -307,6 +312,10 @@ def pretrain(args) -> TrainState:
     """Initialize, build the model the flags describe, (resume,) train and close."""
     pgc = initialize_megatron(args)
     trainer = Trainer(args, pgc)
+    if args.save:  # a save interrupted before its tracker moved: adopt it if complete (before --load reads it)
+        from megatron.core.models.model_record import adopt_untracked_checkpoints
+
+        adopt_untracked_checkpoints(args.save)
     if args.load:
         trainer.load()
     state = trainer.train()

@@ -25,19 +25,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
+    AsyncSaver,
     CheckpointingError,
+    CorruptCheckpointError,
+    adopt_untracked,
     iteration_dir,
     load,
     read_latest_iteration,
-    save,
-    write_latest_iteration,
+    save_iteration,
 )
-from megatron.core.dist_checkpointing.core import write_file_atomically
+from megatron.core.dist_checkpointing.dist_utils import on_coordinator
+from megatron.core.dist_checkpointing.metadata import read_json
 from megatron.core.dist_checkpointing.model_state import load_model_pieces
+from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.hybrid import HybridModel
@@ -278,11 +281,19 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 def read_model_record(path: str) -> ModelRecord:
     """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
-    read. Its tokenizer path is resolved to where the checkpoint is now."""
+    read. Its tokenizer path is resolved to where the checkpoint is now. A file that does not
+    parse raises CorruptCheckpointError naming it."""
     checkpoint_dir = resolve_checkpoint_dir(path)
-    with open(os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME), encoding="utf-8") as f:
-        data = json.load(f)
-    record = ModelRecord.from_dict(data)
+    record_path = os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME)
+    data = read_json(record_path)
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{record_path} must hold a JSON object, found a {type(data).__name__}")
+    try:
+        record = ModelRecord.from_dict(data)
+    except MegatronError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptCheckpointError(f"{record_path} is malformed: {type(err).__name__}: {err}") from err
     tokenizer = record.tokenizer
     if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
         located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
@@ -297,29 +308,45 @@ def _stored_record(record: ModelRecord) -> ModelRecord:
     return record.replace(tokenizer=TokenizerRecord(record.tokenizer.type, TOKENIZER_DIRNAME))
 
 
-def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: ModelRecord) -> str:
+def save_model_checkpoint(
+    sharded_state_dict: dict,
+    root: str,
+    iteration: int,
+    record: ModelRecord,
+    *,
+    async_saver: AsyncSaver | None = None,
+    on_saved: Callable[[], None] | None = None,
+) -> str:
     """Collectively save ``sharded_state_dict`` as iteration ``iteration`` of ``root`` with the
     model ``record``: the record in the common state and as ``model_config.json``, the
-    tokenizer's files copied into ``tokenizer/``; then move the tracker (so it only ever
-    names directories that are complete). Returns the iteration directory."""
+    tokenizer's files in ``tokenizer/``, all published at once with the shards; then move the
+    tracker (so it only ever names directories that are complete). An earlier save of this
+    iteration interrupted before the tracker moved is adopted or replaced (see
+    :func:`megatron.core.dist_checkpointing.save_iteration`, which also explains
+    ``async_saver`` and ``on_saved``). Returns the iteration directory."""
     tokenizer_files = record.tokenizer.files() if record.tokenizer is not None else []  # every rank: fail alike
     stored = _stored_record(record)
-    path = iteration_dir(root, iteration)
-    save({**sharded_state_dict, "model_config": stored.to_dict()}, path)
-    if dist.get_rank() == 0:
-        if tokenizer_files:
-            os.makedirs(os.path.join(path, TOKENIZER_DIRNAME))
-        for source in tokenizer_files:
-            with open(source, "rb") as f:
-                write_file_atomically(os.path.join(path, TOKENIZER_DIRNAME, os.path.basename(source)), f.read())
-        write_file_atomically(
-            os.path.join(path, MODEL_RECORD_FILENAME), json.dumps(stored.to_dict(), indent=1).encode()
-        )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_latest_iteration(root, iteration)
-    dist.barrier()
-    return path
+    files = {MODEL_RECORD_FILENAME: json.dumps(stored.to_dict(), indent=1).encode()}
+    for source in tokenizer_files:
+        with open(source, "rb") as f:
+            files[f"{TOKENIZER_DIRNAME}/{os.path.basename(source)}"] = f.read()
+    return save_iteration(
+        {**sharded_state_dict, "model_config": stored.to_dict()},
+        root,
+        iteration,
+        files=files,
+        required_files=(MODEL_RECORD_FILENAME,),
+        async_saver=async_saver,
+        on_saved=on_saved,
+    )
+
+
+def adopt_untracked_checkpoints(root: str) -> int | None:
+    """Before saving into ``root``: verify every iteration newer than its tracker and move the
+    tracker to the newest complete one (see :func:`megatron.core.dist_checkpointing.adopt_untracked`;
+    a complete one holds ``model_config.json``). Collective over the world; returns the
+    tracker's iteration."""
+    return on_coordinator(lambda: adopt_untracked(root, required_files=(MODEL_RECORD_FILENAME,)), None)
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> str:
