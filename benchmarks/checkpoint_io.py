@@ -65,10 +65,10 @@ def gpt_1p3b_shapes(layers=24, hidden=2048, ffn=8192, vocab=50304, seq=2048) -> 
     return shapes | {"decoder.final_layernorm.weight": (hidden,), "decoder.final_layernorm.bias": (hidden,)}
 
 
-def training_state(device: torch.device) -> dict:
-    """bf16 weights and fp32 main weights / exp_avg / exp_avg_sq of the 1.3B GPT."""
+def training_state(device: torch.device, shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """bf16 weights and fp32 main weights / exp_avg / exp_avg_sq of the 1.3B GPT (or ``shapes``)."""
     state = {}
-    for name, shape in gpt_1p3b_shapes().items():
+    for name, shape in (shapes or gpt_1p3b_shapes()).items():
         weight = torch.randn(shape, device=device, dtype=torch.float32) * 0.02
         state[f"model.{name}"] = weight.to(torch.bfloat16)
         state[f"optimizer.fp32_param.{name}"] = weight
@@ -144,7 +144,7 @@ def summarize(label: str, result: dict) -> dict:
         trials = " ".join(f"{s:.3f}" for s in result["seconds"][op])
         print(f"  {op:<11} {median[op]:8.3f} s {gbps[op]:7.2f} GB/s   (trials: {trials})")
     for op, ratio in ratios.items():
-        print(f"  ours/plain {op} throughput: {ratio:.2f}x")
+        print(f"  ours/plain {op} throughput ratio: {ratio:.2f}")
     return {"label": label, "bytes": nbytes, "median_s": median, "gbps": gbps, "ratio": ratios, **result}
 
 

@@ -444,6 +444,11 @@ def save_iteration(
     """
     path = iteration_dir(root, iteration)
     if async_saver is not None:
+        if save_kwargs.get("parallelization_group") is not None:
+            raise CheckpointingError(
+                "a background save cannot spread its writes over a parallelization_group: its collectives would "
+                "run on the training thread's group; save without async_saver"
+            )
         async_saver.wait()  # its snapshot arena is about to be reused
     prepared = prepare_save(
         sharded_state_dict, path, snapshot=async_saver.arena if async_saver is not None else None, **save_kwargs
