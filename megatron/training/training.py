@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.model_record import model_from_record
+from megatron.core.models.model_record import adopt_untracked_checkpoints, model_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -313,8 +313,6 @@ def pretrain(args) -> TrainState:
     pgc = initialize_megatron(args)
     trainer = Trainer(args, pgc)
     if args.save:  # a save interrupted before its tracker moved: adopt it if complete (before --load reads it)
-        from megatron.core.models.model_record import adopt_untracked_checkpoints
-
         adopt_untracked_checkpoints(args.save)
     if args.load:
         trainer.load()

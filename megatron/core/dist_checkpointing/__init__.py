@@ -14,7 +14,7 @@ from megatron.core.dist_checkpointing.errors import CheckpointingError, Checkpoi
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.metadata import CheckpointMetadata, read_metadata
-from megatron.core.dist_checkpointing.recovery import adopt_untracked, verify_checkpoint
+from megatron.core.dist_checkpointing.recovery import adopt_untracked, verify_checkpoint, verify_files
 from megatron.core.dist_checkpointing.serialization import (
     PreparedSave,
     load,
@@ -60,5 +60,6 @@ __all__ = [
     "singleton_replica_id",
     "validate_records",
     "verify_checkpoint",
+    "verify_files",
     "write_latest_iteration",
 ]

@@ -26,15 +26,13 @@ logger = logging.getLogger(__name__)
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 
 
-def verify_checkpoint(checkpoint_dir: str, required_files: tuple[str, ...] = ()) -> CheckpointMetadata:
-    """Check a published checkpoint end to end: its metadata parses, every stored item and every
-    file the metadata lists has its recorded length and checksum, and ``required_files`` exist
-    (JSON ones must parse). Returns the metadata; raises CheckpointingError (not a complete
-    checkpoint) or CorruptCheckpointError (damaged), naming the file at fault."""
-    metadata = read_metadata(checkpoint_dir)
-    verify_slices(checkpoint_dir, metadata.slices())
+def verify_files(checkpoint_dir: str, metadata: CheckpointMetadata, names) -> None:
+    """Check that each file ``names`` lists (paths relative to the checkpoint, among those the
+    metadata records) has its recorded length and checksum; CorruptCheckpointError naming the
+    first file that is missing or differs."""
     with StreamIO() as stream_io:
-        for name, stored in sorted(metadata.files.items()):
+        for name in sorted(names):
+            stored = metadata.files[name]
             path = os.path.join(checkpoint_dir, name)
             if not os.path.isfile(path):
                 raise CorruptCheckpointError(f"{path} is missing from the checkpoint")
@@ -50,6 +48,16 @@ def verify_checkpoint(checkpoint_dir: str, required_files: tuple[str, ...] = ())
                     f"{path} is damaged: {length} bytes with {actual}, the checkpoint recorded {stored.length} bytes "
                     f"with {stored.checksum}"
                 )
+
+
+def verify_checkpoint(checkpoint_dir: str, required_files: tuple[str, ...] = ()) -> CheckpointMetadata:
+    """Check a published checkpoint end to end: its metadata parses, every stored item and every
+    file the metadata lists has its recorded length and checksum, and ``required_files`` exist
+    (JSON ones must parse). Returns the metadata; raises CheckpointingError (not a complete
+    checkpoint) or CorruptCheckpointError (damaged), naming the file at fault."""
+    metadata = read_metadata(checkpoint_dir)
+    verify_slices(checkpoint_dir, metadata.slices())
+    verify_files(checkpoint_dir, metadata, metadata.files)
     for name in required_files:
         path = os.path.join(checkpoint_dir, name)
         if not os.path.isfile(path):

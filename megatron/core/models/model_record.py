@@ -35,10 +35,12 @@ from megatron.core.dist_checkpointing import (
     iteration_dir,
     load,
     read_latest_iteration,
+    read_metadata,
     save_iteration,
+    verify_files,
 )
 from megatron.core.dist_checkpointing.dist_utils import on_coordinator
-from megatron.core.dist_checkpointing.metadata import read_json
+from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_json
 from megatron.core.dist_checkpointing.model_state import load_model_pieces
 from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
@@ -282,7 +284,8 @@ def resolve_checkpoint_dir(path: str) -> str:
 def read_model_record(path: str) -> ModelRecord:
     """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
     read. Its tokenizer path is resolved to where the checkpoint is now. A file that does not
-    parse raises CorruptCheckpointError naming it."""
+    parse, or that differs from what the checkpoint's metadata recorded for it (the record and
+    the tokenizer's files), raises CorruptCheckpointError naming it."""
     checkpoint_dir = resolve_checkpoint_dir(path)
     record_path = os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME)
     data = read_json(record_path)
@@ -298,7 +301,19 @@ def read_model_record(path: str) -> ModelRecord:
     if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
         located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
         record = record.replace(tokenizer=TokenizerRecord(tokenizer.type, located))
+    _verify_record_files(checkpoint_dir)
     return record
+
+
+def _verify_record_files(checkpoint_dir: str) -> None:
+    """Check ``model_config.json`` and the tokenizer's files against the lengths and checksums
+    the metadata recorded when they were published with the checkpoint (older checkpoints do
+    not list them; a directory without metadata is refused by the weight load)."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME)):
+        return
+    metadata = read_metadata(checkpoint_dir)
+    names = [n for n in metadata.files if n == MODEL_RECORD_FILENAME or n.startswith(f"{TOKENIZER_DIRNAME}/")]
+    verify_files(checkpoint_dir, metadata, names)
 
 
 def _stored_record(record: ModelRecord) -> ModelRecord:

@@ -1,6 +1,7 @@
 """Every file of a checkpoint that does not parse raises CorruptCheckpointError (a runtime
 error, not a bad request) naming the file and what was wrong: metadata.json, model_config.json,
-the tracker, the shards (missing, truncated, flipped bytes)."""
+the tracker, the shards (missing, truncated, flipped bytes), and the record and tokenizer files
+when they differ from what was published."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import pytest
 import torch
 
+from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
     TRACKER_FILENAME,
     CorruptCheckpointError,
@@ -21,7 +23,9 @@ from megatron.core.dist_checkpointing import (
 )
 from megatron.core.dist_checkpointing.inspect_checkpoint import main as inspect_main
 from megatron.core.errors import MegatronRuntimeError
-from megatron.core.models.model_record import read_model_record
+from megatron.core.inference.checkpoint_loading import load_inference_model
+from megatron.core.models.model_record import ModelRecord, TokenizerRecord, read_model_record, save_model_checkpoint
+from tests.unit_tests.tokenizers.tiny_hf_tokenizer import train_tiny_tokenizer
 
 
 def _checkpoint(tmp_path) -> tuple[str, str]:
@@ -101,6 +105,36 @@ def test_damaged_shards_name_the_file_and_item(tmp_path):
     os.remove(shard)
     with pytest.raises(CorruptCheckpointError, match=rf"^{shard} is missing from the checkpoint$"):
         load(_request(), path)
+
+
+def test_a_record_or_tokenizer_file_that_differs_from_the_published_one_names_the_file(tmp_path):
+    train_tiny_tokenizer(tmp_path / "tok", config={"eos_token": "<|endoftext|>"})
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    tokenizer = TokenizerRecord("HuggingFaceTokenizer", str(tmp_path / "tok"))
+    record = ModelRecord("gpt", config, vocab_size=320, max_sequence_length=8, tokenizer=tokenizer)
+    root = str(tmp_path / "run")
+    path = save_model_checkpoint({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, root, 1, record)
+    assert read_model_record(root).vocab_size == 320
+    damaged = {
+        "tokenizer/tokenizer.json": lambda data: data[: len(data) // 2],  # truncated: fails to parse
+        "tokenizer/tokenizer_config.json": lambda data: data + b"}",
+        "model_config.json": lambda data: data.replace(b'"vocab_size": 320', b'"vocab_size": 321'),  # still parses
+    }
+    for name, damage in damaged.items():
+        file = os.path.join(path, name)
+        original = open(file, "rb").read()
+        _rewrite(file, damage(original))
+        size = os.path.getsize(file)
+        message = (
+            rf"^{file} is damaged: {size} bytes with XXH3_64 [0-9a-f]{{16}}, the checkpoint recorded {len(original)} "
+            r"bytes with XXH3_64 [0-9a-f]{16}$"
+        )
+        with pytest.raises(CorruptCheckpointError, match=message):
+            read_model_record(root)
+        with pytest.raises(CorruptCheckpointError, match=message):
+            load_inference_model(root, None)  # the serving path reads the record first
+        _rewrite(file, original)
+    assert read_model_record(path).tokenizer.build().vocab_size == 320
 
 
 def test_corrupt_checkpoint_errors_are_runtime_faults_not_bad_requests():

@@ -53,12 +53,15 @@ def test_old_positional_call_binds_parallel_output_and_leaves_logit_dtype_none(p
     assert logits.shape == (2, 8, 128) and logits.dtype == torch.float32
 
 
-@on_single_rank
-def test_logit_dtype_makes_the_output_gemm_write_fp32_logits_that_the_loss_uses(pg):
+def _check_fp32_logits_of_a_bf16_model(pg, device):
+    """The output GEMM writes fp32 logits of the bf16 hidden states and weight (equal to an fp32
+    GEMM of the same bf16 inputs, not a cast of bf16 logits), and the loss is computed from them."""
     config = tiny_config(bf16=True)
-    ids, labels = torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8))
-    plain = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
-    model = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, logit_dtype=torch.float32)
+    ids, labels = torch.randint(0, 128, (2, 8), device=device), torch.randint(0, 128, (2, 8), device=device)
+    plain = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg).to(device)
+    model = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, logit_dtype=torch.float32).to(
+        device
+    )
     model.load_state_dict(plain.state_dict())
     seen = []
     model.output_layer.register_forward_hook(lambda module, args, out: seen.append(args[0].detach()))
@@ -79,6 +82,17 @@ def test_logit_dtype_makes_the_output_gemm_write_fp32_logits_that_the_loss_uses(
     loss.sum().backward()
     grad = model.output_layer.weight.grad
     assert grad.dtype == torch.bfloat16 and grad.abs().sum() > 0
+
+
+@on_single_rank
+def test_logit_dtype_makes_the_output_gemm_write_fp32_logits_that_the_loss_uses(pg):
+    _check_fp32_logits_of_a_bf16_model(pg, torch.device("cpu"))
+
+
+@pytest.mark.gpu(1)
+@on_single_rank
+def test_on_cuda_the_output_gemm_writes_fp32_logits_of_the_bf16_operands(pg):
+    _check_fp32_logits_of_a_bf16_model(pg, torch.device("cuda"))
 
 
 @on_single_rank
