@@ -51,7 +51,7 @@ def measure(model_flags: list[str], iters: int, save_interval: int, warmup: int,
     sync_ms, _ = _train(flags, work, "sync")
     windows = [(int(start), int(end)) for start, end in COMPLETE.findall(out)]
     during = {i for start, end in windows for i in range(start + 1, end + 1)}
-    snapshot = {start + 1 for start, _ in windows}
+    snapshot = {start + 1 for start, _ in windows if start + 1 in async_ms}  # the last save has no next step
     quiet = [ms for i, ms in async_ms.items() if i > warmup and i not in during]
     busy = [ms for i, ms in async_ms.items() if i in during - snapshot]
     saves = [i + 1 for i in range(save_interval, iters, save_interval)]
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     )
     print("async iteration ms:", " ".join(f"{i}:{ms:.0f}" for i, ms in sorted(result["async_ms"].items())))
     for start, end in result["windows"]:
-        print(f"  background save of iteration {start}: in flight during iterations {start + 1}..{end}")
+        if start < args.iters:  # the last save completes when the run closes
+            print(f"  background save of iteration {start}: in flight during iterations {start + 1}..{end}")
     print(f"step time without a save in flight (median): {result['without_save_ms']:8.1f} ms")
     if result["during_save_ms"] is None:
         print("no iteration ran while a save was in flight (the saves finished within one step)")

@@ -184,3 +184,27 @@ def test_format_1_checkpoints_load_as_torch_reads_them_and_keep_their_crc32_chec
         r"recorded CRC32",
     ):
         everything_in(copy)
+
+
+@pytest.mark.gpu(1)
+def test_cuda_tensors_go_to_and_from_the_files_through_the_pinned_ring_and_snapshots(tmp_path, monkeypatch):
+    monkeypatch.setattr(stream_io, "CHUNK_BYTES", 1 << 16)  # many chunks through the ring of 3 pinned buffers
+    tensors = {
+        "big": torch.randn(5 * (1 << 14) + 3, device="cuda"),  # five chunks of fp32 and a tail
+        "half": torch.randn(300, 77, device="cuda").to(torch.bfloat16),
+    }
+    path = str(tmp_path / "ckpt")
+    save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, path)
+    verify_checkpoint(path)
+    on_cpu = load({k: ShardedTensor.from_rank_offsets(k, v.cpu()) for k, v in tensors.items()}, path)
+    on_gpu = load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in tensors.items()}, path)
+    for key, tensor in tensors.items():
+        assert torch.equal(on_cpu[key], tensor.cpu())  # the file holds the device tensor's bytes
+        assert on_gpu[key].is_cuda and torch.equal(on_gpu[key], tensor)
+    weight = torch.zeros(64, 1024, device="cuda")
+    arena = SnapshotArena()
+    prepared = prepare_save({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path / "snap"), snapshot=arena)
+    weight.add_(1.0)  # queued on the device right after the snapshot's copies
+    prepared.run()
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path / "snap"))["w"]
+    assert loaded.is_cuda and torch.equal(loaded, torch.zeros_like(weight))
