@@ -283,9 +283,10 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 def read_model_record(path: str) -> ModelRecord:
     """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
-    read. Its tokenizer path is resolved to where the checkpoint is now. A file that does not
-    parse, or that differs from what the checkpoint's metadata recorded for it (the record and
-    the tokenizer's files), raises CorruptCheckpointError naming it."""
+    read. Its tokenizer path is resolved to where the checkpoint is now. A record that does not
+    parse, or tokenizer files that differ from those published with the checkpoint (which the
+    tokenizer library would fail on with errors of its own), raise CorruptCheckpointError naming
+    the file."""
     checkpoint_dir = resolve_checkpoint_dir(path)
     record_path = os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME)
     data = read_json(record_path)
@@ -301,19 +302,19 @@ def read_model_record(path: str) -> ModelRecord:
     if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
         located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
         record = record.replace(tokenizer=TokenizerRecord(tokenizer.type, located))
-    _verify_record_files(checkpoint_dir)
+    _verify_tokenizer_files(checkpoint_dir)
     return record
 
 
-def _verify_record_files(checkpoint_dir: str) -> None:
-    """Check ``model_config.json`` and the tokenizer's files against the lengths and checksums
-    the metadata recorded when they were published with the checkpoint (older checkpoints do
-    not list them; a directory without metadata is refused by the weight load)."""
+def _verify_tokenizer_files(checkpoint_dir: str) -> None:
+    """Check the tokenizer's files against the lengths and checksums the metadata recorded when
+    they were published with the checkpoint (older checkpoints do not list them; a directory
+    without metadata is refused by the weight load). The record itself is only parsed: it is
+    plain JSON meant to be read, and its parse errors already name what is wrong."""
     if not os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME)):
         return
     metadata = read_metadata(checkpoint_dir)
-    names = [n for n in metadata.files if n == MODEL_RECORD_FILENAME or n.startswith(f"{TOKENIZER_DIRNAME}/")]
-    verify_files(checkpoint_dir, metadata, names)
+    verify_files(checkpoint_dir, metadata, [n for n in metadata.files if n.startswith(f"{TOKENIZER_DIRNAME}/")])
 
 
 def _stored_record(record: ModelRecord) -> ModelRecord:
