@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions.backend import fused_backend
+from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import gtp as gtp_ops
 from megatron.core.tensor_parallel.mappings import (
@@ -84,7 +85,8 @@ def _linear(
 ) -> torch.Tensor:
     """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded),
     in ``output_dtype`` when given: computed in it when it is wider than the operands, cast to
-    it otherwise."""
+    it otherwise; in the inference forward's batch-invariant mode, rows independent of the row
+    count."""
     gtp_args = _gtp_gather_args(weight, pg_collection, config)
     compute_dtype = output_dtype if widens(output_dtype, x.dtype) else None
     if gtp_args is not None:
@@ -92,7 +94,7 @@ def _linear(
     elif compute_dtype is not None:
         out = _LinearInDtype.apply(x, weight, compute_dtype)
     else:
-        out = F.linear(x, weight)
+        out = invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
     return out if output_dtype is None else out.to(output_dtype)
 
 
@@ -181,7 +183,9 @@ class ColumnParallelLinear(torch.nn.Module):
         add_bias = self.bias is not None and not self.skip_bias_add
         fuse_bias = add_bias and self.output_dtype is None and not self.weight.gtp_sharded
         if fuse_bias and fused_backend("linear_bias", x.device) == "triton":
-            out = F.linear(x, self.weight, self.bias)  # the bias is added in the GEMM's epilogue
+            # the bias is added in the GEMM's epilogue (the batch-invariant GEMM's in that mode)
+            linear = invariant_linear if is_batch_invariant() else F.linear
+            out = linear(x, self.weight, self.bias)
         else:
             out = _linear(x, self.weight, self.pg_collection, self.config, self.output_dtype)
             if add_bias:
