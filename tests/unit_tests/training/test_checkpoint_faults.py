@@ -118,10 +118,15 @@ def test_two_ranks_with_the_coordinator_killed_between_publish_and_tracker(tmp_p
     _assert_complete(root, (2, 4, 6))
 
 
-def test_untracked_iterations_that_are_incomplete_or_damaged_are_replaced_never_loaded(straight, tmp_path, capfd):
+def test_untracked_iterations_that_are_incomplete_or_damaged_are_replaced_never_loaded(tmp_path, capfd):
     """One as an older version left it when killed after publishing but before it wrote
     model_config.json (this checkpoint is in the previous on-disk format, which also resumes),
-    one with a flipped byte."""
+    one with a flipped byte. The reference: the same checkpoint resumed without them."""
+    clean = str(tmp_path / "clean")
+    shutil.copytree(FORMAT_1, clean)
+    codes, reference = _resume(clean, tmp_path, iters=6)
+    assert codes == [0] and sorted(reference) == [3, 4, 5, 6]
+    capfd.readouterr()
     root = str(tmp_path / "run")
     shutil.copytree(FORMAT_1, root)
     shutil.copytree(iteration_dir(root, 2), iteration_dir(root, 4))
@@ -138,5 +143,5 @@ def test_untracked_iterations_that_are_incomplete_or_damaged_are_replaced_never_
         assert f"{iteration_dir(root, iteration)} is newer than the tracker but incomplete" in err and problem in err
         assert f"replacing {iteration_dir(root, iteration)}" in err
     assert f"loaded checkpoint {iteration_dir(root, 2)}:" in out
-    assert sorted(losses) == [3, 4, 5, 6] and all(losses[i] == straight[i] for i in losses)
+    assert losses == reference  # bit-identical: nothing of the damaged iterations was loaded
     _assert_complete(root, (2, 4, 6))
