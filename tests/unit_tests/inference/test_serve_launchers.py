@@ -95,11 +95,18 @@ def _pretrain(save_dir):
     pretrain(args)
 
 
+def trained_checkpoint(tmp_path_factory) -> str:
+    """The checkpoint serving tests serve (2 steps of pretraining), made once per test session
+    (the fault tests of tests/unit_tests/inference/faults serve it too; nothing writes to it)."""
+    path = tmp_path_factory.getbasetemp() / "serve_ckpt"
+    if not (path / "latest_checkpointed_iteration.txt").exists():
+        run_distributed(_pretrain, 1, str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    save_dir = str(tmp_path_factory.mktemp("serve_ckpt"))
-    run_distributed(_pretrain, 1, save_dir)
-    return save_dir
+    return trained_checkpoint(tmp_path_factory)
 
 
 def _offline_greedy(checkpoint_dir, token_prompts):

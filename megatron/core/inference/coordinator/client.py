@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from megatron.core.errors import MegatronInputError, MegatronRuntimeError
-from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, launch_keys
+from megatron.core.inference.coordinator.auth import KEYS_ENV, ControlPlaneKeys, Role, launch_keys
 from megatron.core.inference.coordinator.messages import (
     HEARTBEAT_INTERVAL_S,
     ControlSignal,
@@ -178,7 +178,13 @@ class InferenceClient:
             try:
                 await asyncio.wait_for(self._answered.wait(), wait_s)
             except TimeoutError:
-                logger.warning("the coordinator at %s did not answer within %.1fs", self.coordinator_address, wait_s)
+                logger.warning(
+                    "the coordinator at %s did not answer within %.1fs (a coordinator of another launch refuses "
+                    "this client's key: give it that launch's keys, e.g. through $%s)",
+                    self.coordinator_address,
+                    wait_s,
+                    KEYS_ENV,
+                )
         return self
 
     async def __aenter__(self) -> InferenceClient:

@@ -41,7 +41,6 @@ from megatron.core.errors import MegatronConfigError, MegatronRuntimeError
 from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, ZapHandler, launch_keys
 from megatron.core.inference.coordinator.messages import (
     HEARTBEAT_INTERVAL_S,
-    ControlSignal,
     MessageKind,
     ProtocolError,
     abort_output,
@@ -179,6 +178,7 @@ class InferenceCoordinator:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -194,6 +194,8 @@ class InferenceCoordinator:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        elif not self._closed:  # never served
+            self._close()
 
     def __enter__(self) -> InferenceCoordinator:
         return self.start()
@@ -221,9 +223,13 @@ class InferenceCoordinator:
                 self._guarded(self._tick)
             self._fail_all_in_flight()
         finally:
-            self._socket.close(linger=0)
-            self._zap.close()
-            self._context.term()
+            self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        self._socket.close(linger=0)
+        self._zap.close()
+        self._context.term()
 
     # -- calls from other threads ----------------------------------------------------------
 
@@ -235,10 +241,6 @@ class InferenceCoordinator:
     def remove_engine(self, engine_id: str, reason: str) -> None:
         """Drop engine ``engine_id`` (e.g. its process died) as if it had gone silent; any thread."""
         self._commands.put(lambda: self._remove_engine_id(engine_id, reason))
-
-    def stop_engines(self) -> None:
-        """Send ``stop`` to every registered engine (they answer in-flight requests, then leave); any thread."""
-        self._commands.put(lambda: self._on_control(b"", {"signal": ControlSignal.STOP.value}))
 
     # -- dispatch ------------------------------------------------------------------------
 

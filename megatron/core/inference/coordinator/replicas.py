@@ -104,7 +104,6 @@ class ReplicaSupervisor:
         self.restart_delay_s = restart_delay_s
         self.max_restart_delay_s = max_restart_delay_s
         self.replicas = [Replica(i) for i in range(num_replicas)]
-        self.restarts = 0
         self.stopping = False
 
     def start(self) -> None:
@@ -130,7 +129,6 @@ class ReplicaSupervisor:
                 if self.on_lost is not None:
                     self.on_lost(replica.index, reason)
             elif not self.stopping and replica.restart_at is not None and now >= replica.restart_at:
-                self.restarts += 1
                 self._spawn(replica)
         return lost
 
