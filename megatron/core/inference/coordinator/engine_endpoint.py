@@ -14,6 +14,12 @@ the coordinator stays silent for ``heartbeat_timeout_s`` the leader aborts every
 request (no reply could reach its client) and registers again every heartbeat interval, so a
 coordinator that comes back (or a new one at the same address) finds the engine. A message
 that is not one well-formed frame is dropped and counted (``protocol_errors``).
+
+The loop blocks, never spins: with no work the leader waits up to ``idle_wait_s`` for a
+message. An engine whose requests wait on peers (a disaggregated decode engine waiting for its
+prefill worker or a transfer) may say so with two optional members: ``step_wait_s()``, how
+long a step can wait (0: step now), and ``wake_sockets``, ZeroMQ sockets whose messages are
+worth stepping for; the leader then waits on its own socket and those together.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class EngineEndpoint:
         self._local_stop = threading.Event()
         self._replies: list[dict[str, Any]] = []
         self._socket = None
+        self._poller = zmq.Poller()
         if self.is_leader:
             if coordinator_address is None:
                 raise ValueError("the leader rank of an engine endpoint needs the coordinator address")
@@ -102,6 +109,8 @@ class EngineEndpoint:
             self._socket.setsockopt(zmq.ROUTING_ID, f"{self.engine_id}/{uuid.uuid4().hex}".encode())
             (keys if keys is not None else launch_keys()).secure_peer(self._socket, Role.ENGINE)
             self._socket.connect(coordinator_address)
+            for socket in (self._socket, *getattr(engine, "wake_sockets", ())):
+                self._poller.register(socket, zmq.POLLIN)
             self._send(MessageKind.REGISTER, engine_id=self.engine_id)
         self._last_stats = 0.0
         self._last_heard = time.monotonic()  # from the coordinator
@@ -134,12 +143,19 @@ class EngineEndpoint:
         # While paused the engine is stepped only to deliver the terminal outputs of aborts.
         return self.engine.has_unfinished_requests() and (not self.paused or self._abort_since_step)
 
+    def _wait_s(self) -> float:
+        """How long the leader may wait for a message before the next step (see the module doc)."""
+        if not self._has_work():
+            return self.idle_wait_s
+        step_wait_s = getattr(self.engine, "step_wait_s", None)
+        return 0.0 if step_wait_s is None else min(self.idle_wait_s, step_wait_s())
+
     def _receive(self) -> list[Command]:
         commands: list[Command] = []
         if self._local_stop.is_set():
             commands.append([MessageKind.CONTROL.value, {"signal": ControlSignal.STOP.value}])
-        wait_ms = 0 if self._has_work() or commands else int(self.idle_wait_s * 1000)
-        while self._socket.poll(wait_ms, zmq.POLLIN):
+        wait_ms = 0 if commands else int(self._wait_s() * 1000)
+        while self._socket in dict(self._poller.poll(wait_ms)):
             wait_ms = 0
             frames = self._socket.recv_multipart(zmq.NOBLOCK)
             try:

@@ -19,6 +19,7 @@ Messages (decode -> prefill): ``prefill {request_id, prompt_tokens, sampling_par
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -32,6 +33,8 @@ from megatron.core.inference.handoff.decode_side import ABANDON, RELEASE, Decode
 from megatron.core.inference.handoff.metadata import HandoffRecord
 from megatron.core.inference.handoff.prefill_side import PrefillSide
 from megatron.core.inference.sampling import SamplingParams
+
+TRANSFER_POLL_S = 0.005  # how often a decode engine with nothing else to do checks its pulls
 
 
 class HandoffChannel:
@@ -60,6 +63,11 @@ class HandoffChannel:
             kind, payload = msgpack.unpackb(self._socket.recv(), raw=False)
             messages.append((kind, payload))
         return messages
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The underlying socket, for polling it together with others (it stays this channel's)."""
+        return self._socket
 
     def close(self) -> None:
         self._socket.close()
@@ -164,6 +172,22 @@ class DisaggregatedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._prefilling or self._outputs or self.decode.has_unfinished_requests())
+
+    @property
+    def wake_sockets(self) -> list[zmq.Socket]:
+        """Sockets whose messages are worth a step: the prefill worker's channel."""
+        return [self.channel.socket]
+
+    def step_wait_s(self) -> float:
+        """How long a caller may wait for a message on :attr:`wake_sockets` before the next step:
+        0 while the decode engine computes or outputs are due, ``TRANSFER_POLL_S`` while only
+        pulls are in flight or imports wait for room (transfers end without a message), else
+        unbounded (only prefill records are awaited, and they arrive on the channel)."""
+        if self._outputs or self.engine.has_unfinished_requests():
+            return 0.0
+        if self.decode.has_unfinished_requests():
+            return TRANSFER_POLL_S
+        return math.inf
 
     def pause(self) -> None:
         self.engine.pause()
