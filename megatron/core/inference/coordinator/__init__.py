@@ -16,6 +16,7 @@ from megatron.core.inference.coordinator.coordinator import (
     InferenceCoordinator,
     MalformedOutputError,
     NoEngineAvailableError,
+    RequestTimeoutError,
     WaitingQueueFullError,
 )
 from megatron.core.inference.coordinator.engine_endpoint import EngineEndpoint
@@ -43,6 +44,7 @@ __all__ = [
     "NoEngineAvailableError",
     "ProtocolError",
     "RequestHandle",
+    "RequestTimeoutError",
     "Role",
     "RoutingError",
     "ServingHealth",

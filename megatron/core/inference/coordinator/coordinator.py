@@ -16,7 +16,8 @@ heartbeat as often; clients send heartbeats and are answered with the engines re
 engine silent for ``heartbeat_timeout_s`` is dropped; a client silent as long has its requests
 aborted. When an engine leaves or is dropped, a request of it that has streamed nothing yet
 is run again on another engine (once; it waits for one when none is left), every other one
-gets an :class:`EngineLostError` reply.
+gets an :class:`EngineLostError` reply. With ``request_timeout_s`` a request not finished that
+long after its submit ends with a :class:`RequestTimeoutError` reply (and its engine aborts it).
 
 Every request gets exactly one terminal reply, and nothing a peer sends stops the loop: a
 message that is not one well-formed frame is dropped and counted (``protocol_errors`` in
@@ -85,6 +86,10 @@ class WaitingQueueFullError(MegatronRuntimeError):
     """No engine replica is registered and ``max_waiting_requests`` requests already wait for one."""
 
 
+class RequestTimeoutError(MegatronRuntimeError):
+    """The request did not finish within the coordinator's ``request_timeout_s``."""
+
+
 class MalformedOutputError(MegatronRuntimeError):
     """The engine sent an output for the request that is not a well-formed request output."""
 
@@ -93,8 +98,13 @@ class CoordinatorConfigError(MegatronConfigError):
     """Coordinator settings out of range (the message names them)."""
 
 
-def check_settings(heartbeat_timeout_s: float | None, route_timeout_s: float | None, max_waiting_requests: int):
-    """Raise :class:`CoordinatorConfigError` for liveness and waiting settings out of range."""
+def check_settings(
+    heartbeat_timeout_s: float | None,
+    route_timeout_s: float | None,
+    max_waiting_requests: int,
+    request_timeout_s: float | None = None,
+):
+    """Raise :class:`CoordinatorConfigError` for liveness, waiting and deadline settings out of range."""
     if heartbeat_timeout_s is not None and heartbeat_timeout_s < 4 * HEARTBEAT_INTERVAL_S:
         raise CoordinatorConfigError(
             f"heartbeat_timeout_s must be at least {4 * HEARTBEAT_INTERVAL_S}s (4 heartbeats) or None, "
@@ -105,6 +115,8 @@ def check_settings(heartbeat_timeout_s: float | None, route_timeout_s: float | N
             "route_timeout_s must be > 0 (or None) and max_waiting_requests >= 0; got "
             f"{route_timeout_s}, {max_waiting_requests}"
         )
+    if request_timeout_s is not None and request_timeout_s <= 0:
+        raise CoordinatorConfigError(f"request_timeout_s must be > 0 (or None), got {request_timeout_s}")
 
 
 @dataclass
@@ -113,6 +125,7 @@ class _Request:
 
     client: bytes
     submit: dict[str, Any]  # the submit payload, to run it again on another engine
+    submitted_at: float  # monotonic seconds
     streamed: bool = False  # an output of it reached its client
     reruns: int = 0
 
@@ -130,6 +143,8 @@ class InferenceCoordinator:
         route_timeout_s: longest a request waits for an engine to register; None: no limit.
         max_waiting_requests: requests that may wait for an engine; more get an immediate
             :class:`WaitingQueueFullError` reply.
+        request_timeout_s: longest a request may take from submit to its terminal output, else
+            :class:`RequestTimeoutError`; None: no limit.
         poll_interval_s: how often the serving loop checks for stop, timeouts and heartbeats.
     """
 
@@ -144,14 +159,16 @@ class InferenceCoordinator:
         heartbeat_timeout_s: float | None = 30.0,
         route_timeout_s: float | None = 30.0,
         max_waiting_requests: int = 1024,
+        request_timeout_s: float | None = None,
         poll_interval_s: float = 0.05,
     ):
-        check_settings(heartbeat_timeout_s, route_timeout_s, max_waiting_requests)
+        check_settings(heartbeat_timeout_s, route_timeout_s, max_waiting_requests, request_timeout_s)
         self.router = LoadRouter(prefix_weight, prefix_block_size)
         self.keys = keys if keys is not None else launch_keys()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.route_timeout_s = route_timeout_s
         self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.protocol_errors = 0
         self.internal_errors = 0
@@ -169,7 +186,7 @@ class InferenceCoordinator:
         else:
             self._socket.bind(f"tcp://{host}:{port}")
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # in submit order (so the oldest is first)
         self._waiting: OrderedDict[str, float] = OrderedDict()  # request id -> since when (no engine yet)
         self._last_heard: dict[bytes, float] = {}  # engines and clients
         self._clients: set[bytes] = set()
@@ -318,7 +335,7 @@ class InferenceCoordinator:
             )
             self._reply(client, [error_output(request_id, error_dict(error))])
             return
-        self._requests[request_id] = _Request(client, payload)
+        self._requests[request_id] = _Request(client, payload, time.monotonic())
         self._route(request_id)
 
     def _route(self, request_id: str) -> None:
@@ -460,6 +477,19 @@ class InferenceCoordinator:
                     request_id,
                     NoEngineAvailableError(f"no engine replica registered within {self.route_timeout_s}s"),
                 )
+        if self.request_timeout_s is not None:
+            self._expire_requests(now - self.request_timeout_s)
+
+    def _expire_requests(self, deadline: float) -> None:
+        """End the requests submitted before ``deadline`` (the oldest come first) and abort them at their engines."""
+        while self._requests:
+            request_id, request = next(iter(self._requests.items()))
+            if request.submitted_at >= deadline:
+                return
+            route = self.router.lookup(request_id)
+            if route is not None:
+                self._send(route.engine, MessageKind.ABORT, request_id=request_id)
+            self._fail(request_id, RequestTimeoutError(f"the request did not finish within {self.request_timeout_s}s"))
 
     def _drop_silent_peers(self, deadline: float) -> None:
         for peer, heard in list(self._last_heard.items()):

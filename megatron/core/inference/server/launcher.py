@@ -122,6 +122,12 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=1024,
         help="requests that may wait for an engine replica; more get HTTP 429 at once",
     )
+    control.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="longest a request may take from submit to its last token, then it ends with HTTP 504 (default: no limit)",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", default="megatron", help="the model id requests must name")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
@@ -220,6 +226,7 @@ def _coordinator(args: argparse.Namespace) -> InferenceCoordinator:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         route_timeout_s=args.route_timeout_s,
         max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout_s,
     )
 
 
@@ -282,6 +289,7 @@ def serve_checkpoint(args: argparse.Namespace, argv: list[str] | None = None) ->
     Raises ServerConfigError / CheckpointingError / ServingLayoutError for bad options, a
     ``--load`` that is no checkpoint or a world that does not fit, before anything starts."""
     config = server_config(args)  # bad server options and checkpoints fail before anything starts
+    check_settings(args.heartbeat_timeout_s, args.route_timeout_s, args.max_waiting_requests, args.request_timeout_s)
     record = read_model_record(args.load)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.data_parallel_size < 1 or model_parallel < 1:
@@ -289,7 +297,6 @@ def serve_checkpoint(args: argparse.Namespace, argv: list[str] | None = None) ->
             f"--data-parallel-size, --tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1; "
             f"got {args.data_parallel_size}, {args.tensor_model_parallel_size}, {args.pipeline_model_parallel_size}"
         )
-    check_settings(args.heartbeat_timeout_s, args.route_timeout_s, args.max_waiting_requests)
     if REPLICA_ENV in os.environ:
         return _serve_supervised_replica(args)
     if "RANK" in os.environ:

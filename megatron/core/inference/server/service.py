@@ -38,6 +38,7 @@ _UNAVAILABLE = {
     "ClientClosedError",
 }
 _OVERLOADED = {"WaitingQueueFullError"}  # too many requests wait for an engine
+_TIMED_OUT = {"RequestTimeoutError"}  # past the coordinator's request deadline
 _SERVER_FAULTS = {"MalformedOutputError"}  # an engine answered nonsense
 
 
@@ -106,6 +107,8 @@ def error_from_output(error: dict[str, Any] | None) -> APIError:
         return APIError(503, message, type="server_error", code="unavailable")
     if kind in _OVERLOADED:
         return APIError(429, message, type="server_error", code="overloaded")
+    if kind in _TIMED_OUT:
+        return APIError(504, message, type="server_error", code="timeout")
     if kind in _SERVER_FAULTS:
         return APIError(500, message, type="server_error", code="engine_error")
     if kind == ENGINE_WITHOUT_TOKENIZER["type"]:

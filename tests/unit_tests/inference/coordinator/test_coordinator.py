@@ -1,12 +1,14 @@
 """Coordinator + engine endpoints (threads) + asyncio client, against the deterministic engine double."""
 
 import asyncio
+import re
 
 import pytest
 
 from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.coordinator import (
     ClientStateError,
+    CoordinatorConfigError,
     DuplicateRequestIdError,
     EngineLostError,
     InferenceClient,
@@ -15,6 +17,7 @@ from megatron.core.inference.coordinator import (
 from megatron.core.inference.coordinator.messages import MessageKind, encode, error_output
 from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.server import launcher
 
 from .cluster import (
     async_wait_until,
@@ -247,3 +250,23 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_coordinator():
         result, stats = run_with_client(coordinator, scenario)
         assert result["finish_reason"] == "length"
         assert stats["protocol_errors"] == 2 and stats["engines"][0]["engine_id"] == "engine-0"
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(heartbeat_timeout_s=0.5), "heartbeat_timeout_s must be at least 1.0s (4 heartbeats) or None, got 0.5"),
+        (dict(route_timeout_s=0), "route_timeout_s must be > 0 (or None) and max_waiting_requests >= 0; got 0, 1024"),
+        (dict(max_waiting_requests=-1), "max_waiting_requests >= 0; got 30.0, -1"),
+        (dict(request_timeout_s=-2.0), "request_timeout_s must be > 0 (or None), got -2.0"),
+    ],
+)
+def test_liveness_settings_out_of_range_are_refused_before_anything_binds(settings, message):
+    with pytest.raises(CoordinatorConfigError, match=re.escape(message)):
+        InferenceCoordinator(**settings)
+
+
+def test_megatron_serve_refuses_a_bad_deadline_in_one_line_before_reading_the_checkpoint(capsys, tmp_path):
+    status = launcher.main(["--load", str(tmp_path / "absent"), "--request-timeout-s", "0"])
+    assert status == 2
+    assert capsys.readouterr().err == "error: request_timeout_s must be > 0 (or None), got 0.0\n"

@@ -5,7 +5,9 @@ event, ``/health`` answers 503 while no engine is left and 200 once the engine i
 A coordinator that falls silent is noticed by the HTTP server's client (its in-flight request
 ends with one error, new ones get 503 at once, ``/health`` 503) and by the engine (which
 aborts what it was running for it); both recover when it answers again. A request waiting for
-an engine waits a bounded time (503), in a bounded queue (429 at once when full)."""
+an engine waits a bounded time (503), in a bounded queue (429 at once when full). A request
+past the coordinator's deadline ends with one error (504, or one error event in its stream)
+and is aborted at its engine, which keeps serving the others."""
 
 import asyncio
 import contextlib
@@ -19,7 +21,7 @@ import httpx
 from megatron.core.inference import coordinator as control_plane
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 from megatron.core.inference.server import ServerConfig, ServerThread
-from tests.unit_tests.inference.coordinator.cluster import wait_until
+from tests.unit_tests.inference.coordinator.cluster import running_cluster, wait_until
 from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER, HashEngine, expected_tokens
 from tests.unit_tests.inference.faults.serving_processes import STEP_DELAY_S, StreamedCompletion, launched
 
@@ -153,3 +155,19 @@ def test_a_request_waits_for_an_engine_a_bounded_time_in_a_bounded_queue():
             assert coordinator.stats()["unrouted"] == 0
     finally:
         coordinator.stop()
+
+
+def test_a_request_past_its_deadline_ends_with_one_error_and_is_aborted_at_its_engine():
+    engine = HashEngine(step_delay_s=STEP_DELAY_S)
+    with running_cluster([engine], request_timeout_s=TIMEOUT_S) as coordinator:
+        with _server(coordinator.address, coordinator.keys) as server:
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                stream = _long_stream(http)
+                _assert_one_error_then_done(stream, "timeout")
+                plain = http.post("/v1/completions", json=LONG)
+                quick = _completion(server.url, "quick")  # well within the deadline
+        assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
+        assert plain.json()["error"]["message"] == f"the request did not finish within {TIMEOUT_S}s"
+        assert quick.status_code == 200 and quick.json()["choices"][0]["text"] == _expected("quick")
+        wait_until(lambda: sorted(engine.finished.values()) == ["abort", "abort", "length"], "the engine to abort")
+        assert coordinator.router.routes == {} and coordinator.stats()["in_flight"] == 0
