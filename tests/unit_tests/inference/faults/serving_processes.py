@@ -10,7 +10,7 @@ Run as ``python -m tests.unit_tests.inference.faults.serving_processes ROLE``:
 * ``engine ADDRESS [--heartbeat-timeout-s S]``: an engine double behind an endpoint of that
   coordinator; prints ``Engine up``.
 
-Each serves until it is killed, with the control-plane keys that ``$MEGATRON_CONTROL_PLANE_KEYS``
+Each serves until it is killed (or its parent dies), with the control-plane keys that ``$MEGATRON_CONTROL_PLANE_KEYS``
 names when set (a test hands its keys to its processes as megatron-serve does to its replicas).
 """
 
@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import httpx
 
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
+from megatron.core.inference.coordinator.lifetime import die_with_parent
 from megatron.core.inference.server import ServerConfig, ServerThread
 from tests.readme import ROOT, command_env
 from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER, HashEngine
@@ -131,6 +132,7 @@ def main(argv=None) -> None:
     parser.add_argument("address", nargs="?")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
     args = parser.parse_args(argv)
+    die_with_parent()  # a test that dies takes its serving processes with it
     options = {} if args.heartbeat_timeout_s is None else {"heartbeat_timeout_s": args.heartbeat_timeout_s}
     if args.role == "engine":
         _endpoint_thread(args.address, f"engine-{os.getpid()}", **options)
