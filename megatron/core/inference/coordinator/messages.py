@@ -56,9 +56,11 @@ class ControlSignal(enum.StrEnum):
     STOP = "stop"
 
 
-# The keys every message of a kind must have, and their types (more keys are allowed).
-PAYLOAD_TYPES: dict[MessageKind, dict[str, tuple[type, ...]]] = {
-    MessageKind.SUBMIT: {"request_id": (str,), "prompt_tokens": (list,), "sampling_params": (dict,)},
+# The keys every message of a kind must have, and their types (more keys are allowed); None: the
+# receiver checks the value (a submit's prompt is a request's value: the coordinator answers a
+# bad one with a PromptTypeError, see megatron.core.inference.prompts).
+PAYLOAD_TYPES: dict[MessageKind, dict[str, tuple[type, ...] | None]] = {
+    MessageKind.SUBMIT: {"request_id": (str,), "prompt_tokens": None, "sampling_params": (dict,)},
     MessageKind.ABORT: {"request_id": (str,)},
     MessageKind.CONTROL: {"signal": (str,)},
     MessageKind.STATS: {"query_id": (int,)},
@@ -116,10 +118,8 @@ def decode(data: bytes) -> tuple[MessageKind, dict[str, Any]]:
     if missing:
         raise ProtocolError(f"{kind.value} message needs keys {list(REQUIRED_KEYS[kind])}; missing {missing}")
     for key, types in PAYLOAD_TYPES[kind].items():
-        if not isinstance(payload[key], types) or isinstance(payload[key], bool):
+        if types is not None and (not isinstance(payload[key], types) or isinstance(payload[key], bool)):
             raise ProtocolError(f"{kind.value} message field {key!r} has type {type(payload[key]).__name__}")
-    if kind is MessageKind.SUBMIT and not all(type(t) is int for t in payload["prompt_tokens"]):
-        raise ProtocolError("submit message field 'prompt_tokens' must be a list of integer token ids")
     if kind is MessageKind.CONTROL and payload["signal"] not in {s.value for s in ControlSignal}:
         accepted = ", ".join(s.value for s in ControlSignal)
         raise ProtocolError(f"unknown control signal {payload['signal']!r}; accepted: {accepted}")

@@ -20,6 +20,7 @@ REQUESTS = {
     "plain": ([4, 5], SamplingParams(temperature=0.0, max_tokens=2)),
     "aborted": ([6], SamplingParams(temperature=0.9, seed=1, max_tokens=5, logprobs=True)),
     "to_the_limit": ([7] * 40, SamplingParams(temperature=0.0, return_prompt_logprobs=True)),
+    "text": ("123", SamplingParams(temperature=0.0, max_tokens=2)),
 }
 BAD_REQUESTS = {
     "duplicate": ("plain", [1], SamplingParams()),
@@ -27,6 +28,7 @@ BAD_REQUESTS = {
     "out_of_vocab": ("v", [VOCAB_SIZE], SamplingParams()),
     "too_long": ("t", [1] * (MAX_SEQ + 1), SamplingParams()),
     "overflow": ("o", [1] * 40, SamplingParams(max_tokens=9)),
+    "not_token_ids": ("f", [1.5], SamplingParams()),
 }
 
 

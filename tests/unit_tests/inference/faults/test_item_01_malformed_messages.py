@@ -73,11 +73,12 @@ def test_authenticated_malformed_messages_are_dropped_and_counted_or_answered():
         client.send(os.urandom(64 * 1024))
         client.send(encode(MessageKind.OUTPUTS, outputs=[]))  # a client may not report outputs
         engine.send(encode(MessageKind.CONTROL, signal="stop"))  # an engine may not control
-        client.send(msgpack.packb(["submit", {"request_id": "text", "prompt_tokens": "hello", "sampling_params": {}}]))
+        client.send(msgpack.packb(["submit", {"request_id": "text", "prompt_tokens": [1], "sampling_params": "x"}]))
         kind, payload = receive_command(client)  # the submit that named a request id is answered
         (reply,) = payload["outputs"]
         assert (kind, reply["request_id"], reply["finish_reason"]) == (MessageKind.OUTPUTS, "text", "error")
-        assert reply["error"]["type"] == "ProtocolError" and "prompt_tokens" in reply["error"]["message"]
+        assert reply["error"]["type"] == "ProtocolError"
+        assert reply["error"]["message"] == "submit message field 'sampling_params' has type str"
         wait_until(lambda: coordinator.protocol_errors == 6, "six malformed messages to be counted")
         client.close()
         engine.close()
