@@ -115,27 +115,46 @@ def triton_paged_attention(
     ``block_tables [requests, max_blocks]``, ``query_lengths, kv_lengths [requests]``; returns
     ``[tokens, q_heads, head_dim]`` in the dtype of ``query``.
     """
-    num_tokens, q_heads, head_dim = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_tokens, _, head_dim = query.shape
     check_inputs(query, key_cache, query_lengths, kv_lengths)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     request_of, positions = token_requests_and_positions(query_lengths, kv_lengths)
+    launch_paged_attention(out, query, key_cache, value_cache, block_tables, request_of, positions, scale)
+    return out
+
+
+def launch_paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_requests: torch.Tensor,
+    token_positions: torch.Tensor,
+    scale: float,
+) -> None:
+    """Write the attention of ``query [tokens, q_heads, d]`` into ``out`` (same shape), given each
+    token's request row (into ``block_tables``) and position: no check and nothing read back, so
+    a step can call it with its precomputed metadata (and a CUDA graph can capture it)."""
+    num_tokens, q_heads, head_dim = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     # The kernel indexes the innermost (head_dim) axis with unit stride.
     query, key_cache, value_cache = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (query, key_cache, value_cache)
     )
-    block_tables = block_tables.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
     _paged_attention_kernel[(num_tokens, q_heads)](
         out,
         query,
         key_cache,
         value_cache,
         block_tables,
-        request_of,
-        positions,
+        token_requests,
+        token_positions,
         scale,
         query.stride(0),
         query.stride(1),
@@ -154,4 +173,3 @@ def triton_paged_attention(
         SLOTS=triton.next_power_of_2(block_size),
         DIM=triton.next_power_of_2(head_dim),
     )
-    return out

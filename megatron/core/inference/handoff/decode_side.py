@@ -332,6 +332,7 @@ class DecodeSide:
             generated_log_probs=record.resume_log_probs,
             prompt_log_probs=record.prompt_log_probs,
             generator_state=generator_state,
+            generated_top_log_probs=record.resume_top_log_probs,
         )
         self.stats["imports"] += 1
 

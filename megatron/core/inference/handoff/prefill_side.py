@@ -85,6 +85,8 @@ class PrefillSide:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
+        # A pinned request's state must stop at its prompt: no step may run ahead of the pin.
+        engine.set_overlap_steps(False)
         self.context = engine.context
         self.transport = transport
         self.pin_timeout_s = pin_timeout_s
@@ -147,6 +149,7 @@ class PrefillSide:
         prompt = request.prompt_tokens
         chain = BlockHashChain(self.context.block_size)
         chain.extend(prompt)
+        params = request.sampling_params
         generator_state = None
         if request.generator is not None:
             generator_state = request.generator.get_state().numpy().tobytes()
@@ -161,8 +164,9 @@ class PrefillSide:
             sources=self.sources,
             is_hybrid=self.is_hybrid,
             mamba_slot=state.mamba_slot,
-            prompt_log_probs=list(request.prompt_log_probs) if request.sampling_params.return_prompt_logprobs else None,
+            prompt_log_probs=list(request.prompt_log_probs) if params.return_prompt_logprobs else None,
             generator_state=generator_state,
+            resume_top_log_probs=list(request.generated_top_log_probs) if params.top_logprobs else None,
         )
         self.pins[request_id] = Pin(record, state, self.clock())
         self.stats["records"] += 1
