@@ -235,10 +235,10 @@ class DynamicInferenceContext:
         self._host_tables = torch.full((rows + 1, self.max_blocks_per_request), self.pool.dummy_block_id)
         self._padding_row = rows
         self._free_rows = list(range(rows - 1, -1, -1))
-        # Every step has at most max_tokens_per_step rows; a padded decode step at most the next
-        # power of two of the request cap (its bucket).
-        step_rows = min(max_tokens_per_step, 1 << (capacity.max_requests - 1).bit_length())
-        self.step_buffers = StepBuffers(max_tokens_per_step, step_rows, self.max_blocks_per_request, self.device)
+        # A step has at most max_tokens_per_step request rows (padding requests included).
+        self.step_buffers = StepBuffers(
+            max_tokens_per_step, max_tokens_per_step, self.max_blocks_per_request, self.device
+        )
 
     @classmethod
     def create(
@@ -649,7 +649,7 @@ class DynamicInferenceContext:
         # Full rows: a CUDA graph reads [rows, max_blocks]; entries past a request's blocks are the dummy.
         host_tables = buffers.block_tables(staging, num_rows, buffers.max_blocks)
         torch.index_select(self._host_tables, 0, torch.tensor(rows, dtype=torch.long), out=host_tables)
-        buffers.upload(staging)
+        buffers.upload(staging, num_rows)
         device = buffers.buffer
         width = (
             buffers.max_blocks

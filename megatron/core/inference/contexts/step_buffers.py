@@ -2,11 +2,11 @@
 
 One int64 device buffer holds every field of a :class:`~dynamic_context.StepBatch` at a fixed
 offset, sized for the largest step (``max_tokens`` tokens, ``max_requests`` request rows of
-``max_blocks`` block-table entries). A step fills the used part of each field on the host and
-sends the whole buffer to the device in one copy (from pinned memory, asynchronously, on CUDA;
-on the CPU the host buffer is the device buffer); the batch's tensors are views at the fixed
-offsets. A CUDA graph captured on a bucket's views therefore reads each later step of that
-bucket from the same addresses.
+``max_blocks`` block-table entries; block tables come last). A step fills the used part of each
+field on the host and sends the buffer, up to its last block-table row, to the device in one copy
+(from pinned memory, asynchronously, on CUDA; on the CPU the host buffer is the device buffer);
+the batch's tensors are views at the fixed offsets. A CUDA graph captured on a bucket's views
+therefore reads each later step of that bucket from the same addresses.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class StepBuffers:
         start = self._offsets["block_tables"]
         return buffer[start : start + self.max_requests * self.max_blocks].view(self.max_requests, -1)[:rows, :width]
 
-    def upload(self, staging: torch.Tensor) -> None:
-        """Copy a filled host staging tensor to the device buffer (nothing on CPU)."""
+    def upload(self, staging: torch.Tensor, rows: int) -> None:
+        """Copy a filled host staging tensor to the device buffer, up to the end of its first ``rows``
+        block-table rows (nothing on CPU)."""
         if staging is not self.buffer:
-            self.buffer.copy_(staging, non_blocking=True)
+            end = self._offsets["block_tables"] + rows * self.max_blocks
+            self.buffer[:end].copy_(staging[:end], non_blocking=True)

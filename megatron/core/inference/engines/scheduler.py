@@ -191,7 +191,9 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
         for request in prefilling:
-            remaining = self._uncomputed(request)
+            # Up to the admitted context: a token added since (the result of an overlapped step
+            # that was still running at admission) is decoded after, with its own growth.
+            remaining = request.prefill_target - self.context.request(request.request_id).num_computed_tokens
             take = min(remaining, budget)
             if take < remaining:
                 if not self._may_chunk(request):
