@@ -19,12 +19,27 @@ mixer whose decode step says so (``MambaMixer.graph_capturable_decode``).
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
 from megatron.core.inference.contexts.paged_attention import resolve_backend
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid
 from megatron.core.ssm.mamba_mixer import MambaMixer
+
+
+def add_cuda_graph_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--cuda-graphs`` / ``--no-cuda-graphs`` into ``args.enable_cuda_graphs`` (None when neither
+    is given: the engine's default, graphs wherever the stage can be captured)."""
+    parser.add_argument(
+        "--cuda-graphs",
+        dest="enable_cuda_graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps from CUDA graphs (default: on where the stage can be captured); "
+        "--no-cuda-graphs runs every step eagerly",
+    )
 
 
 def graph_blocker(runner: ModelRunner, context: DynamicInferenceContext) -> str | None:

@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing import CheckpointingError
 from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.checkpoint_loading import default_device, load_inference_model
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
-from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.engines import DynamicInferenceEngine, add_cuda_graph_flag
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from megatron.core.inference.server.serve import ServerThread, bind_socket
 from megatron.core.inference.server.service import ServerConfig, ServerConfigError
@@ -71,6 +71,7 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
+    add_cuda_graph_flag(engine)
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", default="megatron", help="the model id requests must name")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
@@ -116,6 +117,7 @@ def build_engine(args: argparse.Namespace, model, tokenizer, pg) -> DynamicInfer
         max_tokens_per_step=args.max_tokens_per_step,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_cuda_graphs=args.enable_cuda_graphs,
     )
 
 
