@@ -23,7 +23,8 @@ mean context, Mamba states read and written) over the bandwidth of a >= 1 GiB de
 ``copy_`` (read + write counted); a run's % of roofline is its output tokens/s over the
 roofline's. At batch 1 it also prints the time per decode step over the weights-read time.
 A run that exceeds ``--run-budget-s`` is stopped (HF through ``max_time``) and reported as such,
-so the whole benchmark stays within a bounded time.
+and a model's rows not started within ``--model-budget-s`` are reported as skipped, so the whole
+benchmark stays within a bounded time; the JSON is rewritten after every row.
 
     python -m benchmarks.gpu_decode --output-json $OUT/gpu_decode.json
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --hf-static-concurrency 64
@@ -33,6 +34,7 @@ so the whole benchmark stays within a bounded time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -233,7 +235,9 @@ def _rate(num_requests: int, args, run: dict) -> float | None:
     return None if run["timed_out"] else num_requests * args.new_tokens / run["elapsed_s"]
 
 
-def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float) -> dict:
+def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, result: dict) -> dict:
+    """Fill ``result`` (in the report: written after each row) with the model's rows."""
+    args.deadline = time.monotonic() + args.model_budget_s
     hf, ours = build_models(kind, args, pg, device)
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=True)
@@ -241,7 +245,7 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float) -> 
     engines = {"graphs": engine_for(ours, pg, args, max_requests), "eager": None}
     engines["eager"] = engine_for(ours, pg, args, max_requests, enable_cuda_graphs=False)
     graphs_on = engines["graphs"].graphs is not None
-    result = dict(
+    result.update(
         model=kind,
         parameters=sum(p.numel() for p in ours.parameters()),
         weights_bytes=sum(p.numel() * p.element_size() for p in ours.parameters()),
@@ -249,19 +253,23 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float) -> 
         cuda_graphs_blocker=engines["graphs"].cuda_graphs_blocker,
         step_buckets=engines["eager"].buckets.sizes if engines["eager"].buckets is not None else None,
         overlap_steps=engines["graphs"].overlap_steps,
-        rows=[],
     )
+    warmup = dataclasses.replace(params, max_tokens=8)
     for engine in engines.values():  # compile Triton kernels, settle the allocator
-        drive(engine, make_prompts(max_requests, args.prompt_tokens, vocab, seed=99), params, args.run_budget_s)
+        drive(engine, make_prompts(max_requests, args.prompt_tokens, vocab, seed=99), warmup, args.run_budget_s)
     static_ok = kind == "gpt"  # NemotronH keeps its own hybrid cache: no static cache
     for concurrency in args.concurrency:
+        if _model_time_left_s(args) < 0:
+            result["rows"].append(dict(concurrency=concurrency, skipped="--model-budget-s spent"))
+            print(f"{kind:6s} c={concurrency:<4d} | skipped: --model-budget-s spent", flush=True)
+            continue
         prompts = make_prompts(concurrency, args.prompt_tokens, vocab, seed=concurrency)
         row = dict(concurrency=concurrency)
         runs = {}
         for mode, engine in engines.items():
             if mode == "graphs" and not graphs_on:
                 continue
-            drive(engine, prompts[: max(1, concurrency // 4)], params, args.run_budget_s)  # warm-up of the shapes
+            drive(engine, prompts, warmup, args.run_budget_s)  # the shapes of this concurrency
             runs[mode] = drive(engine, prompts, params, args.run_budget_s)
         context = args.prompt_tokens + args.new_tokens / 2
         roofline = concurrency / (step_bytes(ours, engines["eager"], concurrency, context) / bandwidth)
@@ -299,10 +307,15 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float) -> 
             )
         result["rows"].append(row)
         print(_format_row(kind, row), flush=True)
+        args.write_partial()
     del hf, ours, engines
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _model_time_left_s(args) -> float:
+    return args.deadline - time.monotonic()
 
 
 def _fmt(value, spec: str = ".0f") -> str:
@@ -345,13 +358,20 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--hf-static-concurrency",
         type=_int_list,
-        default=[1, 8, 64, 256],
-        help="concurrencies at which HF generate also runs with its static compiled cache",
+        default=[64],
+        help="concurrencies at which HF generate also runs with its static compiled cache (each compiles anew)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-tokens-per-step", type=int, default=2048)
-    parser.add_argument("--run-budget-s", type=float, default=60.0, help="a run past this is stopped and reported")
+    parser.add_argument("--run-budget-s", type=float, default=30.0, help="a run past this is stopped and reported")
+    parser.add_argument(
+        "--model-budget-s",
+        type=float,
+        default=170.0,
+        help="a model's rows not started within this many seconds of its start are reported as skipped "
+        "(the JSON is written after each row)",
+    )
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth copy (>= 1 GiB)")
     parser.add_argument("--tiny", action="store_true", help="tiny models of the same structure (a smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -370,8 +390,12 @@ def main(argv=None) -> int:
         copy_bandwidth_bytes_per_s=bandwidth,
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
-        models=[bench_model(kind, args, pg, device, bandwidth) for kind in args.models.split(",") if kind],
+        models=[],
     )
+    args.write_partial = lambda: _write(args.output_json, report)
+    for kind in (k for k in args.models.split(",") if k):
+        report["models"].append(dict(model=kind, rows=[]))
+        report["models"][-1] = bench_model(kind, args, pg, device, bandwidth, report["models"][-1])
     gpt = next((m for m in report["models"] if m["model"] == "gpt"), None)
     hybrid = next((m for m in report["models"] if m["model"] == "hybrid"), None)
     if gpt and hybrid:
@@ -383,11 +407,15 @@ def main(argv=None) -> int:
             "hybrid / GPT output tok/s: "
             + ", ".join(f"c={c}: {_fmt(r, '.2f')}" for c, r in report["hybrid_over_gpt_decode"].items())
         )
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+    args.write_partial()
     parallel_state.destroy_distributed()
     return 0
+
+
+def _write(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
 
 
 def _best_rate(row: dict) -> float | None:
