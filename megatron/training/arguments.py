@@ -83,9 +83,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-state-dim", type=int, default=16)
     g.add_argument("--mamba-head-dim", type=int, default=16)
     g.add_argument("--mamba-num-groups", type=int, default=1)
+    g.add_argument("--mamba-chunk-size", type=int, default=TransformerConfig.mamba_chunk_size, help="SSD scan chunk")
     g.add_argument("--mtp-num-layers", type=int, default=None)
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument(
+        "--use-torch-compile",
+        action="store_true",
+        help="torch.compile each decoder layer (regional compilation; collectives stay outside)",
+    )
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +188,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         "context_parallel_size",
         "generalized_tensor_parallel_size",
         "micro_batch_size",
+        "mamba_chunk_size",
     ):
         _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     tp, pp, cp, gtp = (
@@ -343,6 +350,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         mamba_state_dim=args.mamba_state_dim,
         mamba_head_dim=args.mamba_head_dim,
         mamba_num_groups=args.mamba_num_groups,
+        mamba_chunk_size=args.mamba_chunk_size,
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         recompute_granularity=args.recompute_granularity,

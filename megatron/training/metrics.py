@@ -14,11 +14,43 @@ import time
 from dataclasses import dataclass, field
 
 
-def training_flops_per_token(matmul_params: int, num_attention_layers: int, seq_length: int, hidden_size: int) -> float:
-    """Forward + backward FLOPs per token: 6 per weight of every matrix the token passes
-    through (projections, MLP, Mamba in/out, output layer; not embeddings lookups), plus
-    causal attention scores and context, 4*s*h per layer forward halved by the mask, x3."""
-    return 6.0 * matmul_params + 6.0 * num_attention_layers * seq_length * hidden_size
+@dataclass(frozen=True)
+class SSDShape:
+    """What the Mamba-2 SSD scan's FLOPs depend on (global sizes of one mixer)."""
+
+    heads: int
+    head_dim: int
+    state_dim: int
+    groups: int
+    chunk_size: int
+
+
+def training_flops_per_token(
+    matmul_params: int,
+    num_attention_layers: int,
+    seq_length: int,
+    hidden_size: int,
+    num_mamba_layers: int = 0,
+    ssd: SSDShape | None = None,
+) -> float:
+    """Forward + backward FLOPs per token: the one formula every TFLOP/s figure uses.
+
+    - 6 per weight of every matrix the token passes through (attention and MLP projections,
+      Mamba in/out projections and its depthwise conv, the output layer; not embedding lookups);
+    - causal attention scores and context: 4*s*h per layer forward, halved by the mask, x3;
+    - per Mamba layer, the SSD scan's matmuls (chunk length ``Q = min(chunk_size, s)``, ``H``
+      heads of dim ``P``, state ``N``, ``G`` groups), forward per token: ``C B^T`` within the
+      chunk ``2QNG`` and its product with ``x`` ``2QPH``, both halved by the causal mask as
+      attention is, plus the chunk states ``B^T x`` and their readout ``C h`` ``2NPH`` each;
+      x3 for forward + backward. Elementwise work (softplus, decays, gating, norms) is not counted.
+    """
+    flops = 6.0 * matmul_params + 6.0 * num_attention_layers * seq_length * hidden_size
+    if num_mamba_layers:
+        q = min(ssd.chunk_size, seq_length)
+        per_layer = q * ssd.state_dim * ssd.groups + q * ssd.head_dim * ssd.heads
+        per_layer += 4 * ssd.state_dim * ssd.head_dim * ssd.heads
+        flops += 3.0 * num_mamba_layers * per_layer
+    return flops
 
 
 @dataclass

@@ -31,7 +31,7 @@ from megatron.core.tokenizers import build_tokenizer
 from megatron.training.arguments import model_record_from_args
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
-from megatron.training.metrics import MetricsLogger, training_flops_per_token
+from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
 
 
 @dataclass
@@ -137,7 +137,9 @@ def count_flops_per_token(
 ) -> float:
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
-    embedding lookups excluded, the (possibly tied) output layer included."""
+    embedding lookups excluded, the (possibly tied) output layer included, plus attention and
+    the Mamba scans (see :func:`training_flops_per_token`)."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
 
     output_weight = model.output_layer.weight if getattr(model, "output_layer", None) is not None else None
@@ -150,11 +152,20 @@ def count_flops_per_token(
         and (getattr(param, "gtp_sharded", False) or first_replica)
     )
     attention_layers = sum(isinstance(m, SelfAttention) for m in model.modules())
+    mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
     if pgc.rank("tp") != 0 or not first_replica:
-        attention_layers = 0
-    counts = torch.tensor([float(matmul), float(attention_layers)], device=device)
+        attention_layers, mixers = 0, []
+    counts = torch.tensor([float(matmul), float(attention_layers), float(len(mixers))], device=device)
     dist.all_reduce(counts, group=pgc.mp)
-    return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size)
+    config = model.config
+    ssd = SSDShape(
+        config.mamba_num_heads,
+        config.mamba_head_dim,
+        config.mamba_state_dim,
+        config.mamba_num_groups,
+        config.mamba_chunk_size,
+    )
+    return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size, int(counts[2]), ssd)
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
@@ -212,6 +223,8 @@ class Trainer:
         self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
         self.record = model_record_from_args(args, self.vocab_size)
         model = model_from_record(self.record, pgc).to(self.device)
+        if args.use_torch_compile:
+            model.decoder.compile_layers()
         self.config = model.config
         self.model = DistributedDataParallel(self.config, ddp_config_from_args(args), model, pg_collection=pgc)
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.model], pgc)

@@ -24,7 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= end)
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()  # shifted is this function's own tensor; only the gather above read it
         sum_exp = exp.sum(dim=-1)
         if world > 1:
             both = torch.stack([target_logit, sum_exp])
@@ -39,10 +39,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        # The saved softmax becomes the gradient in place (no copy of [tokens, V/tp]); a second
+        # backward through the same graph fails autograd's saved-tensor version check.
+        grad, local_target, outside = ctx.saved_tensors
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.backend import fused_backend
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import gtp as gtp_ops
 from megatron.core.tensor_parallel.mappings import (
@@ -84,6 +85,7 @@ class ColumnParallelLinear(torch.nn.Module):
         _check_sizes(input_size=input_size, output_size=output_size)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = self.pg_collection.tp  # read once: forward passes stay traceable by torch.compile
         tp = self.pg_collection.size("tp")
         if output_partition_sizes is not None:
             parts = list(output_partition_sizes)
@@ -123,14 +125,18 @@ class ColumnParallelLinear(torch.nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tp_group = self.pg_collection.tp
+        tp_group = self.tp_group
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, tp_group)
-        out = _linear(x, self.weight, self.pg_collection, self.config)
-        if self.bias is not None and not self.skip_bias_add:
-            out = out + self.bias
+        add_bias = self.bias is not None and not self.skip_bias_add
+        if add_bias and not self.weight.gtp_sharded and fused_backend("linear_bias", x.device) == "triton":
+            out = F.linear(x, self.weight, self.bias)  # the bias is added in the GEMM's epilogue
+        else:
+            out = _linear(x, self.weight, self.pg_collection, self.config)
+            if add_bias:
+                out = out + self.bias
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, tp_group)
             out = unpack_tp_gathered(out, out.dim() - 1, self.output_partition_sizes, self.pg_collection.size("tp"))
@@ -161,6 +167,7 @@ class RowParallelLinear(torch.nn.Module):
         _check_sizes(input_size=input_size, output_size=output_size)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = self.pg_collection.tp  # read once: forward passes stay traceable by torch.compile
         divide(input_size, self.pg_collection.size("tp"), "RowParallelLinear input_size")
         if config.sequence_parallel and not input_is_parallel:
             raise TensorParallelError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
@@ -182,7 +189,7 @@ class RowParallelLinear(torch.nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tp_group = self.pg_collection.tp
+        tp_group = self.tp_group
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, tp_group)
         partial = _linear(x, self.weight, self.pg_collection, self.config)
@@ -208,6 +215,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         _check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = self.pg_collection.tp  # read once: forward passes stay traceable by torch.compile
         tp = self.pg_collection.size("tp")
         if num_embeddings % tp:
             raise TensorParallelError(
@@ -233,4 +241,4 @@ class VocabParallelEmbedding(torch.nn.Module):
         out = F.embedding(ids, weight)
         if tp > 1:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.pg_collection.tp)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)

@@ -2,7 +2,8 @@
 
 Each function pairs a forward collective with its adjoint in backward (identity <-> all-reduce,
 split <-> all-gather, reduce-scatter <-> all-gather). ``group`` is a torch ProcessGroup; with a
-group of size 1 every function is the identity.
+group of size 1 every function is the identity (the two called per linear layer return their
+input without an autograd node).
 """
 
 from __future__ import annotations
@@ -105,12 +106,12 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward identity; backward all-reduce (sum) of the gradient over ``group``."""
-    return _CopyToRegion.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward all-reduce (sum) over ``group``; backward identity."""
-    return _ReduceFromRegion.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.fusions.dropout import sharded_rng_context
+from megatron.core.fusions.rope import split_qkv
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megatron.core.tensor_parallel.utils import divide
-from megatron.core.transformer.dropout import sharded_rng_context
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
-from megatron.core.transformer.rope import apply_rotary_pos_emb
 from megatron.core.transformer.spec import build_module
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
@@ -58,7 +58,8 @@ def check_no_context_parallel(config: TransformerConfig, pg_collection: ProcessG
 
 class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [s, b, heads, d] inputs with torch SDPA; GQA by sharing
-    each key/value group among ``heads / groups`` consecutive query heads."""
+    each key/value group among ``heads / groups`` consecutive query heads (SDPA's
+    ``enable_gqa``: the kernels read the shared heads, nothing is repeated in memory)."""
 
     def __init__(
         self,
@@ -80,16 +81,20 @@ class DotProductAttention(nn.Module):
         to [b, heads, s_q, s_k]) replaces the causal mask when given."""
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        if k.shape[1] != heads:
-            repeats = heads // k.shape[1]
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         causal = attention_mask is None and self.attn_mask_type == "causal"
         # Heads are TP-sharded: each rank draws its own dropout mask.
         with sharded_rng_context(dropout_p > 0.0):
             ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != heads,
             )
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
@@ -160,13 +165,7 @@ class SelfAttention(nn.Module):
     ):
         qkv, _ = self.linear_qkv(hidden_states)
         s, b, _ = qkv.shape
-        d = self.head_dim
-        q, k, v = qkv.split([self.heads_per_rank * d, self.groups_per_rank * d, self.groups_per_rank * d], dim=-1)
-        q = q.reshape(s, b, self.heads_per_rank, d)
-        k = k.reshape(s, b, self.groups_per_rank, d)
-        v = v.reshape(s, b, self.groups_per_rank, d)
-        if rotary_pos_emb is not None:
-            q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
+        q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim, rotary_pos_emb)
         if inference_context is not None:
             context = inference_context.store_kv_and_attend(self.layer_number, q, k, v).reshape(s, b, -1)
         elif self.config.recompute_granularity == "selective" and self.training:

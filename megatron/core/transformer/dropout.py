@@ -1,24 +1,6 @@
-"""Dropout on activations that are replicated or sequence-sharded across TP ranks."""
+"""Dropout on activations lives in :mod:`megatron.core.fusions.dropout` (the fused ops draw their
+masks from the same RNG streams); these names stay importable from here."""
 
-from __future__ import annotations
+from megatron.core.fusions.dropout import dropout, sharded_rng_context
 
-import contextlib
-
-import torch
-import torch.nn.functional as F
-
-from megatron.core.tensor_parallel.random import get_rng_tracker
-
-
-def sharded_rng_context(sharded_over_tp: bool):
-    """The tracker's model-parallel RNG stream when the activation differs per TP rank (sequence
-    or head sharded: each rank must draw its own mask), else the default RNG (replicated)."""
-    return get_rng_tracker().fork() if sharded_over_tp else contextlib.nullcontext()
-
-
-def dropout(x: torch.Tensor, p: float, training: bool, sharded_over_tp: bool = False) -> torch.Tensor:
-    """``F.dropout`` drawing its mask from the RNG stream that matches how ``x`` is sharded."""
-    if not training or p == 0.0:
-        return x
-    with sharded_rng_context(sharded_over_tp):
-        return F.dropout(x, p=p, training=True)
+__all__ = ["dropout", "sharded_rng_context"]

@@ -1,4 +1,8 @@
-"""Feed-forward block: column-parallel fc1, activation (GELU, or SwiGLU when gated), row-parallel fc2."""
+"""Feed-forward block: column-parallel fc1, activation (GELU, or SwiGLU when gated), row-parallel fc2.
+
+fc1's bias is applied by the activation (:func:`megatron.core.fusions.activations.activation`:
+bias, activation and gate fused on CUDA); fc2's is returned for the layer's bias-dropout-add.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch import nn
 
 from megatron.core.activations import gelu_tanh  # noqa: F401 - re-exported for importers of mlp
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions.activations import activation
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -50,6 +55,7 @@ class MLP(nn.Module):
             init_method=init_method(config),
             bias=config.add_bias_linear,
             gather_output=False,
+            skip_bias_add=True,
             output_partition_sizes=[ffn, ffn] if self.gated else None,
             pg_collection=pg_collection,
         )
@@ -66,10 +72,5 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor):
-        intermediate, _ = self.linear_fc1(hidden_states)
-        if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation_func(gate) * up
-        else:
-            intermediate = self.activation_func(intermediate)
-        return self.linear_fc2(intermediate)
+        intermediate, bias = self.linear_fc1(hidden_states)
+        return self.linear_fc2(activation(intermediate, bias, self.activation_func, self.gated))

@@ -3,15 +3,18 @@
 Norm weights are replicated on every TP and GTP rank. Under sequence parallelism each TP
 rank normalizes only its slice of the sequence, so the weight gradients are partial and
 carry ``sequence_parallel = True`` (finalize_model_grads all-reduces them over ``tp``).
+
+The math is :mod:`megatron.core.fusions.norms` (fused Triton kernels on CUDA, the torch
+reference elsewhere); :meth:`add_and_norm` also takes in the residual add that precedes the norm.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions.norms import bias_dropout_add_norm, norm
 from megatron.core.tensor_parallel import set_parallel_attributes
 
 
@@ -27,8 +30,37 @@ def mark_replicated(param: nn.Parameter, sequence_parallel: bool = False) -> nn.
     return param
 
 
-class LayerNorm(nn.Module):
+class _Norm(nn.Module):
+    """The forward of both norms; a subclass names its ``kind`` and holds ``weight`` (and ``bias``)."""
+
+    kind: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm(x, self.weight, getattr(self, "bias", None), self.eps, self.kind)
+
+    def add_and_norm(
+        self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, config: TransformerConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, self(h))`` for ``h = residual + dropout(x + bias)`` (``config.hidden_dropout``,
+        when training; the mask is sequence-sharded under sequence parallelism), in one pass."""
+        return bias_dropout_add_norm(
+            x,
+            bias,
+            residual,
+            config.hidden_dropout,
+            self.training,
+            config.sequence_parallel,
+            self.weight,
+            getattr(self, "bias", None),
+            self.eps,
+            self.kind,
+        )
+
+
+class LayerNorm(_Norm):
     """Standard LayerNorm (weight and bias), computed in the input dtype."""
+
+    kind = "LayerNorm"
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
@@ -40,12 +72,11 @@ class LayerNorm(nn.Module):
             nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
-
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """Root-mean-square norm (weight only); the statistic is computed in fp32."""
+
+    kind = "RMSNorm"
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
@@ -53,11 +84,6 @@ class RMSNorm(nn.Module):
         self.weight = mark_replicated(
             nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
 
 
 NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}

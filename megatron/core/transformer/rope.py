@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE), with optional Llama-3 frequency scaling and
 position interpolation. Rotation uses the "rotate half" layout (first and second half of
-the rotated channels pair up), as Megatron and HuggingFace Llama do."""
+the rotated channels pair up), as Megatron and HuggingFace Llama do; the rotation itself is
+:func:`megatron.core.fusions.rope.apply_rotary_pos_emb` (fused into the QKV split in attention)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 from torch import nn
 
 from megatron.core.config import ConfigError
+from megatron.core.fusions.rope import apply_rotary_pos_emb
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "llama3_scaled_inv_freq"]
 
 # Llama-3.1 frequency scaling constants (Megatron's defaults).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -71,17 +75,3 @@ class RotaryEmbedding(nn.Module):
             positions = positions / self.seq_len_interpolation_factor
         freqs = positions[..., None] * self.inv_freq.to(positions.device)
         return torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` [s, b, heads, d]; the rest pass."""
-    rot_dim = freqs.shape[-1]
-    rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    rotated = rotated * cos + _rotate_half(rotated) * sin
-    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated

@@ -76,6 +76,17 @@ class StageLayerStack(nn.Module):
         """Hidden states [s, b, h] received from the previous pipeline stage."""
         self.input_tensor = input_tensor
 
+    def compile_layers(self, **compile_kwargs) -> None:
+        """``torch.compile`` each layer in place (keyword arguments go to ``Module.compile``).
+
+        Regional compilation: the layers run the same code, so they share one compiled graph
+        and compile time is that of one layer. TP/SP collectives break the graph, so they run
+        outside the compiled regions; inside them the fused ops take their torch reference,
+        which Inductor fuses with its neighbours.
+        """
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+
     def forward(
         self,
         hidden_states: torch.Tensor | None,

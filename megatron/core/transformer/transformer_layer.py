@@ -1,4 +1,9 @@
-"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)).
+
+The attention's bias-dropout-add and the MLP's norm run as one fused op
+(:meth:`~megatron.core.transformer.norms.RMSNorm.add_and_norm`), the MLP's bias-dropout-add as
+another (:func:`megatron.core.fusions.norms.bias_dropout_add`).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ import torch
 from torch import nn
 
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions.norms import bias_dropout_add
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dropout import dropout
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
@@ -54,12 +59,6 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size)
         self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
 
-    def _bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor):
-        if bias is not None:
-            out = out + bias
-        out = dropout(out, self.config.hidden_dropout, self.training, sharded_over_tp=self.config.sequence_parallel)
-        return residual + out
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -73,6 +72,9 @@ class TransformerLayer(nn.Module):
             rotary_pos_emb=rotary_pos_emb,
             inference_context=inference_context,
         )
-        hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
-        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)
+        hidden_states, normed = self.pre_mlp_layernorm.add_and_norm(attn_out, attn_bias, hidden_states, self.config)
+        mlp_out, mlp_bias = self.mlp(normed)
+        config = self.config
+        return bias_dropout_add(
+            mlp_out, mlp_bias, hidden_states, config.hidden_dropout, self.training, config.sequence_parallel
+        )

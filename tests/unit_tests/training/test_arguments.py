@@ -35,6 +35,13 @@ def test_valid_flags_derive_data_parallel_width_and_microbatches():
     assert config.tensor_model_parallel_size == 2 and config.generalized_tensor_parallel_size == 2
 
 
+def test_speed_flags_reach_the_config():
+    args = parse_args(BASE + ["--use-torch-compile", "--mamba-chunk-size", "128"], world_size=1)
+    assert args.use_torch_compile and transformer_config_from_args(args).mamba_chunk_size == 128
+    default = parse_args(BASE, world_size=1)
+    assert not default.use_torch_compile and transformer_config_from_args(default).mamba_chunk_size == 16
+
+
 def test_sequence_parallel_is_dropped_at_tp1():
     assert parse_args(BASE + ["--sequence-parallel"], world_size=1).sequence_parallel is False
 
@@ -78,6 +85,7 @@ def test_sequence_parallel_is_dropped_at_tp1():
             r"--seq-length \(16\) exceeds --max-position-embeddings \(8\)",
         ),
         (["--eval-interval", "5"], 1, "--eval-interval needs --eval-iters >= 1"),
+        (["--mamba-chunk-size", "0"], 1, r"--mamba-chunk-size must be >= 1, got 0"),
         (
             ["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"],
             2,

@@ -2,7 +2,7 @@
 
 import json
 
-from megatron.training.metrics import MetricsLogger, training_flops_per_token
+from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
 
 
 def test_log_line_and_jsonl_records(tmp_path):
@@ -78,3 +78,14 @@ def test_disabled_logger_writes_nothing(tmp_path):
 def test_flops_per_token_by_hand():
     # 6 per matrix weight, plus 6 * s * h per attention layer
     assert training_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 6 * 2 * 16 * 8
+
+
+def test_mamba_scan_flops_by_hand():
+    # per layer and token, forward: C B^T (2QNG) and its product with x (2QPH), halved by the
+    # causal mask, plus chunk states and their readout (2NPH each); x3 for the backward
+    ssd = SSDShape(heads=4, head_dim=8, state_dim=16, groups=2, chunk_size=32)
+    forward = (2 * 32 * 16 * 2 + 2 * 32 * 8 * 4) / 2 + 2 * (2 * 16 * 8 * 4)
+    assert training_flops_per_token(1000, 1, 64, 8, 3, ssd) == 6 * 1000 + 6 * 64 * 8 + 3 * 3 * forward
+    # a sequence shorter than a chunk is one chunk of its own length
+    short = (2 * 16 * 16 * 2 + 2 * 16 * 8 * 4) / 2 + 2 * (2 * 16 * 8 * 4)
+    assert training_flops_per_token(0, 0, 16, 8, 1, ssd) == 3 * short

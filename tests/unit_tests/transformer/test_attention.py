@@ -80,3 +80,18 @@ def test_inference_context_supplies_the_attention(pg):
 def test_context_parallel_is_rejected(pg):
     with pytest.raises(ContextParallelNotSupportedError, match="context_parallel_size=2"):
         SelfAttention(config(context_parallel_size=2), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
+
+
+def test_gqa_through_enable_gqa_has_the_gradients_of_repeated_heads():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 9, 8, generator=gen, requires_grad=True) for n in (HEADS, GROUPS, GROUPS))
+    cotangent = torch.randn(2, HEADS, 9, 8, generator=gen)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(HEADS // GROUPS, 1), v.repeat_interleave(HEADS // GROUPS, 1), is_causal=True
+    )
+    want = torch.autograd.grad(repeated, (q, k, v), cotangent)
+    shared = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got = torch.autograd.grad(shared, (q, k, v), cotangent)
+    assert torch.equal(shared, repeated)  # the forward is bitwise the same
+    for a, b in zip(got, want, strict=True):  # the backward sums the shared heads in another order
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

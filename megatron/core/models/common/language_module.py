@@ -18,6 +18,7 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, vocab_rows
+from megatron.core.fusions.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.models.common.language_model_embedding import (
     LanguageModelEmbedding,
     check_position_embedding_type,
@@ -29,7 +30,6 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     init_rng_scope,
     pad_vocab_size,
-    vocab_parallel_cross_entropy,
 )
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.multi_token_prediction import (
@@ -240,10 +240,12 @@ class LanguageModule(nn.Module):
         return mask_vocab_padding(logits, self.vocab_size, self.pg_collection.rank("tp"))
 
     def per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross-entropy of ``logits`` [s, b, V/tp] against ``labels`` [b, s]: [b, s]."""
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        """Vocab-parallel cross-entropy of ``logits`` [s, b, V/tp] against ``labels`` [b, s]: [b, s]
+        (fp32 math unless ``fp16_lm_cross_entropy``; the fused path never copies the logits to
+        fp32 and reuses their storage for their gradient)."""
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp, upcast=not self.fp16_lm_cross_entropy
+        )
         return loss.transpose(0, 1).contiguous()
 
     def postprocess(

@@ -15,17 +15,15 @@ import torch
 from torch import nn
 
 from megatron.core.config import TransformerConfig
+from megatron.core.fusions.norms import bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dropout import dropout
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
 
 
 def _bias_dropout_add(config: TransformerConfig, training: bool, out, bias, residual: torch.Tensor) -> torch.Tensor:
-    if bias is not None:
-        out = out + bias
-    return residual + dropout(out, config.hidden_dropout, training, sharded_over_tp=config.sequence_parallel)
+    return bias_dropout_add(out, bias, residual, config.hidden_dropout, training, config.sequence_parallel)
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""RoPE fused into the QKV split against split + reshape + apply_rotary_pos_emb: GQA, partial
+rotary, angles per batch row or broadcast, gradients arriving strided as attention returns
+them; the torch path's one-buffer backward is bitwise the reference's."""
+
+import pytest
+import torch
+
+from megatron.core.fusions import fusion_backend, split_qkv
+from megatron.core.fusions.rope import split_qkv_reference
+from megatron.core.transformer.rope import RotaryEmbedding
+from tests.unit_tests.fusions.kernels import DEVICE, assert_bitwise_equal, assert_triton_matches_torch, leaf
+
+S, B = 6, 3
+
+
+def _inputs(heads, groups, dim, rotary_percent, dtype, broadcast=False):
+    gen = torch.Generator().manual_seed(0)
+    qkv = leaf(S, B, (heads + 2 * groups) * dim, dtype=dtype, generator=gen)
+    positions = torch.arange(S).unsqueeze(0) + 3 * torch.arange(B).unsqueeze(1)  # rows differ
+    freqs = RotaryEmbedding(dim, rotary_percent)(positions).to(DEVICE)
+    return qkv, freqs[:, :1] if broadcast else freqs
+
+
+def _as_attention_sees_it(split):
+    """q, k, v as attention consumes them: permuted to [b, n, s, d] (gradients come back strided)."""
+
+    def fn(qkv, freqs, sizes):
+        return tuple(t.permute(1, 2, 0, 3) for t in split(qkv, *sizes, freqs))
+
+    return fn
+
+
+SHAPES = [(4, 2, 8, 1.0), (3, 3, 12, 0.5), (2, 1, 6, 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, groups, dim, rotary_percent", SHAPES)
+def test_fused_split_rotary_matches_reference(heads, groups, dim, rotary_percent, dtype):
+    qkv, freqs = _inputs(heads, groups, dim, rotary_percent, dtype)
+    fn = _as_attention_sees_it(split_qkv)
+    assert_triton_matches_torch(lambda x: fn(x, freqs, (heads, groups, dim)), [qkv], dtype)
+
+
+def test_angles_broadcast_over_the_batch():
+    qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32, broadcast=True)
+    assert_triton_matches_torch(lambda x: split_qkv(x, 4, 2, 8, freqs), [qkv], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, groups, dim, rotary_percent", SHAPES)
+def test_torch_path_is_bitwise_the_reference(heads, groups, dim, rotary_percent, dtype):
+    qkv, freqs = _inputs(heads, groups, dim, rotary_percent, dtype)
+    sizes = (heads, groups, dim)
+    ours, reference = _as_attention_sees_it(split_qkv), _as_attention_sees_it(split_qkv_reference)
+    assert_bitwise_equal(lambda x: ours(x, freqs, sizes), lambda x: reference(x, freqs, sizes), [qkv])
+
+
+def test_without_rotary_every_backend_returns_views_of_qkv():
+    qkv, _ = _inputs(4, 2, 8, 1.0, torch.float32)
+    with fusion_backend("triton"):
+        q, k, v = split_qkv(qkv, 4, 2, 8)
+    assert all(t._base is qkv for t in (q, k, v))
+    assert torch.equal(v.reshape(S, B, -1), qkv[..., 6 * 8 :])
+
+
+def test_forward_only_call_builds_no_graph():
+    qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32)
+    with fusion_backend("triton"), torch.inference_mode():
+        q, k, v = split_qkv(qkv, 4, 2, 8, freqs)
+    ref = split_qkv_reference(qkv, 4, 2, 8, freqs)
+    assert q.grad_fn is None
+    for got, want in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
