@@ -13,7 +13,9 @@ greedy, EOS ignored) it measures output tokens/s and time to first token of:
 
 - ours with graphs (``enable_cuda_graphs`` left to the engine: graphs where the stage can be
   captured; the JSON says why not where not) and ours eager (``enable_cuda_graphs=False``),
-  after a warm-up run of the same size; the two must give identical tokens and log-probs;
+  after a warm-up run of the same size; the two must give identical tokens and log-probs; and
+  ours unpadded (``batch_invariant=False``; ``--no-unpadded`` leaves it out): the default mode
+  must not be slower than it;
 - HF ``generate`` (SDPA), one call over all prompts left-padded, after a full-size warm-up
   call, with its dynamic cache, and with ``cache_implementation="static"`` (compiled) where the
   model supports it.
@@ -242,8 +244,12 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=True)
     max_requests = max(args.concurrency)
-    engines = {"graphs": engine_for(ours, pg, args, max_requests), "eager": None}
-    engines["eager"] = engine_for(ours, pg, args, max_requests, enable_cuda_graphs=False)
+    engines = {
+        "graphs": engine_for(ours, pg, args, max_requests),
+        "eager": engine_for(ours, pg, args, max_requests, enable_cuda_graphs=False),
+    }
+    if args.unpadded:
+        engines["unpadded"] = engine_for(ours, pg, args, max_requests, batch_invariant=False)
     graphs_on = engines["graphs"].graphs is not None
     result.update(
         model=kind,
@@ -281,6 +287,9 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             row[f"ours_{mode}_roofline_pct"] = None if rate is None else 100 * rate / roofline
             decode_steps = max(run["steps"] - 1, 1)
             row[f"ours_{mode}_ms_per_step"] = 1e3 * (run["elapsed_s"] - min(run["first_token_s"])) / decode_steps
+        if "unpadded" in runs:
+            default_rate = _rate(concurrency, args, runs.get("graphs", runs["eager"]))
+            row["default_over_unpadded"] = _ratio(default_rate, _rate(concurrency, args, runs["unpadded"]))
         if "graphs" in runs:
             graphs, eager = runs["graphs"], runs["eager"]
             row["graph_vs_eager_identical_tokens"] = graphs["tokens"] == eager["tokens"]
@@ -324,7 +333,7 @@ def _fmt(value, spec: str = ".0f") -> str:
 
 def _format_row(kind: str, row: dict) -> str:
     parts = [f"{kind:6s} c={row['concurrency']:<4d}"]
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "eager", "unpadded"):
         if f"ours_{mode}_tokens_per_s" in row:
             parts.append(
                 f"ours[{mode}] {_fmt(row[f'ours_{mode}_tokens_per_s'])} tok/s "
@@ -337,6 +346,8 @@ def _format_row(kind: str, row: dict) -> str:
             parts.append(
                 f"{name} {_fmt(row[f'{name}_tokens_per_s'])} tok/s (ours/HF {_fmt(row[f'ours_over_{name}'], '.2f')}x)"
             )
+    if "default_over_unpadded" in row:
+        parts.append(f"default/unpadded {_fmt(row['default_over_unpadded'], '.2f')}x")
     if "graph_vs_eager_identical_tokens" in row:
         parts.append(
             f"graphs==eager tokens {row['graph_vs_eager_identical_tokens']} "
@@ -373,6 +384,12 @@ def main(argv=None) -> int:
         "(the JSON is written after each row)",
     )
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth copy (>= 1 GiB)")
+    parser.add_argument(
+        "--unpadded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run ours with batch_invariant=False (graphs where possible), to compare the default mode with it",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny models of the same structure (a smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-json", default=None)

@@ -115,7 +115,8 @@ class DynamicInferenceEngine:
             the last bits).
         enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket (default:
             True on CUDA when the stage can be captured; on a CPU device True runs the same
-            static-buffer steps eagerly).
+            static-buffer steps eagerly). ``--no-cuda-graphs`` / ``--cuda-graphs`` on
+            ``megatron-serve`` and the offline example set it (see :func:`add_cuda_graph_flag`).
         overlap_steps: prepare step N+1 on the host while the device runs step N (see module
             doc; default: on CUDA with one pipeline stage and no speculation).
         logits_processors: per-request logits changes applied on the device before sampling
