@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.inference import offline_inference
 from megatron.core.inference.checkpoint_loading import record_tokenizer
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
-from megatron.core.inference.handoff.decode_side import prompt_token_ids
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import read_model_record
 from megatron.core.tokenizers.factory import build_tokenizer

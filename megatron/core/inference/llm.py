@@ -36,16 +36,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron.core.errors import MegatronInputError
 from megatron.core.inference.engines import DynamicInferenceEngine, RequestOutput
+from megatron.core.inference.prompts import PromptTypeError, prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.process_groups import ProcessGroupCollection
 
 Prompt = str | Sequence[int]
-
-
-class PromptTypeError(MegatronInputError):
-    """A prompt that is neither a string (with a tokenizer) nor a list of token ids."""
+__all__ = ["LLM", "GenerationOutput", "Prompt", "PromptTypeError"]
 
 
 @dataclass
@@ -72,19 +69,10 @@ class LLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stepper: asyncio.Task | None = None
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PromptTypeError("a text prompt needs a tokenizer; pass LLM(model, tokenizer) or token ids")
-            return self.tokenizer.tokenize(prompt)
-        if not all(isinstance(t, int) for t in prompt):
-            raise PromptTypeError(f"a prompt is a string or a list of int token ids, got {prompt!r:.80}")
-        return list(prompt)
-
     def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[str, list[int]]:
         request_id = f"llm-{self._next_id}"
         self._next_id += 1
-        tokens = self._token_ids(prompt)
+        tokens = prompt_token_ids(prompt, self.tokenizer)
         self.engine.add_request(request_id, tokens, params)
         return request_id, tokens
 

@@ -43,11 +43,12 @@ def _reduce(value: torch.Tensor, groups, op) -> torch.Tensor:
 
 
 def get_grad_norm_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> float:
-    """L2 norm of all gradients in the job: ``grads`` are this rank's counted gradients; the
-    squared sums are added over each group of ``sum_groups`` in turn."""
+    """L2 norm of all gradients in the job: ``grads`` are this rank's (fp32) counted gradients;
+    the squared sums are added over each group of ``sum_groups`` in turn. One multi-tensor
+    norm for all gradients (no per-tensor launches) and one host sync."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for grad in grads:
-        total += grad.detach().float().pow(2).sum()
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads)).square().sum().to(device)
     return _reduce(total, sum_groups, dist.ReduceOp.SUM).sqrt().item()
 
 
@@ -59,16 +60,24 @@ def count_zeros_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.
     return int(_reduce(total, sum_groups, dist.ReduceOp.SUM).item())
 
 
-def found_nonfinite(grads: list[torch.Tensor], max_groups: list, device: torch.device) -> bool:
-    """Whether any rank of the job (the union of ``max_groups``) has an inf or nan gradient."""
-    local = any(not torch.isfinite(grad).all() for grad in grads)
-    flag = torch.tensor([float(local)], dtype=torch.float32, device=device)
+def unscale_and_find_nonfinite(
+    grads: list[torch.Tensor], inv_scale: float, max_groups: list, device: torch.device
+) -> bool:
+    """Multiply ``grads`` (fp32, one device) by ``inv_scale`` in place and return whether any
+    rank of the job (the union of ``max_groups``) has an inf or nan gradient: one multi-tensor
+    kernel for the check and the unscale, one host sync for the decision."""
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        grad_device = grads[0].device
+        found = torch.zeros(1, dtype=torch.float32, device=grad_device)
+        scale = torch.full((1,), inv_scale, dtype=torch.float32, device=grad_device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
+        flag += found.to(device)
     return bool(_reduce(flag, max_groups, dist.ReduceOp.MAX).item())
 
 
 def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale ``grads`` in place so that a global norm of ``total_norm`` becomes at most ``max_norm``."""
     coefficient = max_norm / (total_norm + 1e-6)
-    if coefficient < 1.0:
-        for grad in grads:
-            grad.mul_(coefficient)
+    if coefficient < 1.0 and grads:
+        torch._foreach_mul_(grads, coefficient)

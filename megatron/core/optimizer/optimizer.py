@@ -24,10 +24,10 @@ import torch
 from megatron.core.optimizer.clip_grads import (
     clip_grads_by_total_norm,
     count_zeros_fp32,
-    found_nonfinite,
     get_grad_norm_fp32,
     grad_counted_on_this_rank,
     stats_device,
+    unscale_and_find_nonfinite,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -58,13 +58,18 @@ def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """AdamW or SGD over the masters; AdamW is torch's fused (one-kernel) implementation when
+    every master is on CUDA, torch's default (bit-stable reference) implementation on CPU."""
     if config.optimizer == "adam":
+        masters = [tensor for group in groups for tensor in group["params"]]
+        on_cuda = bool(masters) and all(tensor.is_cuda for tensor in masters)
         return torch.optim.AdamW(
             groups,
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            fused=True if on_cuda else None,
         )
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
 
@@ -148,11 +153,8 @@ class MegatronOptimizer:
                 continue
             grad = entry.model_view(grad)
             entry.master.grad = grad if grad.dtype == torch.float32 else grad.float()
-        grads = self._master_grads()
-        if self.grad_scaler is not None:
-            for grad in grads:
-                grad.mul_(self.grad_scaler.inv_scale)
-        return found_nonfinite(grads, self._job_groups(), self.device)
+        inv_scale = 1.0 if self.grad_scaler is None else self.grad_scaler.inv_scale
+        return unscale_and_find_nonfinite(self._master_grads(), inv_scale, self._job_groups(), self.device)
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the prepared gradients, each parameter counted once."""
@@ -168,9 +170,9 @@ class MegatronOptimizer:
     def step_with_ready_grads(self) -> None:
         """Step the masters and write them back into the model parameters."""
         self.optimizer.step()
-        for entry in self.master_params:
-            if entry.is_copy:
-                entry.model_view(entry.model_param.data).copy_(entry.master)
+        copies = [entry for entry in self.master_params if entry.is_copy]
+        if copies:
+            torch._foreach_copy_([e.model_view(e.model_param.data) for e in copies], [e.master for e in copies])
         self._gather_params()
 
     def _gather_params(self) -> None:

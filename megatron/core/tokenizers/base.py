@@ -48,6 +48,11 @@ class MegatronTokenizer(ABC):
         """Padding id, or None."""
 
     @property
+    def add_bos(self) -> bool:
+        """Whether a text prompt should start with ``bos`` (the tokenizer's own setting; False by default)."""
+        return False
+
+    @property
     def eos(self) -> int:
         """End-of-sequence id (the same token as ``eod``)."""
         return self.eod

@@ -111,6 +111,17 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         return self._pad
 
     @property
+    def add_bos(self) -> bool:
+        """``add_bos_token`` of tokenizer_config.json; without it, whether tokenizer.json's own
+        post-processor puts the BOS in front."""
+        if self._bos is None:
+            return False
+        configured = self._config.get("add_bos_token")
+        if configured is not None:
+            return bool(configured)
+        return self._tokenizer.encode("a", add_special_tokens=True).ids[:1] == [self._bos]
+
+    @property
     def chat_template(self) -> str | None:
         """The Jinja chat template of tokenizer_config.json, if it has one."""
         return self._config.get("chat_template")

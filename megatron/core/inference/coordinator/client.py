@@ -31,6 +31,7 @@ from megatron.core.inference.coordinator.messages import (
     sampling_params_to_dict,
 )
 from megatron.core.inference.errors import DuplicateRequestIdError
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -145,21 +146,24 @@ class InferenceClient:
     async def submit(
         self, prompt_tokens: Sequence[int], sampling_params: SamplingParams, request_id: str | None = None
     ) -> RequestHandle:
-        """Send a request; returns its handle at once (outputs stream into it)."""
+        """Send a request; returns its handle at once (outputs stream into it).
+
+        Raises, with nothing kept: ``PromptTypeError`` for anything but token ids (the client has
+        no tokenizer), ``DuplicateRequestIdError``, ``ProtocolError`` for values msgpack cannot carry.
+        """
         socket = self._require_started()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._handles:
             raise DuplicateRequestIdError(request_id=request_id)
+        message = encode(
+            MessageKind.SUBMIT,
+            request_id=request_id,
+            prompt_tokens=prompt_token_ids(prompt_tokens),
+            sampling_params=sampling_params_to_dict(sampling_params),
+        )
         handle = RequestHandle(request_id, self)
         self._handles[request_id] = handle
-        await socket.send(
-            encode(
-                MessageKind.SUBMIT,
-                request_id=request_id,
-                prompt_tokens=[int(t) for t in prompt_tokens],
-                sampling_params=sampling_params_to_dict(sampling_params),
-            )
-        )
+        await socket.send(message)
         return handle
 
     def abort(self, request_id: str) -> None:

@@ -34,6 +34,7 @@ from megatron.core.inference.coordinator.messages import (
 )
 from megatron.core.inference.coordinator.routing import LoadRouter
 from megatron.core.inference.errors import DuplicateRequestIdError
+from megatron.core.inference.prompts import PromptTypeError, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,13 @@ class InferenceCoordinator:
 
     def _on_submit(self, client: bytes, payload: dict[str, Any]) -> None:
         request_id = payload["request_id"]
-        if not isinstance(request_id, str) or not isinstance(payload["prompt_tokens"], list):
-            raise ProtocolError("submit needs a string request_id and a list of prompt_tokens")
+        if not isinstance(request_id, str):
+            raise ProtocolError("submit needs a string request_id")
+        try:
+            prompt_token_ids(payload["prompt_tokens"])  # routing reads token ids; no tokenizer here
+        except PromptTypeError as exc:
+            self._reply(client, [error_output(request_id, error_dict(exc))])
+            return
         if request_id in self._unrouted:
             self._reply(client, [error_output(request_id, error_dict(DuplicateRequestIdError(request_id=request_id)))])
             return

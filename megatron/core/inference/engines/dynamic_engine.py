@@ -64,6 +64,7 @@ from megatron.core.inference.engines.step_decisions import Decision, DecisionLay
 from megatron.core.inference.errors import DuplicateRequestIdError
 from megatron.core.inference.host_copies import DeviceToHost, to_device
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import LogitsProcessor, SamplingParams, SamplingRows, make_generator, sample
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
@@ -265,16 +266,17 @@ class DynamicInferenceEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_tokens: Sequence[int],
+        prompt_tokens: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         *,
         prefilled_import: bool = False,
     ) -> None:
         """Queue a request, or raise its typed ``InferenceRequestError`` (nothing is queued;
         other requests are unaffected). ``prefilled_import``: its KV was computed elsewhere, so
-        the per-step prompt token limit does not apply (length and pool checks still do)."""
+        the per-step prompt token limit does not apply (length and pool checks still do).
+        Text prompts: see :func:`~megatron.core.inference.prompts.prompt_token_ids`."""
         params = sampling_params or SamplingParams()
-        prompt = [int(t) for t in prompt_tokens]
+        prompt = prompt_token_ids(prompt_tokens, self.tokenizer)
         max_new = self.check_request(request_id, prompt, params, prefilled_import=prefilled_import)
         seed = params.seed if params.seed is not None else (self.seed * _SEED_MIX + self._num_added) % 2**63
         self._num_added += 1

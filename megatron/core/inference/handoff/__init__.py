@@ -6,7 +6,7 @@ capacity wait, pull, admission into decode), :mod:`failures` (typed errors) and
 :mod:`serving` (channel, prefill worker, engine adapter for the coordinator).
 """
 
-from megatron.core.inference.handoff.decode_side import DecodeSide, prompt_token_ids
+from megatron.core.inference.handoff.decode_side import DecodeSide
 from megatron.core.inference.handoff.failures import (
     HandoffMetadataError,
     HandoffRejectedError,
@@ -41,5 +41,4 @@ __all__ = [
     "TransferState",
     "TransferSubmitError",
     "TransportError",
-    "prompt_token_ids",
 ]

@@ -26,7 +26,6 @@ one may.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,22 +52,6 @@ from megatron.core.inference.sampling import SamplingParams
 
 RELEASE, ABANDON = "release", "abandon"
 _PENDING, _DONE, _FAILED = 0, 1, 2
-
-
-def prompt_token_ids(prompt: str | Sequence[int], tokenizer=None, *, add_bos: bool = False) -> list[int]:
-    """The token ids of a prompt: a string is tokenized with the tokenizer's ordinary rules,
-    with one BOS in front when ``add_bos`` (never a second one); a token list is used as given."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise HandoffRejectedError(request_id="?", reason="a text prompt needs a tokenizer; send token ids")
-        ids = tokenizer.tokenize(prompt)
-        if add_bos:
-            if tokenizer.bos is None:
-                raise HandoffRejectedError(request_id="?", reason="add_bos asked but the tokenizer has no BOS token")
-            if not ids or ids[0] != tokenizer.bos:
-                ids = [tokenizer.bos] + ids
-        return ids
-    return [int(t) for t in prompt]
 
 
 @dataclass

@@ -32,6 +32,7 @@ from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout
 from megatron.core.inference.handoff.plan import CONV_REGION, KV_REGION, SSM_REGION
 from megatron.core.inference.handoff.transport import HandoffTransport
 from megatron.core.inference.model_runner import model_is_hybrid
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 
 
@@ -109,7 +110,7 @@ class PrefillSide:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_tokens: Sequence[int], sampling_params: SamplingParams) -> None:
         """Queue a prompt for prefill (raises the engine's typed admission errors)."""
-        prompt = [int(t) for t in prompt_tokens]
+        prompt = prompt_token_ids(prompt_tokens, self.engine.tokenizer)
         room = self.engine.max_sequence_length - len(prompt)
         budget = sampling_params.max_tokens or room
         # The first token plus the drafts proposed with it: a larger budget would only ask the

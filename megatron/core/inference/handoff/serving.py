@@ -31,6 +31,7 @@ from megatron.core.inference.errors import DuplicateRequestIdError, InferenceReq
 from megatron.core.inference.handoff.decode_side import ABANDON, RELEASE, DecodeSide
 from megatron.core.inference.handoff.metadata import HandoffRecord
 from megatron.core.inference.handoff.prefill_side import PrefillSide
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 
 
@@ -145,7 +146,7 @@ class DisaggregatedEngine:
     def add_request(self, request_id: str, prompt_tokens, sampling_params: SamplingParams | None = None) -> None:
         """Check against the decode engine (typed errors; nothing sent), then send to prefill."""
         params = sampling_params or SamplingParams()
-        prompt = [int(t) for t in prompt_tokens]
+        prompt = prompt_token_ids(prompt_tokens, self.engine.tokenizer)
         if request_id in self._prefilling:
             raise DuplicateRequestIdError(request_id=request_id)
         self.engine.check_request(request_id, prompt, params, prefilled_import=True)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from megatron.core.inference.parsers import ToolCallEvent, build_output_parser, collect
+from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.inference.server.errors import bad_request
 from megatron.core.inference.server.protocol import ChatCompletionRequest, NamedToolChoice
-from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
+from megatron.core.inference.server.service import OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
 from megatron.core.tokenizers import TokenizerError
 
@@ -36,9 +38,8 @@ def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[di
 class _ChatChoice:
     """Per-choice state: the output parser and what it produced."""
 
-    def __init__(self, service: OpenAIService, body: ChatCompletionRequest, choice: Choice, parsed_tools):
+    def __init__(self, service: OpenAIService, body: ChatCompletionRequest, parsed_tools):
         config = service.config
-        self.choice = choice
         self.tokenizer = service.tokenizer
         self.parser = build_output_parser(
             config.reasoning_parser,
@@ -68,13 +69,14 @@ class _ChatChoice:
 
 async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) -> Response:
     service.check_model(body.model)
+    service.check_fan_out(1, body.n)
     tools, parsed_tools = _tools(service, body)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
     try:
         prompt_text = render_chat(service.tokenizer, messages, tools)
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    prompt = service.check_prompt(service.tokenizer.tokenize(prompt_text), "messages")
+    prompt = service.check_prompt(tokenize_prompt(service.tokenizer, prompt_text), "messages")
     params = service.sampling_params(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -86,24 +88,27 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     started = time.monotonic()
     choices = await service.start_choices(request_id, [prompt], params, body.n)
     service.metrics.observe_ttft(time.monotonic() - started)
-    states = {c.index: _ChatChoice(service, body, c, parsed_tools) for c in choices}
+    states = {index: _ChatChoice(service, body, parsed_tools) for index in range(choices.size)}
     created = R.now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(service, body, request_id, created, prompt, choices, states, include_usage))
-    events: dict[int, list] = {c.index: [] for c in choices}
-    logprobs: dict[int, list] = {c.index: [] for c in choices}
+        return EventStreamResponse(
+            _stream(service, body, request_id, created, prompt, choices, states, include_usage), on_close=choices.abort
+        )
+    events: dict[int, list] = {index: [] for index in states}
+    logprobs: dict[int, list] = {index: [] for index in states}
     reasons: dict[int, str] = {}
     service.metrics.running += 1
     try:
-        async for choice, delta in merged_deltas(choices):
-            if delta.finish_reason == "error":
-                raise error_from_output(delta.error)
-            state = states[choice.index]
-            events[choice.index] += state.events(delta)
-            logprobs[choice.index] += state.logprobs(delta) if state.want_logprobs else []
-            if delta.finish_reason is not None:
-                reasons[choice.index] = state.finish_reason(delta.finish_reason)
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    raise error_from_output(delta.error)
+                state = states[choice.index]
+                events[choice.index] += state.events(delta)
+                logprobs[choice.index] += state.logprobs(delta) if state.want_logprobs else []
+                if delta.finish_reason is not None:
+                    reasons[choice.index] = state.finish_reason(delta.finish_reason)
     finally:
         service.metrics.running -= 1
     result = [
@@ -112,7 +117,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
         )
         for index in sorted(events)
     ]
-    usage = service.account(choices, [prompt])
+    usage = service.account(choices.choices, [prompt])
     return JSONResponse(R.envelope("chat.completion", request_id, body.model, created, result, usage=usage))
 
 
@@ -137,29 +142,30 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
 
     service.metrics.running += 1
     try:
-        for choice in choices:
+        for index in states:
             opening = {
-                "index": choice.index,
+                "index": index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             yield chunk([opening])
-        async for choice, delta in merged_deltas(choices):
-            if delta.finish_reason == "error":
-                yield R.sse(error_from_output(delta.error).body())
-                continue
-            state = states[choice.index]
-            content = state.events(delta)
-            part = {
-                "index": choice.index,
-                "delta": R.chat_delta(content),
-                "logprobs": {"content": state.logprobs(delta)} if state.want_logprobs else None,
-                "finish_reason": state.finish_reason(delta.finish_reason),
-            }
-            if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
-                yield chunk([part])
-        usage = service.account(choices, [prompt])
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    yield R.sse(error_from_output(delta.error).body())
+                    continue
+                state = states[choice.index]
+                content = state.events(delta)
+                part = {
+                    "index": choice.index,
+                    "delta": R.chat_delta(content),
+                    "logprobs": {"content": state.logprobs(delta)} if state.want_logprobs else None,
+                    "finish_reason": state.finish_reason(delta.finish_reason),
+                }
+                if part["delta"] or part["finish_reason"] is not None or (state.want_logprobs and delta.token_ids):
+                    yield chunk([part])
+        usage = service.account(choices.choices, [prompt])
         if include_usage:
             yield chunk([], usage=usage)
         yield R.SSE_DONE

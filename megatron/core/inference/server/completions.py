@@ -5,28 +5,29 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.errors import bad_request
 from megatron.core.inference.server.generation import finite_log_prob
 from megatron.core.inference.server.protocol import CompletionRequest
-from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output, merged_deltas
+from megatron.core.inference.server.service import Choice, OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
 
 
-def prompt_token_lists(service: OpenAIService, prompt) -> list[list[int]]:
-    """The request's prompts as token lists (a string, strings, token ids, or lists of ids)."""
-    if isinstance(prompt, str):
-        prompts = [service.tokenizer.tokenize(prompt)]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
-    else:
-        prompts = [service.tokenizer.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
-    if not prompts:
+def prompt_token_lists(service: OpenAIService, prompt, n: int) -> list[list[int]]:
+    """The request's prompts as token lists (a string, strings, token ids, or lists of ids),
+    within the server's fan-out caps."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        prompt = [prompt]
+    if not prompt:
         raise bad_request("prompt is an empty list; send a string, token ids, or a list of them", param="prompt")
+    service.check_fan_out(len(prompt), n)
+    prompts = [tokenize_prompt(service.tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
     return [service.check_prompt(tokens, "prompt") for tokens in prompts]
 
 
@@ -59,7 +60,7 @@ class _CompletionChoice:
 
 async def completions(service: OpenAIService, body: CompletionRequest) -> Response:
     service.check_model(body.model)
-    prompts = prompt_token_lists(service, body.prompt)
+    prompts = prompt_token_lists(service, body.prompt, body.n)
     want_logprobs = body.logprobs is not None
     params = service.sampling_params(
         body,
@@ -72,25 +73,41 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
     started = time.monotonic()
     choices = await service.start_choices(request_id, prompts, params, body.n)
     service.metrics.observe_ttft(time.monotonic() - started)
-    renderers = {c.index: _CompletionChoice(service, body, c) for c in choices}
+    renderers = _Renderers(service, body)
     created = R.now()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
-            _stream(service, body, request_id, created, prompts, choices, renderers, include_usage)
+            _stream(service, body, request_id, created, prompts, choices, renderers, include_usage),
+            on_close=choices.abort,
         )
     service.metrics.running += 1
     try:
-        rendered: dict[int, list[dict[str, Any]]] = {c.index: [] for c in choices}
-        async for choice, delta in merged_deltas(choices):
-            if delta.finish_reason == "error":
-                raise error_from_output(delta.error)
-            rendered[choice.index].append(renderers[choice.index].render(delta))
+        rendered: dict[int, list[dict[str, Any]]] = {index: [] for index in range(choices.size)}
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    raise error_from_output(delta.error)
+                rendered[choice.index].append(renderers.render(choice, delta))
     finally:
         service.metrics.running -= 1
     result = [_join(parts) for _, parts in sorted(rendered.items())]
-    usage = service.account(choices, prompts)
+    usage = service.account(choices.choices, prompts)
     return JSONResponse(R.envelope("text_completion", request_id, body.model, created, result, usage=usage))
+
+
+class _Renderers:
+    """The renderer of each choice, made when its first delta arrives."""
+
+    def __init__(self, service: OpenAIService, body: CompletionRequest):
+        self._service, self._body = service, body
+        self._by_index: dict[int, _CompletionChoice] = {}
+
+    def render(self, choice: Choice, delta) -> dict[str, Any]:
+        renderer = self._by_index.get(choice.index)
+        if renderer is None:
+            renderer = self._by_index[choice.index] = _CompletionChoice(self._service, self._body, choice)
+        return renderer.render(delta)
 
 
 def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,13 +123,14 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
 async def _stream(service, body, request_id, created, prompts, choices, renderers, include_usage) -> AsyncIterator[str]:
     service.metrics.running += 1
     try:
-        async for choice, delta in merged_deltas(choices):
-            if delta.finish_reason == "error":
-                yield R.sse(error_from_output(delta.error).body())
-                continue
-            chunk = renderers[choice.index].render(delta)
-            yield R.sse(R.envelope("text_completion", request_id, body.model, created, [chunk]))
-        usage = service.account(choices, prompts)
+        async with aclosing(choices.deltas()) as deltas:
+            async for choice, delta in deltas:
+                if delta.finish_reason == "error":
+                    yield R.sse(error_from_output(delta.error).body())
+                    continue
+                chunk = renderers.render(choice, delta)
+                yield R.sse(R.envelope("text_completion", request_id, body.model, created, [chunk]))
+        usage = service.account(choices.choices, prompts)
         if include_usage:
             yield R.sse(R.envelope("text_completion", request_id, body.model, created, [], usage=usage))
         yield R.SSE_DONE

@@ -44,9 +44,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# pydantic names the branch of a union in an error's location ("str", "list[ContentPart]", ...).
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_union_branch(part) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or not re.fullmatch(r"[a-z_][a-z0-9_]*", part))
+
+
+def _is_type_mismatch(error: dict) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or (kind == "literal_error" and not isinstance(error.get("input"), str))
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    errors = exc.errors()
+    # Of a union's failed branches, report the one whose type the input had (not a type mismatch;
+    # a literal's error for an input that is no string is one too).
+    first = next((e for e in errors if not _is_type_mismatch(e)), errors[0])
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_branch(part)]
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     where = ".".join(location) or "body"

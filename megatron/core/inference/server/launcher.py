@@ -76,7 +76,21 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     server.add_argument("--served-model-name", default="megatron", help="the model id requests must name")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     server.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="longer prompts get HTTP 413 before reaching an engine"
+        "--max-prompt-tokens", type=int, default=None, help="longer prompts get HTTP 400 before reaching an engine"
+    )
+    defaults = ServerConfig()
+    server.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=defaults.max_prompts_per_request,
+        help="most prompts one /v1/completions request may hold",
+    )
+    server.add_argument("--max-n", type=int, default=defaults.max_n, help="most choices per prompt (n) a request gets")
+    server.add_argument(
+        "--http-header-timeout", type=float, default=defaults.header_timeout_s, help="seconds for a request head"
+    )
+    server.add_argument(
+        "--http-body-timeout", type=float, default=defaults.body_timeout_s, help="seconds for a request body"
     )
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None)
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes")
@@ -99,6 +113,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         model_name=args.served_model_name,
         api_key=args.api_key,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_n=args.max_n,
+        header_timeout_s=args.http_header_timeout,
+        body_timeout_s=args.http_body_timeout,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )

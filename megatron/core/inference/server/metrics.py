@@ -32,14 +32,18 @@ class ServerMetrics:
 
     def __init__(self):
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.abandoned: dict[str, int] = defaultdict(int)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS_S) + 1)
         self.ttft_sum_s = 0.0
 
-    def count_request(self, endpoint: str, status: int) -> None:
+    def count_request(self, endpoint: str, status: int, *, abandoned: bool = False) -> None:
+        """One HTTP request answered ``status``; ``abandoned``: its client left before the whole response."""
         self.requests[(endpoint, status)] += 1
+        if abandoned:
+            self.abandoned[endpoint] += 1
 
     def count_tokens(self, prompt: int, generated: int) -> None:
         self.prompt_tokens += prompt
@@ -59,8 +63,18 @@ class ServerMetrics:
             return full
 
         name = family("requests_total", "counter", "HTTP requests by endpoint and status code.")
+        by_class: dict[tuple[str, str], int] = defaultdict(int)
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f"{name}{_labels(endpoint=endpoint, status=str(status))} {count}")
+            by_class[(endpoint, f"{status // 100}xx")] += count
+        name = family("requests_by_status_class_total", "counter", "HTTP requests by endpoint and status class.")
+        for (endpoint, status_class), count in sorted(by_class.items()):
+            lines.append(f"{name}{_labels(endpoint=endpoint, status_class=status_class)} {count}")
+        name = family(
+            "requests_abandoned_total", "counter", "HTTP requests whose client left before the whole response."
+        )
+        for endpoint, count in sorted(self.abandoned.items()):
+            lines.append(f"{name}{_labels(endpoint=endpoint)} {count}")
         lines.append(
             f"{family('prompt_tokens_total', 'counter', 'Prompt tokens of finished requests.')} {self.prompt_tokens}"
         )

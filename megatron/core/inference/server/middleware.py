@@ -1,4 +1,4 @@
-"""Pure ASGI middleware of the server: body size limit, API key, request counting.
+"""Pure ASGI middleware of the server: body size and time limits, API key, request counting.
 
 Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses and client disconnects pass
 through untouched.
@@ -6,26 +6,34 @@ through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megatron.core.inference.server.errors import APIError
 from megatron.core.inference.server.metrics import ServerMetrics
+from megatron.core.inference.server.streaming import CLIENT_CLOSED_REQUEST
 
 
-async def _send_error(send: Send, error: APIError) -> None:
+async def _send_error(send: Send, error: APIError, *, close: bool = False) -> None:
+    """Send ``error`` as the whole response; ``close`` asks the server to close the connection after it."""
     response = error.response()
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    headers = response.raw_headers + ([(b"connection", b"close")] if close else [])
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
 class BodyLimitMiddleware:
-    """Answers 413 to request bodies over ``max_bytes``, declared or streamed."""
+    """Reads each request body whole before the app runs, within limits: 413 for a body over
+    ``max_bytes`` (declared or streamed), 408 for one not complete within ``timeout_s`` (a
+    client that sends its body slowly or never holds no connection for long: the server closes
+    it after the 408)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,19 +43,27 @@ class BodyLimitMiddleware:
         )
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(send, too_large)
-        # Read the whole body up front (bounded), then hand it to the app in one message.
+            return await _send_error(send, too_large, close=True)
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await _send_error(send, too_large)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before sending its body
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_bytes:
+                        return await _send_error(send, too_large, close=True)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            too_slow = APIError(
+                408,
+                f"the request body did not arrive within {self.timeout_s}s; send it at once",
+                code="request_timeout",
+            )
+            return await _send_error(send, too_slow, close=True)
         body_message: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         async def replay() -> Message:
@@ -82,7 +98,10 @@ class ApiKeyMiddleware:
 
 
 class RequestCounterMiddleware:
-    """Counts responses by path (one of ``paths``, else "other") and status into :class:`ServerMetrics`."""
+    """Counts every HTTP request once into :class:`ServerMetrics`: by path (one of ``paths``, else
+    "other") and status, a 500 for an error that escaped the app included, and as abandoned
+    when its client left before the whole response was sent (such a request is counted with
+    the status it was answered, or 499 when it got none)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, paths: frozenset[str]):
         self.app = app
@@ -92,11 +111,27 @@ class RequestCounterMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        status: int | None = None
+        complete = abandoned = False
+
+        async def watching_receive() -> Message:
+            nonlocal abandoned
+            message = await receive()
+            abandoned |= message["type"] == "http.disconnect" and not complete
+            return message
 
         async def counting_send(message: Message) -> None:
+            nonlocal status, complete
             if message["type"] == "http.response.start":
-                path = scope["path"] if scope["path"] in self.paths else "other"
-                self.metrics.count_request(path, message["status"])
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                complete = not message.get("more_body", False)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, watching_receive, counting_send)
+        finally:
+            if status is None:
+                status = CLIENT_CLOSED_REQUEST if abandoned else 500
+            path = scope["path"] if scope["path"] in self.paths else "other"
+            self.metrics.count_request(path, status, abandoned=abandoned)

@@ -2,9 +2,11 @@
 
 ``build_app(client, tokenizer, config)`` returns a FastAPI app with /v1/completions,
 /v1/chat/completions, /v1/models, /health and /metrics. Each HTTP request becomes one
-engine request per choice. A request is admitted only once every choice has its first
-output, so admission errors get a proper status even for streams. A client that
-disconnects or closes its stream aborts its engine requests.
+engine request per choice, at most ``config.max_in_flight_per_request`` of them at a time
+(see :class:`~megatron.core.inference.server.service.ChoiceSet`). A request is admitted only
+once the choices of that first window have their first output, so admission errors get a
+proper status even for streams. A client that disconnects or closes its stream aborts its
+engine requests (a whole request then answers 499, counted in /metrics as abandoned).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def build_app(client: InferenceClient, tokenizer=None, config: ServerConfig | No
 
     app = FastAPI(title="Megatron OpenAI-compatible server", lifespan=lifespan)
     app.state.service = service
+    app.state.server_config = config  # serve.py reads its connection options
     install_error_handlers(app)
     _add_routes(app, service)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     paths = frozenset(route.path for route in app.routes)

@@ -1,6 +1,11 @@
 """Request models of the OpenAI-compatible API (pydantic), with the ranges we accept.
 
-Unknown fields are ignored, as OpenAI clients send fields a server may not know.
+Unknown fields are ignored, as OpenAI clients send fields a server may not know. Every string
+must be valid Unicode (JSON's ``"\\ud800"`` escapes a lone surrogate, which no text encoding
+can hold: 400 naming the field). Integers that reach the engine are bounded to int64.
+``stop`` is one string or a list of at most :data:`MAX_STOP_SEQUENCES` strings, each at most
+:data:`MAX_STOP_SEQUENCE_CHARS` characters long. ``n`` and the number of prompts are capped by
+the server's options (``ServerConfig.max_n``, ``max_prompts_per_request``).
 Responses are plain dicts built in ``responses.py``.
 """
 
@@ -8,16 +13,51 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from megatron.core.inference.sampling import MAX_TOP_LOGPROBS
 
-MAX_CHOICES = 16
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+MAX_INT64 = 2**63 - 1
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in a string, or in the strings (and keys) of nested lists and dicts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start]
+        return None
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = lone_surrogate(item)
+        if found is not None:
+            return found
+    return None
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        surrogate = lone_surrogate(value)
+        if surrogate is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "holds the lone surrogate {code}, which is not Unicode text; send valid UTF-8",
+                {"code": f"U+{ord(surrogate):04X}"},
+            )
+        return value
 
 
 class StreamOptions(_Model):
@@ -28,17 +68,40 @@ class _GenerationRequest(_Model):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT64, description="-1 or 0 disables top-k")
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = Field(
+        None,
+        description=f"one stop sequence or a list of at most {MAX_STOP_SEQUENCES}, "
+        f"each at most {MAX_STOP_SEQUENCE_CHARS} characters",
+    )
+    n: int = Field(1, ge=1, description="choices per prompt (at most the server's max_n)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        sequences = [stop] if isinstance(stop, str) else stop or []
+        if len(sequences) > MAX_STOP_SEQUENCES:
+            raise PydanticCustomError(
+                "too_many_stop_sequences",
+                "holds {count} stop sequences; at most {limit} are accepted",
+                {"count": len(sequences), "limit": MAX_STOP_SEQUENCES},
+            )
+        longest = max(map(len, sequences), default=0)
+        if longest > MAX_STOP_SEQUENCE_CHARS:
+            raise PydanticCustomError(
+                "stop_sequence_too_long",
+                "holds a stop sequence of {length} characters; each may have at most {limit}",
+                {"length": longest, "limit": MAX_STOP_SEQUENCE_CHARS},
+            )
+        return stop
 
 
 class CompletionRequest(_GenerationRequest):
@@ -106,7 +169,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None

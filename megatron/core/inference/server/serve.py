@@ -1,4 +1,8 @@
-"""Running the HTTP server: on a host and port, or on a listening socket the caller already bound."""
+"""Running the HTTP server: on a host and port, or on a listening socket the caller already bound.
+
+Every accepted connection gets TCP_NODELAY and a deadline for its request heads (see
+:mod:`~megatron.core.inference.server.connections`), whoever made the listening socket.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ from fastapi import FastAPI
 
 from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.coordinator.client import InferenceClient
+from megatron.core.inference.server.connections import guarded_http_protocol
 from megatron.core.inference.server.openai_api import build_app
+from megatron.core.inference.server.service import ServerConfig
 
 
 class ServerStartError(MegatronRuntimeError):
@@ -21,7 +27,7 @@ class ServerStartError(MegatronRuntimeError):
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0 picks a free port), listening."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
@@ -38,7 +44,18 @@ def as_app(app_or_engine_client: FastAPI | InferenceClient, **app_options) -> Fa
 
 
 def _server(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Server:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    """The uvicorn server of ``app``, with the connection policy of the app's ServerConfig (defaults
+    for an app that ``build_app`` did not make)."""
+    options = getattr(app.state, "server_config", None) or ServerConfig()
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        http=guarded_http_protocol(options.header_timeout_s),
+    )
     return uvicorn.Server(config)
 
 
@@ -77,8 +94,8 @@ class ServerThread:
         self.sock = sock if sock is not None else bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         self.app = as_app(app_or_engine_client, **app_options)
-        self._server = _server(self.app, self.host, self.port, log_level)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.uvicorn_server = _server(self.app, self.host, self.port, log_level)  # its server_state lists connections
+        self._thread = threading.Thread(target=self.uvicorn_server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -87,14 +104,14 @@ class ServerThread:
     def start(self, timeout_s: float = 30.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
+        while not self.uvicorn_server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise ServerStartError(f"the server on {self.url} did not start within {timeout_s}s")
             time.sleep(0.01)
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
+        self.uvicorn_server.should_exit = True
         self._thread.join(timeout_s)
 
     def __enter__(self) -> ServerThread:

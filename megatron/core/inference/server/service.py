@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +46,17 @@ class ServerConfig:
         model_name: the one model id served (``model`` of requests must equal it).
         api_key: when set, /v1/ requests need ``Authorization: Bearer <api_key>``.
         max_request_bytes: larger request bodies get 413.
-        max_prompt_tokens: longer prompts get 413 before reaching an engine; None: the engine decides.
+        max_prompt_tokens: longer prompts get 400 (``context_length_exceeded``) before reaching an
+            engine; None: the engine decides.
         default_max_tokens: ``max_tokens`` of requests that give none; None: the engine's length limit.
+        max_prompts_per_request: prompts one /v1/completions request may hold; more get 400.
+        max_n: choices per prompt (``n``) a request may ask for; more get 400.
+        max_in_flight_per_request: engine requests (one per choice) an HTTP request keeps in
+            flight; its further choices are submitted as these finish, so that a large request
+            takes turns with the others instead of queueing all of its choices ahead of them.
+        header_timeout_s: a connection whose request head (request line and headers) is not
+            complete this long after it opened, or after its previous response, is closed.
+        body_timeout_s: a request body not complete this long after its head gets 408.
         reasoning_parser, reasoning_options: split chat output into reasoning_content and content.
         tool_call_parser: how chat output encodes tool calls (used when a request offers tools).
     """
@@ -56,15 +66,25 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     default_max_tokens: int | None = None
+    max_prompts_per_request: int = 256
+    max_n: int = 16
+    max_in_flight_per_request: int = 16
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     reasoning_parser: str | None = None
     reasoning_options: dict[str, Any] | None = None
     tool_call_parser: str | None = "hermes"
 
     def __post_init__(self):
-        for name in ("max_request_bytes", "max_prompt_tokens", "default_max_tokens"):
+        counts = ("max_request_bytes", "max_prompt_tokens", "default_max_tokens", "max_prompts_per_request", "max_n")
+        for name in (*counts, "max_in_flight_per_request"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ServerConfigError(f"{name} must be a positive integer (or None where allowed), got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ServerConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         for value, registry, what in (
             (self.reasoning_parser, REASONING_PARSERS, "reasoning_parser"),
             (self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser"),
@@ -93,7 +113,7 @@ def error_from_output(error: dict[str, Any] | None) -> APIError:
     error = error or {"type": "UnknownError", "message": "the engine reported an error without details"}
     kind, message = error.get("type", ""), error.get("message", "")
     if kind in _TOO_LARGE:
-        return APIError(413, message, code="context_length_exceeded")
+        return bad_request(message, code="context_length_exceeded")
     if kind in _UNAVAILABLE:
         return APIError(503, message, type="server_error", code="unavailable")
     if kind == ENGINE_WITHOUT_TOKENIZER["type"]:
@@ -134,13 +154,29 @@ class OpenAIService:
             )
         limit = self.config.max_prompt_tokens
         if limit is not None and len(tokens) > limit:
-            raise APIError(
-                413,
+            raise bad_request(
                 f"{param} has {len(tokens)} tokens but this server accepts at most {limit}; shorten it",
                 param=param,
                 code="context_length_exceeded",
             )
         return tokens
+
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse requests for more prompts or choices than the server's caps (400 naming the cap)."""
+        config = self.config
+        if n > config.max_n:
+            raise bad_request(
+                f"n={n} is more than this server's limit of {config.max_n} choices per prompt (max_n)",
+                param="n",
+                code="invalid_value",
+            )
+        if num_prompts > config.max_prompts_per_request:
+            raise bad_request(
+                f"prompt holds {num_prompts} prompts but this server accepts at most "
+                f"{config.max_prompts_per_request} per request (max_prompts_per_request); send several requests",
+                param="prompt",
+                code="invalid_value",
+            )
 
     def sampling_params(
         self, body, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo_logprobs: bool
@@ -164,27 +200,10 @@ class OpenAIService:
 
     async def start_choices(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
-    ) -> list[Choice]:
-        """Submit ``n`` choices per prompt and wait for each one's first output."""
-        choices: list[Choice] = []
-        try:
-            for prompt_index, prompt in enumerate(prompts):
-                for i in range(n):
-                    index = prompt_index * n + i
-                    seeded = (
-                        params
-                        if params.seed is None or i == 0
-                        else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-                    )
-                    handle = await self.client.submit(prompt, seeded, request_id=f"{request_id}-{index}")
-                    choices.append(Choice(index, prompt, handle, ChoiceDecoder()))
-            for choice in choices:
-                choice.first = await choice.handle.next_output()
-                if choice.first["finish_reason"] == "error":
-                    raise error_from_output(choice.first["error"])
-        except BaseException:
-            abort_all(choices)
-            raise
+    ) -> ChoiceSet:
+        """The choices of a request, started (see :meth:`ChoiceSet.start`)."""
+        choices = ChoiceSet(self.client, request_id, prompts, params, n, self.config.max_in_flight_per_request)
+        await choices.start()
         return choices
 
     def account(self, choices: list[Choice], prompts: list[list[int]]) -> dict[str, int]:
@@ -194,33 +213,96 @@ class OpenAIService:
         return R.usage(prompt, completion)
 
 
-def abort_all(choices: list[Choice]) -> None:
-    for choice in choices:
-        if not choice.handle.done:
-            choice.handle.abort()
+class ChoiceSet:
+    """The engine requests of one HTTP request: ``n`` choices per prompt, choice
+    ``prompt_index * n + i`` being one engine request, submitted in index order with at most
+    ``window`` unfinished at a time (each finished choice makes room for the next one).
 
+    A choice's first output tells whether the engine admitted it: :meth:`start` waits for those
+    of the first window, so their admission errors become the HTTP status; a later choice that
+    is refused ends with an error delta instead.
+    """
 
-async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, ChoiceDelta]]:
-    """Deltas of all choices as they arrive; closing the iterator aborts what is unfinished."""
-    queue: asyncio.Queue = asyncio.Queue()
+    def __init__(
+        self,
+        client: InferenceClient,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        window: int,
+    ):
+        self._client = client
+        self._window = window
+        self._request_id = request_id
+        self._unsubmitted = deque(
+            (prompt_index * n + i, prompt, _choice_params(params, i))
+            for prompt_index, prompt in enumerate(prompts)
+            for i in range(n)
+        )
+        self.size = len(self._unsubmitted)
+        self.choices: list[Choice] = []
 
-    async def pump(choice: Choice) -> None:
+    async def _submit_next(self) -> Choice:
+        index, prompt, params = self._unsubmitted.popleft()
+        handle = await self._client.submit(prompt, params, request_id=f"{self._request_id}-{index}")
+        choice = Choice(index, prompt, handle, ChoiceDecoder())
+        self.choices.append(choice)
+        return choice
+
+    async def start(self) -> None:
+        """Submit the first window and wait for each one's first output; raises the APIError of
+        an admission error (nothing stays in flight then)."""
         try:
-            async for delta in choice.deltas():
-                queue.put_nowait((choice, delta))
-        finally:
-            queue.put_nowait((choice, None))
+            started = [await self._submit_next() for _ in range(min(self._window, self.size))]
+            for choice in started:
+                choice.first = await choice.handle.next_output()
+                if choice.first["finish_reason"] == "error":
+                    raise error_from_output(choice.first["error"])
+        except BaseException:
+            self.abort()
+            raise
 
-    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            choice, delta = await queue.get()
-            if delta is None:
-                remaining -= 1
-            else:
-                yield choice, delta
-    finally:
-        for task in tasks:
-            task.cancel()
-        abort_all(choices)
+    async def deltas(self) -> AsyncIterator[tuple[Choice, ChoiceDelta]]:
+        """Deltas of all choices as they arrive, submitting the rest as room frees up; closing
+        the iterator aborts what is unfinished."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Future] = []
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for delta in choice.deltas():
+                    queue.put_nowait((choice, delta))
+            finally:
+                queue.put_nowait((choice, None))
+
+        tasks += [asyncio.ensure_future(pump(choice)) for choice in self.choices]
+        try:
+            running = len(tasks)
+            while running:
+                choice, delta = await queue.get()
+                if delta is not None:
+                    yield choice, delta
+                    continue
+                running -= 1
+                if self._unsubmitted:
+                    tasks.append(asyncio.ensure_future(pump(await self._submit_next())))
+                    running += 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort every submitted choice that has not finished; submit no more."""
+        self._unsubmitted.clear()
+        for choice in self.choices:
+            if not choice.handle.done:
+                choice.handle.abort()
+
+
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The parameters of a prompt's ``i``-th choice: a seeded request seeds each choice differently."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % 2**64)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its response
+
 
 async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``; if the HTTP client leaves first, cancel it (its cleanup aborts the engine requests)."""
+    """Run ``work``; if the HTTP client leaves first, cancel it and wait until it has cleaned up
+    (its cleanup aborts the engine requests), then answer 499 (which nobody reads, but which
+    the request counters see)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -24,27 +28,37 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
         watcher.cancel()
         if not task.done():
             task.cancel()
+        # Also when this coroutine itself is cancelled: the work is never left running.
+        await asyncio.wait({task, watcher})
     if task.cancelled():
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return task.result()
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE response that also watches for the client leaving and then closes the body stream."""
+    """SSE response that also watches for the client leaving and then closes the body stream;
+    ``on_close`` runs once the stream is over either way (also when it never started)."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]):
+        super().__init__(content)
+        self._on_close = on_close
+
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away mid-send
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-        await self.body_iterator.aclose()
+            await self.body_iterator.aclose()
+        finally:
+            self._on_close()

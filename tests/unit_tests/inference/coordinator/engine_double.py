@@ -25,6 +25,7 @@ from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.engines.errors import InvalidPromptError, MaxSequenceLengthOverflowError
 from megatron.core.inference.engines.requests import RequestOutput
 from megatron.core.inference.errors import DuplicateRequestIdError
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.tokenizers import ByteLevelTokenizer
@@ -106,10 +107,9 @@ class HashEngine:
     ):
         with self._lock:
             self.log.append(("add", request_id))
-            self._check(request_id, list(prompt_tokens), sampling_params)
-            self.requests[request_id] = _Request(
-                list(prompt_tokens), sampling_params, TextStream(TOKENIZER, sampling_params.stop)
-            )
+            prompt = prompt_token_ids(prompt_tokens, TOKENIZER)
+            self._check(request_id, prompt, sampling_params)
+            self.requests[request_id] = _Request(prompt, sampling_params, TextStream(TOKENIZER, sampling_params.stop))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ REQUESTS = {
     "top_logprobs": ([8, 9], SamplingParams(temperature=0.0, max_tokens=3, logprobs=True, top_logprobs=4)),
     "aborted": ([6], SamplingParams(temperature=0.9, seed=1, max_tokens=5, logprobs=True)),
     "to_the_limit": ([7] * 40, SamplingParams(temperature=0.0, return_prompt_logprobs=True)),
+    "text": ("123", SamplingParams(temperature=0.0, max_tokens=2)),
 }
 BAD_REQUESTS = {
     "duplicate": ("plain", [1], SamplingParams()),
@@ -28,6 +29,7 @@ BAD_REQUESTS = {
     "out_of_vocab": ("v", [VOCAB_SIZE], SamplingParams()),
     "too_long": ("t", [1] * (MAX_SEQ + 1), SamplingParams()),
     "overflow": ("o", [1] * 40, SamplingParams(max_tokens=9)),
+    "not_token_ids": ("f", [1.5], SamplingParams()),
 }
 
 

@@ -6,9 +6,10 @@ import asyncio
 import threading
 
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
-from megatron.core.inference.handoff.decode_side import DecodeSide, prompt_token_ids
+from megatron.core.inference.handoff.decode_side import DecodeSide
 from megatron.core.inference.handoff.prefill_side import PrefillSide
 from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel, PrefillWorker
+from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from tests.unit_tests.inference.handoff.common import FaultyTransport, baseline, build_engine, build_model, nixl

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import socket
 
 import httpx
 import openai
@@ -30,11 +31,14 @@ def test_closing_a_stream_mid_generation_aborts_the_request_in_the_engine():
 def test_a_client_leaving_a_whole_request_aborts_it():
     engine = HashEngine(step_delay_s=0.005)
     with openai_server([engine]) as (server, coordinator):
-        body = {"model": "megatron", "prompt": "long", "max_tokens": 4000}
-        try:
-            httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
-        except httpx.ReadTimeout:
-            pass
+        body = b'{"model": "megatron", "prompt": "long", "max_tokens": 4000}'
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            wait_until(lambda: engine.tokens_generated > 0, "the request to be generating")
+        # The client has left (the connection is closed) while its request generates.
         wait_until(lambda: list(engine.finished.values()) == ["abort"], "the abort to reach the engine")
         wait_until(lambda: not coordinator.router.routes, "routing state to clear")
 

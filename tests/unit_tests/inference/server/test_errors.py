@@ -63,17 +63,19 @@ def test_malformed_json_is_400(server):
     assert error["message"].startswith("request body is not valid JSON") and error["code"] == "invalid_json"
 
 
-def test_oversize_body_and_prompt_are_413(server):
+def test_oversize_body_is_413_and_overlong_prompt_is_400_context_length_exceeded(server):
     error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 5000}), 413)
     assert error["message"] == "request body is larger than 4096 bytes; send a smaller request"
-    error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 101}), 413)
+    error = error_of(post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 101}), 400)
     assert error["message"] == "prompt has 101 tokens but this server accepts at most 100; shorten it"
-    # Over the engine's own limit (64) but under the server's: the engine's typed error, as 413, streamed or not.
+    assert error["code"] == "context_length_exceeded"
+    # Over the engine's own limit (64) but under the server's: the engine's typed error, as 400, streamed or not.
     for stream in (False, True):
         error = error_of(
-            post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 80, "stream": stream}), 413
+            post(server, "/v1/completions", json={"model": "megatron", "prompt": "x" * 80, "stream": stream}), 400
         )
         assert error["message"].startswith("prompt has 80 tokens but the maximum sequence length is 64")
+        assert error["code"] == "context_length_exceeded"
 
 
 def test_unknown_model_is_404_and_bad_token_ids_are_400(server):
@@ -109,7 +111,7 @@ def test_a_stream_in_flight_is_unaffected_by_bad_requests(server):
     thread = threading.Thread(target=stream)
     thread.start()
     for bad in ({"model": "megatron", "prompt": "a", "top_p": 0}, {"model": "megatron", "prompt": "x" * 80}, {}):
-        assert post(server, "/v1/completions", json=bad).status_code in (400, 413)
+        assert post(server, "/v1/completions", json=bad).status_code == 400
     post(server, "/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"})
     thread.join(30)
 

@@ -51,7 +51,7 @@ def test_greedy_completions_match_a_cache_free_reference_and_admission_errors_ar
     # The engine ends the request at the token that completes the stop; usage counts exactly those.
     assert stopped.choices[0].text == full_text[: full_text.index(stop)] and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == full_text.index(stop) + len(stop)  # one byte per character
-    assert too_long.value.status_code == 413
+    assert too_long.value.status_code == 400
     expected = MaxSequenceLengthOverflowError(prompt_length=40, max_tokens=20, max_sequence_length=48)
     assert too_long.value.body == {
         "message": str(expected),
