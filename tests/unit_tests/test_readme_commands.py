@@ -71,6 +71,7 @@ GPU_ONLY = {
     "python benchmarks/handoff_transfer.py --device cuda:0": "python benchmarks/handoff_transfer.py --help",
     "python -m benchmarks.paged_attention_gpu": "python -m benchmarks.paged_attention_gpu --help",
     "python -m benchmarks.mamba_kernels_gpu": "python -m benchmarks.mamba_kernels_gpu --help",
+    "python -m benchmarks.inference_kernels_gpu": "python -m benchmarks.inference_kernels_gpu --help",
     "python benchmarks/gpu_train.py --config all": "python benchmarks/gpu_train.py --help",
     "python benchmarks/gpu_decode.py --output-json": "python benchmarks/gpu_decode.py --help",
     "python tools/run_test_bucket.py gpu2": "python tools/run_test_bucket.py --help",
@@ -171,8 +172,10 @@ def test_quickstart_trains_tp2_pp2_on_four_processes_and_generates(tmp_path):
     run_dir = tmp_path / "runs" / "quickstart"
     short = " --train-iters 10 --lr-warmup-iters 2 --log-interval 5"
     done = run_command(readme_command(QUICKSTART) + short, ROOT, env=_cpu_env(RUN_DIR=str(run_dir)))
-    losses = [r["lm loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm loss"] for r in records if r["type"] == "train"]
     assert len(losses) == 2 and losses[1] < losses[0]  # logged at iterations 5 and 10
+    assert [r["type"] for r in records if r["type"] != "train"] == ["validation", "test"]  # after training
     assert f"saved checkpoint {run_dir}/iter_0000010 (iteration 10)" in done.stdout
     report = json.loads((run_dir / "generations.json").read_text())
     assert [len(r["generated_tokens"]) for r in report["requests"]] == [96, 96, 96]

@@ -23,6 +23,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -86,23 +87,70 @@ DEFAULT_POSITION_EMBEDDINGS = {"gpt": "learned_absolute", "hybrid": "none"}
 
 @dataclass(frozen=True)
 class TokenizerRecord:
-    """A tokenizer as ``--tokenizer-type`` / ``--tokenizer-model`` name it. ``model`` is the
-    tokenizer's file or directory (None for tokenizers that need no files); in a checkpoint's
-    JSON it is relative to the iteration directory."""
+    """A tokenizer as ``--tokenizer-type`` and the flags it reads name it: ``model``
+    (``--tokenizer-model``: a tokenizer.json or its directory, a SentencePiece .model file),
+    ``vocab_file`` / ``merge_file`` (GPT-2 BPE files), ``vocab_size`` (NullTokenizer). None
+    where the type reads nothing. In a checkpoint's JSON the paths are relative to the
+    iteration directory (see :meth:`stored`)."""
 
     type: str
     model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("model", "vocab_file", "merge_file")
 
     def build(self) -> MegatronTokenizer:
-        return build_tokenizer(self.type, self.model)
+        return build_tokenizer(
+            self.type, self.model, vocab_file=self.vocab_file, merge_file=self.merge_file, vocab_size=self.vocab_size
+        )
+
+    def to_dict(self) -> dict:
+        """``type`` and ``model``, and the other fields that are set."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if v is not None or k in ("type", "model")}
+
+    def _hf_directory(self) -> bool:
+        return self.type == "HuggingFaceTokenizer" and self.model is not None
 
     def files(self) -> list[str]:
-        """The files this tokenizer is read from (none for a tokenizer without a model)."""
-        if self.model is None:
-            return []
-        tokenizer_file = resolve_tokenizer_file(self.model)
-        config_file = tokenizer_file.parent / CONFIG_FILE
-        return [str(tokenizer_file)] + ([str(config_file)] if config_file.is_file() else [])
+        """The files this tokenizer is read from (none for a tokenizer without files)."""
+        if self._hf_directory():
+            tokenizer_file = resolve_tokenizer_file(self.model)
+            config_file = tokenizer_file.parent / CONFIG_FILE
+            return [str(tokenizer_file)] + ([str(config_file)] if config_file.is_file() else [])
+        return [getattr(self, name) for name in self.PATH_FIELDS if getattr(self, name) is not None]
+
+    def stored(self, directory: str) -> TokenizerRecord:
+        """This record once :meth:`files` are copied (by base name) into ``directory``, a path
+        relative to the iteration directory: an HF tokenizer is named by the directory."""
+        if self._hf_directory():
+            return dataclasses.replace(self, model=directory)
+        names = [os.path.basename(path) for path in self.files()]
+        if len(set(names)) != len(names):
+            raise ModelRecordError(
+                f"tokenizer files {self.files()} share a file name; a checkpoint stores them side by side"
+            )
+        return dataclasses.replace(
+            self,
+            **{
+                name: os.path.join(directory, os.path.basename(getattr(self, name)))
+                for name in self.PATH_FIELDS
+                if getattr(self, name) is not None
+            },
+        )
+
+    def located(self, directory: str) -> TokenizerRecord:
+        """This record with its relative paths taken relative to ``directory``."""
+        return dataclasses.replace(
+            self,
+            **{
+                name: os.path.join(os.path.abspath(directory), getattr(self, name))
+                for name in self.PATH_FIELDS
+                if getattr(self, name) is not None
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -176,7 +224,7 @@ class ModelRecord:
             if field.name == "config":
                 value = value.to_dict()
             elif field.name == "tokenizer" and value is not None:
-                value = dataclasses.asdict(value)
+                value = value.to_dict()
             data[field.name] = value
         return data
 
@@ -283,18 +331,16 @@ def read_model_record(path: str) -> ModelRecord:
     with open(os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME), encoding="utf-8") as f:
         data = json.load(f)
     record = ModelRecord.from_dict(data)
-    tokenizer = record.tokenizer
-    if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
-        located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
-        record = record.replace(tokenizer=TokenizerRecord(tokenizer.type, located))
+    if data["version"] > 1 and record.tokenizer is not None:
+        record = record.replace(tokenizer=record.tokenizer.located(checkpoint_dir))
     return record
 
 
 def _stored_record(record: ModelRecord) -> ModelRecord:
     """``record`` as a checkpoint stores it: its tokenizer's files in ``tokenizer/``."""
-    if record.tokenizer is None or record.tokenizer.model is None:
+    if record.tokenizer is None or not record.tokenizer.files():
         return record
-    return record.replace(tokenizer=TokenizerRecord(record.tokenizer.type, TOKENIZER_DIRNAME))
+    return record.replace(tokenizer=record.tokenizer.stored(TOKENIZER_DIRNAME))
 
 
 def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: ModelRecord) -> str:

@@ -72,6 +72,13 @@ TRAIN_FLAGS = [
     "--lr",
     "1e-2",
     "--mock-data",
+    # Megatron's defaults are dropout 0.1 and 100 evaluation batches at the end: this run pins its own.
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--eval-iters",
+    "0",
     "--log-interval",
     "100",
     "--init-method-std",

@@ -4,9 +4,10 @@
 tables) once; :meth:`StepAttention.attend` then serves every attention layer of the step. The
 backend comes from :func:`~megatron.core.inference.contexts.paged_attention.resolve_backend`:
 
-- **triton**: the fused kernel of :mod:`paged_attention_triton`, fed with the step's per-token
-  request rows and positions (built on the host with the step), so a call never waits for the
-  device and a CUDA graph can capture it.
+- **triton**: the fused kernel of :mod:`paged_attention_triton` through
+  :func:`~paged_attention.paged_attention` without host-side checks (the step's lengths are
+  consistent by construction), so a call never waits for the device and a CUDA graph can
+  capture it.
 - **torch** (the CPU path): the plan computes, for every request, the cache slots of its keys
   (padded with masked keys to a multiple of :data:`~paged_attention.KEY_TILE`) and the causal
   mask of its queries once; each layer then gathers the keys and values of the whole step in
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.inference.contexts.paged_attention import KEY_TILE, resolve_backend
+from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,16 @@ class StepAttention:
         if not count:
             return out
         if self.backend == "triton":
-            from megatron.core.inference.contexts.paged_attention_triton import launch_paged_attention
-
-            launch_paged_attention(
-                out[:count],
+            out[:count] = paged_attention(
                 query[:count],
                 key_cache,
                 value_cache,
                 step.block_tables,
-                step.token_requests[:count],
-                step.positions[:count],
+                step.query_lengths,
+                step.kv_lengths,
                 scale,
+                backend="triton",
+                validate=False,  # build_step made the lengths consistent; checking reads them on the host
             )
             return out
         kv_heads = key_cache.shape[2]

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.core.inference import kernels
 from megatron.core.inference.contexts.capacity import CapacityConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState
 from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_blocker
@@ -163,6 +164,7 @@ class DynamicInferenceEngine:
         self.runner = ModelRunner(model, pg)
         self.max_sequence_length = max_sequence_length or model.max_sequence_length
         self.max_tokens_per_step = max_tokens_per_step
+        self.batch_invariant = batch_invariant
         self.context = DynamicInferenceContext.create(
             stage_cache_spec(model, block_size, pg.size("tp")),
             CapacityConfig(buffer_size_bytes=buffer_size_bytes, num_blocks=num_blocks, max_requests=max_requests),
@@ -191,7 +193,8 @@ class DynamicInferenceEngine:
         self.logits_processors = list(logits_processors)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
         # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
-        self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
+        with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
+            self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
         self.graphs = self._decode_graphs(enable_cuda_graphs, self.buckets or StepBuckets(candidates))
         self.overlap_steps = self._overlap(overlap_steps)
         self._requests: dict[str, EngineRequest] = {}
@@ -222,7 +225,8 @@ class DynamicInferenceEngine:
         if blocker is not None and not on_cpu:
             raise EngineConfigError(f"enable_cuda_graphs=True, but {blocker}")
         graphs = DecodeGraphs(self.runner, self.context, buckets.sizes, capture=not on_cpu)
-        graphs.capture()
+        with kernels.batch_invariant(self.batch_invariant):
+            graphs.capture()
         return graphs
 
     def _overlap(self, overlap: bool | None) -> bool:
@@ -438,13 +442,15 @@ class DynamicInferenceEngine:
                 schedule, pad_to_tokens=bucket, pad_to_requests=bucket, pending_tokens=pending
             )
             self._host_s += time.perf_counter() - started
-            result = self.graphs.run(batch)
+            with kernels.batch_invariant(self.batch_invariant):
+                result = self.graphs.run(batch)
             self._stats["graph_steps"] += 1
         else:
             pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
             batch = self.context.build_step(schedule, pad_to_tokens=pad, pending_tokens=pending)
             self._host_s += time.perf_counter() - started
-            result = self.runner.forward(self.context, batch)
+            with kernels.batch_invariant(self.batch_invariant):
+                result = self.runner.forward(self.context, batch)
         for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True):
             prefill = min(entry.num_tokens, entry.request.prefill_target - offset)
             self._stats["prefill_tokens_computed"] += max(prefill, 0)
