@@ -192,6 +192,11 @@ class DynamicInferenceEngine:
         self.seed = seed
         self.logits_processors = list(logits_processors)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
+        if batch_invariant and model_is_hybrid(model):
+            # The Mamba recurrence batches a step's rows at its padded size, and its ops are not
+            # checked row invariant across sizes (only the linear layers are): one size keeps a
+            # hybrid model's outputs independent of batch composition.
+            candidates = [max_tokens_per_step]
         # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
         with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
             self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
