@@ -69,6 +69,11 @@ class MambaStateSlots:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def num_slots(self) -> int:
+        """Slots requests can hold (the scratch slot of padding rows not counted)."""
+        return self.scratch_slot
+
     def allocate(self) -> int:
         """Hand out a slot with zeroed conv and SSM state in every layer (raises
         MambaSlotsExhaustedError when none is free)."""

@@ -226,7 +226,7 @@ class PrefillSide:
             free_blocks=context.num_free_blocks,
             num_blocks=context.capacity.num_blocks,
             free_mamba_slots=slots.num_free_slots if slots is not None else 0,
-            num_mamba_slots=slots.conv.shape[1] if slots is not None else 0,
+            num_mamba_slots=slots.num_slots if slots is not None else 0,
         )
         stats["idle"] = (
             stats["free_blocks"] == stats["num_blocks"]
