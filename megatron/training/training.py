@@ -19,10 +19,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import CheckpointingError, read_latest_iteration
+from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError, read_latest_iteration
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.model_record import model_from_record
+from megatron.core.models.model_record import adopt_untracked_checkpoints, model_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -258,6 +258,7 @@ class Trainer:
         seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
     def data_iterator(self, dataset, start_sample: int):
         return microbatches(
@@ -341,6 +342,8 @@ class Trainer:
         profiler = IterationProfiler.from_args(args, self.device)
         exited = False
         while state.iteration < args.train_iters:
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.poll()  # a failed background save stops training here
             profiler.before_step(state.iteration + 1)
             loss, ok, grad_norm = self.train_step(iterator)
             profiler.after_step(state.iteration + 1)
@@ -363,6 +366,8 @@ class Trainer:
                 break
         profiler.close()
         self.model.finish_param_sync()  # the last step's overlapped gathers
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends
         if not exited and args.eval_iters:
             for dataset, label in ((self.valid_ds, "validation"), (self.test_ds, "test")):
                 if dataset is not None:
@@ -388,6 +393,8 @@ def pretrain(args) -> TrainState:
     pgc = initialize_megatron(args)
     summary.print_run(args, pgc)
     trainer = Trainer(args, pgc)
+    if args.save:  # a save interrupted before its tracker moved: adopt it if complete (before --load reads it)
+        adopt_untracked_checkpoints(args.save)
     if args.load and read_latest_iteration(args.load) is not None:
         trainer.load()
     elif args.load and dist.get_rank() == 0:
