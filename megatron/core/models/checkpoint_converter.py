@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing import read_latest_iteration
+from megatron.core.dist_checkpointing import iteration_dir, read_latest_iteration
 from megatron.core.errors import MegatronError, MegatronInputError
-from megatron.core.models import hf_mapping
+from megatron.core.models import hf_mapping, mcore_checkpoint
 from megatron.core.models.model_record import (
     ModelRecord,
     TokenizerRecord,
@@ -120,6 +120,30 @@ def load_hf(load_dir: str) -> Converted:
     return Converted(family.state_dict_from_hf(hf_model.state_dict(), record), record, 0)
 
 
+def load_mcore(load_dir: str) -> Converted:
+    """Our state dict and record from a megatron-core ``torch_dist`` checkpoint of a GPT model
+    (an ``iter_*`` directory or a root with Megatron-LM's tracker file)."""
+    checkpoint_dir = load_dir
+    if not os.path.isfile(os.path.join(load_dir, mcore_checkpoint.DCP_INDEX_FILENAME)):
+        iteration = read_latest_iteration(load_dir)
+        checkpoint_dir = load_dir if iteration is None else iteration_dir(load_dir, iteration)
+    checkpoint = mcore_checkpoint.McoreCheckpoint(checkpoint_dir)
+    common = checkpoint.common_state()
+    if "args" not in common:
+        raise ConversionError(
+            f"{checkpoint_dir} has no Megatron-LM 'args' in its common state, so the model it holds is unknown"
+        )
+    config, kwargs = mcore_checkpoint.record_fields_from_args(common["args"])
+    record = ModelRecord(family="gpt", config=config, **kwargs)
+    model = model_from_record(record, parallel_state.get_process_group_collection())
+    state_dict = mcore_checkpoint.state_dict_from_mcore(checkpoint, model.state_dict().keys(), config)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # our vocabulary padding may be larger
+        if key in state_dict:
+            rows = model.state_dict()[key].shape[0] - state_dict[key].shape[0]
+            state_dict[key] = torch.cat([state_dict[key], state_dict[key].new_zeros(rows, state_dict[key].shape[1])])
+    return Converted(state_dict, record, int(common.get("iteration", 0)))
+
+
 def load_megatron(load_dir: str) -> Converted:
     """Our full state dict from a checkpoint of ours (any saving layout)."""
     record = read_model_record(load_dir)
@@ -164,7 +188,7 @@ def save_hf(converted: Converted, save_dir: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-convert", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--loader", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--loader", choices=["hf", "megatron", "mcore"], required=True)
     parser.add_argument("--saver", choices=["hf", "megatron"], required=True)
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
@@ -189,7 +213,7 @@ def convert(argv: list[str] | None = None) -> str:
         raise ConversionError(f"convert runs in one process; it was started in a world of {dist.get_world_size()}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    converted = load_hf(args.load_dir) if args.loader == "hf" else load_megatron(args.load_dir)
+    converted = {"hf": load_hf, "megatron": load_megatron, "mcore": load_mcore}[args.loader](args.load_dir)
     if args.saver == "hf":
         return save_hf(converted, args.save_dir)
     targets = {
