@@ -51,31 +51,41 @@ class HFFamily:
     """How one HF architecture maps onto our models (functions of ``hf_mapping``)."""
 
     ours: str  # our model family
+    model_type: str  # HF config's model_type
     config_from_hf: Callable  # hf_config -> (TransformerConfig, constructor arguments)
+    config_to_hf: Callable  # record -> HF config keyword arguments (models trained here)
     state_dict_from_hf: Callable  # (hf_state_dict, record) -> ours
     state_dict_to_hf: Callable  # (ours, record) -> hf_state_dict
+    disk_prefixes: dict | None = None  # safetensors key prefixes transformers writes for module prefixes
 
 
 HF_FAMILIES = {
     "LlamaForCausalLM": HFFamily(
         "gpt",
+        "llama",
         hf_mapping.llama_config_from_hf,
+        hf_mapping.llama_config_to_hf,
         lambda sd, r: hf_mapping.llama_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.llama_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
     "GPT2LMHeadModel": HFFamily(
         "gpt",
+        "gpt2",
         hf_mapping.gpt2_config_from_hf,
+        hf_mapping.gpt2_config_to_hf,
         lambda sd, r: hf_mapping.gpt2_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.gpt2_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
     "NemotronHForCausalLM": HFFamily(
         "hybrid",
+        "nemotron_h",
         hf_mapping.nemotron_h_config_from_hf,
+        hf_mapping.nemotron_h_config_to_hf,
         lambda sd, r: hf_mapping.nemotron_h_state_dict_from_hf(
             sd, r.config, r.layer_pattern, r.share_embeddings_and_output_weights
         ),
         lambda sd, r: hf_mapping.nemotron_h_state_dict_to_hf(sd, r.config, r.vocab_size, r.layer_pattern),
+        hf_mapping.NEMOTRON_H_DISK_PREFIXES,
     ),
 }
 
@@ -98,8 +108,9 @@ def hf_family(architectures) -> tuple[str, HFFamily]:
 
 
 def load_hf(load_dir: str) -> Converted:
-    """Our state dict and record from an HF ``save_pretrained`` directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Our record and (lazy) state dict from an HF ``save_pretrained`` directory: its
+    safetensors are read tensor by tensor while saving, no HF model is built."""
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(load_dir)
     architecture, family = hf_family(hf_config.architectures)
@@ -116,8 +127,8 @@ def load_hf(load_dir: str) -> Converted:
         hf_config=hf_config.to_dict(),
         **kwargs,
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32)
-    return Converted(family.state_dict_from_hf(hf_model.state_dict(), record), record, 0)
+    hf_tensors = hf_mapping.SafetensorsStateDict(load_dir, family.disk_prefixes)
+    return Converted(family.state_dict_from_hf(hf_tensors, record), record, 0)
 
 
 def load_mcore(load_dir: str) -> Converted:
@@ -153,12 +164,39 @@ def load_megatron(load_dir: str) -> Converted:
     return Converted(model.state_dict(), record, iteration or 0)
 
 
+def _copy_into(model: torch.nn.Module, state_dict) -> None:
+    """``model.load_state_dict(state_dict, strict=True)`` one key at a time, so a lazy state dict
+    (HF safetensors) holds only one converted tensor at once."""
+    targets = model.state_dict(keep_vars=True)
+    if set(targets) != set(state_dict.keys()):
+        missing, unexpected = (
+            sorted(set(targets) - set(state_dict.keys())),
+            sorted(set(state_dict.keys()) - set(targets)),
+        )
+        raise ConversionError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key, target in targets.items():
+            source = state_dict[key]
+            if source.shape != target.shape:
+                raise ConversionError(f"{key!r} has shape {tuple(source.shape)}, the model needs {tuple(target.shape)}")
+            target.copy_(source)
+
+
 def save_megatron(converted: Converted, save_dir: str, target_sizes: dict) -> str:
     """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout."""
     record = converted.record.replace(config=dataclasses.replace(converted.record.config, **target_sizes))
     model = model_from_record(record, parallel_state.get_process_group_collection())
-    model.load_state_dict(converted.state_dict, strict=True)
+    _copy_into(model, converted.state_dict)
     return save_model_checkpoint({"model": model.sharded_state_dict()}, save_dir, converted.iteration, record)
+
+
+def native_hf_architecture(record: ModelRecord) -> str:
+    """The HF architecture a model trained here is exported as: NemotronH for hybrid models;
+    Llama for a GPT with RMSNorm (SwiGLU, RoPE), else GPT-2 (what the architecture cannot
+    represent is refused by its ``config_to_hf``)."""
+    if record.family == "hybrid":
+        return "NemotronHForCausalLM"
+    return "LlamaForCausalLM" if record.config.normalization == "RMSNorm" else "GPT2LMHeadModel"
 
 
 def save_hf(converted: Converted, save_dir: str) -> str:
@@ -168,13 +206,13 @@ def save_hf(converted: Converted, save_dir: str) -> str:
 
     record = converted.record
     if record.hf_config is None:
-        raise ConversionError(
-            "this checkpoint was not converted from HuggingFace, so it carries no HF config to save with; "
-            f"HF export needs a checkpoint made by --loader hf (architectures {sorted(HF_FAMILIES)})"
-        )
-    hf_dict = dict(record.hf_config)
-    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    family = HF_FAMILIES[record.hf_architecture]
+        architecture = native_hf_architecture(record)
+        family = HF_FAMILIES[architecture]
+        hf_config = AutoConfig.for_model(family.model_type, **family.config_to_hf(record))
+    else:
+        hf_dict = dict(record.hf_config)
+        hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+        family = HF_FAMILIES[record.hf_architecture]
     model = model_from_record(record, parallel_state.get_process_group_collection())
     hf_state_dict = family.state_dict_to_hf(converted.state_dict, record.replace(config=model.config))
     hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
