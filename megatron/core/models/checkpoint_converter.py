@@ -32,6 +32,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import iteration_dir, read_latest_iteration
 from megatron.core.errors import MegatronError, MegatronInputError
 from megatron.core.models import hf_mapping, mcore_checkpoint
+from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
 from megatron.core.models.model_record import (
     ModelRecord,
     TokenizerRecord,
@@ -182,9 +183,19 @@ def _copy_into(model: torch.nn.Module, state_dict) -> None:
             target.copy_(source)
 
 
-def save_megatron(converted: Converted, save_dir: str, target_sizes: dict) -> str:
-    """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout."""
+def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybrid_layer_pattern=None) -> str:
+    """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout
+    (a hybrid pattern re-segmented for its pipeline size, saying where the boundaries went)."""
     record = converted.record.replace(config=dataclasses.replace(converted.record.config, **target_sizes))
+    if record.family == "hybrid":
+        pattern, placed = segment_for_pipeline(
+            record.layer_pattern, target_sizes["pipeline_model_parallel_size"], hybrid_layer_pattern
+        )
+        if placed is not None:
+            print(placed)
+        record = record.replace(layer_pattern=pattern)
+    elif hybrid_layer_pattern is not None:
+        raise ConversionError("--hybrid-layer-pattern is only valid for hybrid models; this is a gpt model")
     model = model_from_record(record, parallel_state.get_process_group_collection())
     _copy_into(model, converted.state_dict)
     return save_model_checkpoint({"model": model.sharded_state_dict()}, save_dir, converted.iteration, record)
@@ -233,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--target-generalized-tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--hybrid-layer-pattern",
+        default=None,
+        help="hybrid models: the stage boundaries ('|') to save with; the same layers as the model's pattern "
+        "(default: the model's, split by layer count when it has no '|' and --target-pipeline-parallel-size > 1)",
+    )
     return parser
 
 
@@ -259,7 +276,7 @@ def convert(argv: list[str] | None = None) -> str:
         "pipeline_model_parallel_size": args.target_pipeline_parallel_size,
         "generalized_tensor_parallel_size": args.target_generalized_tensor_parallel_size,
     }
-    return save_megatron(converted, args.save_dir, targets)
+    return save_megatron(converted, args.save_dir, targets, args.hybrid_layer_pattern)
 
 
 def main(argv: list[str] | None = None) -> int:
