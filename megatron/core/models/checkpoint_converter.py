@@ -1,18 +1,24 @@
-"""``megatron-convert``: convert checkpoints between HuggingFace and ours, or re-target ours
-to another default layout (``python -m megatron.core.models.checkpoint_converter``,
-``python tools/checkpoint/convert.py``).
+"""``megatron-convert``: convert checkpoints between HuggingFace, megatron-core (Megatron-LM)
+and ours, or re-target ours to another default layout
+(``python -m megatron.core.models.checkpoint_converter``, ``python tools/checkpoint/convert.py``).
 
     megatron-convert --loader hf --saver megatron --load-dir HF_DIR --save-dir OUT \\
         [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N] \\
-        [--target-generalized-tensor-parallel-size N]
+        [--target-generalized-tensor-parallel-size N] [--hybrid-layer-pattern 'M*|-M']
     megatron-convert --loader megatron --saver hf --load-dir OUT --save-dir HF_DIR
+    megatron-convert --loader mcore --saver megatron --load-dir MEGATRON_LM_CKPT --save-dir OUT
 
 HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, GPT2LMHeadModel or
-NemotronHForCausalLM (detected from config.json). Runs in one CPU process (a gloo world of 1).
-Our checkpoints are layout-independent, so the target sizes only become the default layout
-of the saved model record. The HF config travels in the record, so HF -> ours -> HF gives
-back the same config and bit-identical tensors; the tokenizer (an HF directory's
-tokenizer.json, or the one inside our checkpoint) is copied into the checkpoint written.
+NemotronHForCausalLM (detected from config.json); their safetensors are read tensor by
+tensor. Runs in one CPU process (a gloo world of 1). Our checkpoints are layout-independent,
+so the target sizes only become the default layout of the saved model record; a hybrid
+pattern without ``|`` saved for PP > 1 gets its stage boundaries (balanced by layer count, or
+``--hybrid-layer-pattern``), and the tool prints where it put them. A model converted from HF
+keeps its HF config in the record, so HF -> ours -> HF gives back the same config and
+bit-identical tensors; a model trained here is exported as Llama (RMSNorm GPT), GPT-2
+(LayerNorm GPT) or NemotronH (hybrid) with a config made from its record. The tokenizer (an
+HF directory's tokenizer.json, or the one inside our checkpoint) is copied along.
+``--loader mcore`` reads megatron-core ``torch_dist`` GPT checkpoints (see ``mcore_checkpoint``).
 """
 
 from __future__ import annotations
@@ -263,6 +269,8 @@ def convert(argv: list[str] | None = None) -> str:
     ):
         if getattr(args, flag) < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.hybrid_layer_pattern is not None and args.saver != "megatron":
+        raise ConversionError("--hybrid-layer-pattern places pipeline stage boundaries; it needs --saver megatron")
     parallel_state.initialize_distributed("gloo")
     if dist.get_world_size() != 1:
         raise ConversionError(f"convert runs in one process; it was started in a world of {dist.get_world_size()}")

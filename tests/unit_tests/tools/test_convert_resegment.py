@@ -103,3 +103,21 @@ def test_nemotron_h_from_hf_runs_offline_inference_at_pp2_with_hf_prompt_log_pro
         assert request["prompt_tokens"] == prompt
         torch.testing.assert_close(torch.tensor(request["prompt_log_probs"], dtype=torch.float64), expected,
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def _convert(argv):
+    from megatron.core.models import checkpoint_converter
+
+    return checkpoint_converter.convert(argv)
+
+
+def test_the_converter_segments_for_its_target_pipeline_size_and_prints_where(tmp_path, capfd):
+    from tests.unit_tests.dist_harness import run_distributed
+
+    _nemotron_h().save_pretrained(tmp_path / "hf")
+    base = ["--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf")]
+    run_distributed(_convert, 1, [*base, "--save-dir", str(tmp_path / "a"), "--target-pipeline-parallel-size", "2"])
+    assert read_model_record(str(tmp_path / "a")).layer_pattern == "M*-M|*M-"
+    assert "it is split as 'M*-M|*M-' (balanced by layer count: [4, 3] layers per stage)" in capfd.readouterr().out
+    run_distributed(_convert, 1, [*base, "--save-dir", str(tmp_path / "b"), "--hybrid-layer-pattern", "M*|-M*M-"])
+    assert read_model_record(str(tmp_path / "b")).layer_pattern == "M*|-M*M-"
