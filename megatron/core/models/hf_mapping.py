@@ -83,6 +83,9 @@ class MappedStateDict(Mapping):
             tensor = torch.cat([tensor, tensor.new_zeros((padded - tensor.shape[0],) + tuple(tensor.shape[1:]))])
         return tensor.contiguous().clone()
 
+    def __contains__(self, key) -> bool:
+        return key in self._rules
+
     def __iter__(self):
         return iter(self._rules)
 
@@ -122,6 +125,9 @@ class SafetensorsStateDict(Mapping):
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(stored_key)
 
+    def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
+        return key in self._stored
+
     def __iter__(self):
         return iter(self._stored)
 
@@ -137,6 +143,9 @@ class _WithTiedHead(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._hf[self._embed_key if key == "lm_head.weight" else key]
+
+    def __contains__(self, key) -> bool:
+        return key == "lm_head.weight" or key in self._hf
 
     def __iter__(self):
         yield from self._hf
