@@ -19,7 +19,8 @@ class GPTModel(LanguageModule):
     The signature is frozen (positional indexes are part of the API); new parameters go last.
     ``pre_process`` / ``post_process`` say whether this is the first / last pipeline stage.
     The vocabulary is padded with ``pad_vocab_size``; padded entries never reach logits or loss.
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(

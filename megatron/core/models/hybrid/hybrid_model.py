@@ -25,7 +25,8 @@ class HybridModel(LanguageModule):
     ``hybrid_override_pattern``, else the ratios; its main part must have
     ``config.num_layers`` layers and its ``/`` parts must number ``config.mtp_num_layers``.
     Each pipeline stage builds only its ``|`` segments, with global layer numbers.
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(
