@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
