@@ -45,13 +45,17 @@ def write_model(directory: str, hidden_size: int, num_layers: int, shard_bytes: 
     config.save_pretrained(directory)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
-    shard, shard_size, index, total = {}, 0, 0, 0
+    shard, shard_size, index, total, weight_map = {}, 0, 0, 0, {}
     for key, shape in shapes.items():
         shard[key] = torch.randn(shape) * 0.02
         shard_size += shard[key].numel() * 4
         if shard_size >= shard_bytes or key == list(shapes)[-1]:
-            save_file(shard, os.path.join(directory, f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(shard, name)
             total, shard, shard_size, index = total + shard_size, {}, 0, index + 1
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return total
 
 
@@ -85,6 +89,7 @@ def main() -> None:
         convert = [sys.executable, "-m", "megatron.core.models.checkpoint_converter", "--loader", "hf", "--saver",
                    "megatron", "--load-dir", hf_dir, "--save-dir", ours]  # fmt: skip
         ours_rss, ours_s = peak_rss_bytes(convert)
+        print(f"convert (HF -> ours): peak RSS {ours_rss / 2**30:.2f} GiB = {ours_rss / model_bytes:.2f} x model")
         anchor_rss, anchor_s = peak_rss_bytes([sys.executable, "-c", ANCHOR, hf_dir])
     result = {
         "model_bytes": model_bytes,
