@@ -27,6 +27,18 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per virtual pipeline stage (interleaved schedule)",
+    )
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="model chunks (virtual stages) per pipeline rank for the interleaved schedule",
+    )
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--generalized-tensor-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -235,6 +247,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"{args.data_parallel_size} x CP {cp} x GTP {gtp})",
     )
     args.num_microbatches = args.global_batch_size // per_step
+    _validate_virtual_pipeline(args)
     _require(
         args.num_attention_heads % tp == 0,
         f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --tensor-model-parallel-size ({tp})",
@@ -293,16 +306,55 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     try:
         config = transformer_config_from_args(args)
         if args.model_family == "hybrid":
-            from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern
+            from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern, select_stage_layers
             from megatron.core.ssm.mamba_mixer import MambaDims
 
             MambaDims.from_config(config, tp)
-            resolve_hybrid_pattern(
+            pattern = resolve_hybrid_pattern(
                 config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None
             )
+            select_stage_layers(pattern, pp, 0, args.virtual_pipeline_model_parallel_size or 1)
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Megatron's virtual-pipeline flags: ``--num-layers-per-virtual-pipeline-stage N`` gives
+    ``V = num_layers / PP / N``; ``--virtual-pipeline-model-parallel-size V`` gives V directly.
+    Sets ``args.virtual_pipeline_model_parallel_size`` (None: no interleaving, also for V = 1)."""
+    pp, per_stage = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    _require(
+        per_stage is None or args.virtual_pipeline_model_parallel_size is None,
+        "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size are mutually exclusive",
+    )
+    if per_stage is not None:
+        _require(per_stage >= 1, f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {per_stage}")
+        _require(
+            args.num_layers % (pp * per_stage) == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+            f"--num-layers-per-virtual-pipeline-stage ({per_stage})",
+        )
+        args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * per_stage)
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp is None:
+        return
+    _require(vp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vp}")
+    if vp == 1:
+        args.virtual_pipeline_model_parallel_size = None  # one chunk per rank: plain 1F1B
+        return
+    _require(pp > 1, f"virtual pipeline stages (V = {vp}) need --pipeline-model-parallel-size > 1")
+    if args.model_family != "hybrid":
+        _require(
+            args.num_layers % (pp * vp) == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+            f"virtual pipeline size ({vp}) = {pp * vp}",
+        )
+    _require(
+        args.num_microbatches % pp == 0,
+        f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches} = --global-batch-size "
+        f"/ (--micro-batch-size x data-parallel width)) to be a multiple of --pipeline-model-parallel-size ({pp})",
+    )
 
 
 def parse_args(

@@ -51,7 +51,9 @@ def test_pass_order_warms_up_alternates_and_cools_down():
     assert order[-1] == (BACKWARD, 0, 3)
     for rank in range(2):
         passes = interleaved_order(2, rank, 2, 4)
-        assert sorted(passes) == sorted((kind, c, m) for kind in (FORWARD, BACKWARD) for c in range(2) for m in range(4))
+        assert sorted(passes) == sorted(
+            (kind, c, m) for kind in (FORWARD, BACKWARD) for c in range(2) for m in range(4)
+        )
         for chunk in range(2):
             for microbatch in range(4):
                 assert passes.index((FORWARD, chunk, microbatch)) < passes.index((BACKWARD, chunk, microbatch))
