@@ -1,10 +1,10 @@
-"""A toy pipeline of tanh(linear) layers split into virtual stages, and its single-process
-reference, shared by the interleaved-schedule tests of every world size."""
-
-import time
+"""A toy pipeline of tanh(linear) layers (the benchmark's, optionally sleep-padded) split into
+virtual stages, and its single-process reference, shared by the interleaved-schedule tests of
+every world size."""
 
 import torch
 
+from benchmarks.pipeline_bubble import ToyStage, toy_forward_step
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
@@ -24,63 +24,6 @@ def full_layers(num_layers):
 def microbatches(n):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(SEQ, MBS, HIDDEN, generator=g), torch.randn(SEQ, MBS, HIDDEN, generator=g)) for _ in range(n)]
-
-
-class SleepyLinear(torch.nn.Module):
-    """tanh(linear), padded with a sleep of ``sleep_s`` in forward and twice that in backward,
-    so that its cost is known and dominates."""
-
-    def __init__(self, linear, sleep_s):
-        super().__init__()
-        self.linear, self.sleep_s = linear, sleep_s
-
-    def forward(self, x):
-        return _Sleep.apply(torch.tanh(self.linear(x)), self.sleep_s)
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sleep_s):
-        ctx.sleep_s = sleep_s
-        if sleep_s:
-            time.sleep(sleep_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.sleep_s:
-            time.sleep(2 * ctx.sleep_s)
-        return grad, None
-
-
-class Stage(torch.nn.Module):
-    """One (virtual) stage: its slice of layers; the first stage reads the batch itself."""
-
-    def __init__(self, layers, first, sleep_s=0.0):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(SleepyLinear(layer, sleep_s) for layer in layers)
-        self.first = first
-        self.input_tensor = None
-
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
-
-    def forward(self, x):
-        h = x if self.first else self.input_tensor
-        for layer in self.layers:
-            h = layer(h)
-        return h
-
-
-def forward_step(data_iterator, model):
-    x, target = next(data_iterator)
-    out = model(x)
-
-    def loss_func(output):
-        loss = ((output - target) ** 2).mean()
-        return loss, {"loss": loss.detach().item()}
-
-    return out, loss_func
 
 
 def plain_loop(num_layers, num_microbatches):
@@ -108,11 +51,11 @@ def pipelined(pp, vp, num_layers, num_microbatches, forward_only=False, sleep_s=
     for v in range(vp):
         first = (v * pp + rank) * per_stage
         owned.update({first + i: (v, i) for i in range(per_stage)})
-        chunks.append(Stage(layers[first : first + per_stage], first=first == 0, sleep_s=sleep_s).to(device()))
+        chunks.append(ToyStage(layers[first : first + per_stage], first == 0, sleep_s).to(device()))
     batches = [(x.to(device()), t.to(device())) for x, t in microbatches(num_microbatches)]
     timeline = PipelineTimeline()
     kwargs = dict(
-        forward_step_func=forward_step,
+        forward_step_func=toy_forward_step,
         num_microbatches=num_microbatches,
         tensor_shape=(SEQ, MBS, HIDDEN),
         forward_only=forward_only,

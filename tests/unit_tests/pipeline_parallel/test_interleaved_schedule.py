@@ -61,13 +61,12 @@ def test_pass_order_warms_up_alternates_and_cools_down():
 
 @pytest.mark.parametrize("vp,num_microbatches", [(1, 4), (2, 4)])
 def test_measured_bubble_matches_the_formula(vp, num_microbatches):
-    """Sleep-padded layers (forward s, backward 2s) make compute dominate; the idle share each
-    rank measures from its timeline is (p - 1) / (v m + p - 1)."""
+    """Sleep-padded layers (forward 0.1 s, backward 0.2 s) make compute dominate; the idle
+    share the ranks measure from their timelines is (p - 1) / (v m + p - 1)."""
     pp = 2
-    results = run_distributed(pipelined, pp, pp, vp, pp * vp, num_microbatches, False, 0.02)
-    expected = (pp - 1) / (vp * num_microbatches + pp - 1)
-    for _, _, _, idle_fraction in results:
-        assert idle_fraction == pytest.approx(expected, abs=0.05)
+    results = run_distributed(pipelined, pp, pp, vp, pp * vp, num_microbatches, False, 0.1)
+    idle_fractions = [idle_fraction for _, _, _, idle_fraction in results]
+    assert sum(idle_fractions) / pp == pytest.approx((pp - 1) / (vp * num_microbatches + pp - 1), abs=0.05)
 
 
 def _bad_calls():
