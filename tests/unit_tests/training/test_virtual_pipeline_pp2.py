@@ -132,3 +132,45 @@ def test_hybrid_segments_must_divide_among_the_virtual_stages():
     flags = HYBRID + ["--train-iters", "1"] + PP2 + ["--virtual-pipeline-model-parallel-size", "4"]
     with pytest.raises(ArgumentError, match=r"4 pipeline segment\(s\) .* among 2 pipeline stage\(s\) x 4 virtual"):
         parse_args(COMMON + flags, model_family="hybrid", world_size=2)
+
+
+def _inference_params(path, pp):
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.model_state import checkpoint_params
+    from megatron.core.inference.checkpoint_loading import load_inference_model
+
+    pgc = parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    model, _, _ = load_inference_model(path, pgc)
+    return {spec.key: spec.param.detach().clone() for spec in checkpoint_params(model)}
+
+
+def _inference_logits(path):
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.core.inference.checkpoint_loading import load_inference_model
+
+    pgc = parallel_state.initialize_model_parallel()
+    model, _, _ = load_inference_model(path, pgc)
+    with torch.no_grad():
+        return model(torch.arange(16)[None] % 64, torch.arange(16)[None])
+
+
+def test_inference_loads_a_virtual_pipeline_checkpoint_at_any_layout(tmp_path):
+    import torch
+
+    vpp, pp1 = str(tmp_path / "vpp"), str(tmp_path / "pp1")
+    flags = GPT + ["--train-iters", "3"]
+    vpp_layout = PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
+    run_distributed(_train, 2, "gpt", flags + vpp_layout + ["--save", vpp], 2, tmp_path / "vpp.jsonl")
+    run_distributed(_train, 1, "gpt", flags + ["--save", pp1], 1, tmp_path / "pp1.jsonl")
+    at_pp1 = run_distributed(_inference_params, 1, vpp, 1)[0]
+    at_pp2 = {}
+    for stage_params in run_distributed(_inference_params, 2, vpp, 2):
+        at_pp2.update(stage_params)
+    assert sorted(at_pp2) == sorted(at_pp1)
+    for key, value in at_pp1.items():
+        assert torch.equal(at_pp2[key], value), key
+    # The VPP checkpoint holds the model the single-process run trained.
+    logits = run_distributed(_inference_logits, 1, vpp)[0]
+    torch.testing.assert_close(logits, run_distributed(_inference_logits, 1, pp1)[0], rtol=1e-4, atol=1e-5)
