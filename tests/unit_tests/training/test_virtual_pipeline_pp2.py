@@ -72,15 +72,24 @@ def gpt_reference(tmp_path_factory):
     return _curve("gpt", GPT + ["--train-iters", "6"], 1, tmp_path_factory.mktemp("gpt") / "pp1.jsonl")
 
 
-@pytest.mark.parametrize(
-    "vpp_flags",
-    [["--virtual-pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"]],
-    ids=["virtual-pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage"],
-)
-def test_gpt_pp2_vp2_reproduces_the_single_process_curve(gpt_reference, vpp_flags, tmp_path):
-    curve = _curve("gpt", GPT + ["--train-iters", "6"] + PP2 + vpp_flags, 2, tmp_path / "vpp.jsonl")
-    assert curve == pytest.approx(gpt_reference, rel=1e-5)
+def test_gpt_pp2_vp2_reproduces_the_single_process_curve(gpt_reference, tmp_path):
+    flags = GPT + ["--train-iters", "6"] + PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
+    assert _curve("gpt", flags, 2, tmp_path / "vpp.jsonl") == pytest.approx(gpt_reference, rel=1e-5)
     assert gpt_reference[-1] < gpt_reference[0]
+
+
+@pytest.mark.parametrize(
+    "flags,virtual_size",
+    [
+        (["--virtual-pipeline-model-parallel-size", "2"], 2),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], 2),  # 4 layers / PP2 / 1 per virtual stage
+        (["--num-layers-per-virtual-pipeline-stage", "2"], None),  # V = 1: plain 1F1B
+        ([], None),
+    ],
+)
+def test_either_flag_sets_the_virtual_pipeline_size(flags, virtual_size):
+    args = parse_args(COMMON + GPT + ["--train-iters", "1"] + PP2 + flags, model_family="gpt", world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == virtual_size
 
 
 def test_hybrid_pp2_vp2_over_four_segments_reproduces_the_single_process_curve(tmp_path):
