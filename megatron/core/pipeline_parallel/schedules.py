@@ -434,6 +434,7 @@ def forward_backward_pipelining_with_interleaving(
                 result = runners[chunk].backward(input_tensor, outputs.pop((chunk, microbatch)), output_grad)
                 peer = comm.ring_prev_rank
             if _destination(pass_, pp_rank, pp_size, vp_size) is not None:
+                sends = [send for send in sends if not send[0].is_completed()]  # let finished buffers go
                 sends += comm.post_sends_and_recv([(result.detach(), peer)], None)[1]
         for work, _ in sends:
             work.wait()
