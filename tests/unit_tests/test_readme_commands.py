@@ -71,6 +71,7 @@ GPU_ONLY = {
     "python benchmarks/handoff_transfer.py --device cuda:0": "python benchmarks/handoff_transfer.py --help",
     "python -m benchmarks.paged_attention_gpu": "python -m benchmarks.paged_attention_gpu --help",
     "python -m benchmarks.mamba_kernels_gpu": "python -m benchmarks.mamba_kernels_gpu --help",
+    "python -m benchmarks.inference_kernels_gpu": "python -m benchmarks.inference_kernels_gpu --help",
     "python benchmarks/gpu_train.py --config all": "python benchmarks/gpu_train.py --help",
     "python tools/run_test_bucket.py gpu2": "python tools/run_test_bucket.py --help",
     "bash tools/gpu_checks.sh all": "bash tools/gpu_checks.sh --help",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.inference.kernels.mode import is_batch_invariant, kernel_backend
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.ssm.backends import MixerWeights, get_ssm_backend
 from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
@@ -45,7 +46,11 @@ class MambaInferenceContext(Protocol):
 
     A context with a ``step`` attribute (the dynamic context's packed batch) instead packs R
     requests as ``[T, 1]`` tokens, request ``r``'s at ``step.cu_query_lengths[r]:[r + 1]``
-    (``step.query_lengths`` each), and ``mamba_states`` has one row per request.
+    (``step.query_lengths`` each; ``step.num_tokens`` real tokens, ``step.request_ids``), and
+    ``mamba_states`` has one row per request. Such a context may also offer
+    ``mamba_state_slots(layer_number) -> (conv_slots [S, ...], ssm_slots [S, ...], slot_ids [R])``:
+    the layer's slot tensors themselves and the step's slot of each request (on the device), for
+    the Triton kernels that update the slots in place (a layer uses one of the two hooks per step).
     """
 
     def is_decode_only(self) -> bool: ...
@@ -264,6 +269,12 @@ class MambaMixer(nn.Module):
                 y = self._step(backend, xBC, dt, conv_state, ssm_state)
             else:
                 y = self._prefill(backend, xBC, dt, conv_state, ssm_state)
+        if kernel_backend(y.device) == "triton":  # one program per row group: batch invariant
+            from megatron.core.ssm.gated_norm_triton import gated_rms_norm_forward
+
+            return gated_rms_norm_forward(y, z, self.norm.weight, self.dims.norm_group_size, self.norm.eps).transpose(
+                0, 1
+            )
         return self.norm(y, z).transpose(0, 1)
 
     def _prefill(self, backend, xBC, dt, conv_state, ssm_state):
@@ -278,14 +289,44 @@ class MambaMixer(nn.Module):
     def _packed_step(self, backend, xBC, dt, inference_context):
         """Inference over the packed step of a dynamic context: ``xBC [T, c]``, ``dt [T, h]``
         of R requests, request ``r``'s tokens at ``step.cu_query_lengths[r]:[r + 1]``, padding
-        after the last (zero output).
+        after the last (zero output); returns ``y [T, d_inner_local]``.
 
-        Tokens advance the per-request states one position at a time with the decode path (the
-        ``j``-th token of every request that has one, together, padded to ``T`` rows so every
-        call has the same shape), so a token's output and state are bitwise the same whether it
-        came in a prefill chunk, a decode step or a recompute after eviction, and whatever else
-        ran in the step: pausing, eviction and chunked prefill never change outputs.
+        In batch-invariant mode, and for decode-only steps in any mode, every token advances its
+        request's state by the one-token recurrence, so a token's output and state are bitwise
+        the same whether it came in a prefill chunk, a decode step or a recompute after
+        eviction, and whatever else ran in the step: pausing, eviction and chunked prefill never
+        change outputs. On the Triton backend the kernels of :mod:`inference_triton` run it over
+        the whole step in place on the request slots; the torch path runs it token by token.
+        Otherwise (batch-variant mode, a step with prefill) each prefilling request runs the
+        chunked scan from its state (:meth:`_prefill`).
         """
+        step = inference_context.step
+        if not is_batch_invariant() and step.num_tokens > len(step.request_ids):
+            return self._packed_chunked_prefill(backend, xBC, dt, inference_context)
+        if kernel_backend(xBC.device) == "triton" and hasattr(inference_context, "mamba_state_slots"):
+            from megatron.core.ssm.inference_triton import packed_recurrence
+
+            conv_slots, ssm_slots, slot_ids = inference_context.mamba_state_slots(self.layer_number)
+            weights = self.weights()
+            return packed_recurrence(
+                xBC,
+                dt,
+                weights.conv_weight,
+                weights.conv_bias,
+                weights.A_log,
+                weights.D,
+                weights.dt_bias,
+                conv_slots,
+                ssm_slots,
+                slot_ids,
+                step.cu_query_lengths,
+                self.dims.local(self.dims.ngroups),
+            )
+        return self._packed_token_by_token(backend, xBC, dt, inference_context)
+
+    def _packed_token_by_token(self, backend, xBC, dt, inference_context):
+        """The recurrence of :meth:`_packed_step` in torch: the ``j``-th token of every request
+        that has one, together, padded to ``T`` rows so every call has the same shape."""
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
         starts, lengths = step.cu_query_lengths[:-1], step.query_lengths
@@ -302,6 +343,33 @@ class MambaMixer(nn.Module):
             out = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0]
             y[tokens[:count]] = out[:count].to(y.dtype)
             conv_state[rows], ssm_state[rows] = conv[:count], ssm[:count]
+        return y
+
+    def _packed_chunked_prefill(self, backend, xBC, dt, inference_context):
+        """Batch-variant step with prefill: each request of several new tokens runs the chunked
+        scan from its conv and SSM state (:meth:`_prefill`: the conv state becomes the tail of
+        its inputs, the SSM state the scan's final state), the decode tokens the one-token
+        update together. Reads the step's lengths on the host."""
+        conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
+        step = inference_context.step
+        starts, lengths = step.cu_query_lengths[:-1].tolist(), step.query_lengths.tolist()
+        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        decode_rows = []
+        for row, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            if length == 1:
+                decode_rows.append(row)
+                continue
+            tokens = slice(start, start + length)
+            out = self._prefill(
+                backend, xBC[None, tokens], dt[None, tokens], conv_state[row : row + 1], ssm_state[row : row + 1]
+            )
+            y[tokens] = out[0].to(y.dtype)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=xBC.device)
+            tokens = step.cu_query_lengths[rows]
+            conv, ssm = conv_state[rows], ssm_state[rows]
+            y[tokens] = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0].to(y.dtype)
+            conv_state[rows], ssm_state[rows] = conv, ssm
         return y
 
     def _step(self, backend, xBC, dt, conv_state, ssm_state):

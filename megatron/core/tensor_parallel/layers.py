@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions.backend import fused_backend
+from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import gtp as gtp_ops
 from megatron.core.tensor_parallel.mappings import (
@@ -45,10 +46,11 @@ def _gtp_gather_args(weight: torch.Tensor, pg_collection, config) -> dict | None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, pg_collection, config) -> torch.Tensor:
-    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded)."""
+    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded);
+    in the inference forward's batch-invariant mode, rows independent of the row count."""
     gtp_args = _gtp_gather_args(weight, pg_collection, config)
     if gtp_args is None:
-        return F.linear(x, weight)
+        return invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
     return gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args)
 
 
@@ -131,8 +133,10 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, tp_group)
         add_bias = self.bias is not None and not self.skip_bias_add
-        if add_bias and not self.weight.gtp_sharded and fused_backend("linear_bias", x.device) == "triton":
-            out = F.linear(x, self.weight, self.bias)  # the bias is added in the GEMM's epilogue
+        fuse_bias = add_bias and not self.weight.gtp_sharded and fused_backend("linear_bias", x.device) == "triton"
+        if fuse_bias:  # the bias is added in the GEMM's epilogue (the batch-invariant GEMM's in that mode)
+            linear = invariant_linear if is_batch_invariant() else F.linear
+            out = linear(x, self.weight, self.bias)
         else:
             out = _linear(x, self.weight, self.pg_collection, self.config)
             if add_bias:

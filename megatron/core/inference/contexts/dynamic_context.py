@@ -37,7 +37,8 @@ Each step:
    * **Mamba**: ``conv, ssm = context.mamba_states(layer_number)`` gives this layer's state of
      the batch's requests in batch order, ``conv [R, conv_channels, d_conv - 1]`` and
      ``ssm [R, nheads, head_dim, d_state]``; the mixer updates them in place and the context
-     writes them back to the request slots at ``commit_step``. ``context.is_decode_only()``
+     writes them back to the request slots at ``commit_step``. Kernels that update the slots
+     themselves take ``context.mamba_state_slots(layer_number)`` instead. ``context.is_decode_only()``
      says every request has one new token; otherwise request ``r``'s tokens are
      ``batch.cu_query_lengths[r]:batch.cu_query_lengths[r + 1]`` of the packed batch.
 3. ``context.commit_step()`` marks the tokens computed, registers newly full blocks in the
@@ -542,6 +543,7 @@ class DynamicInferenceContext:
             step.query_lengths,
             step.kv_lengths,
             self.softmax_scale,
+            validate=False,  # build_step made the lengths consistent; checking reads them on the host
         )
         return out
 
@@ -557,6 +559,17 @@ class DynamicInferenceContext:
         if layer_index not in self._step_mamba_states:
             self._step_mamba_states[layer_index] = self.mamba_slots.gather(layer_index, step.mamba_slot_ids)
         return self._step_mamba_states[layer_index]
+
+    def mamba_state_slots(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mamba hook for kernels that update the request slots in place (see the mixer's
+        ``MambaInferenceContext``): this layer's ``conv [slots, ...]`` and ``ssm [slots, ...]``
+        slot tensors and the step's slot of each request ``[R]`` (on the device). Nothing is
+        written back at commit_step: a layer uses this hook or :meth:`mamba_states`, not both."""
+        step = self._require_step()
+        layer_index = self._layer_index(self._mamba_index, layer_number, "Mamba")
+        if layer_index in self._step_mamba_states:
+            raise StepError(f"layer {layer_number} already took copies of its Mamba states in this step")
+        return self.mamba_slots.conv[layer_index], self.mamba_slots.ssm[layer_index], step.mamba_slot_ids
 
     def commit_step(self) -> None:
         """The step's forward finished: write Mamba states back, mark its tokens computed,

@@ -111,17 +111,20 @@ def paged_attention(
     kv_lengths: torch.Tensor,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Attention of packed queries over their requests' paged keys and values, on the backend
     :func:`resolve_backend` picks (``backend``: ``"auto"``, ``"torch"`` or ``"triton"``).
-    Arguments and result as :func:`torch_paged_attention`."""
+    Arguments and result as :func:`torch_paged_attention`; ``validate=False`` skips the Triton
+    path's length checks, which read the lengths on the host (the torch path reads them anyway)."""
     if resolve_backend(backend, query.device) == "triton":
         from megatron.core.inference.contexts.paged_attention_triton import (
             triton_paged_attention,
         )
 
         return triton_paged_attention(
-            query, key_cache, value_cache, block_tables, query_lengths, kv_lengths, softmax_scale
+            query, key_cache, value_cache, block_tables, query_lengths, kv_lengths, softmax_scale, validate=validate
         )
     return torch_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths, softmax_scale)
 

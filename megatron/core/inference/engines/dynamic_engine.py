@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.core.inference import kernels
 from megatron.core.inference.contexts.capacity import CapacityConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
 from megatron.core.inference.engines.errors import (
@@ -108,6 +109,7 @@ class DynamicInferenceEngine:
         self.runner = ModelRunner(model, pg)
         self.max_sequence_length = max_sequence_length or model.max_sequence_length
         self.max_tokens_per_step = max_tokens_per_step
+        self.batch_invariant = batch_invariant
         self.pad_steps_to = max_tokens_per_step if batch_invariant else None
         self.context = DynamicInferenceContext.create(
             stage_cache_spec(model, block_size, pg.size("tp")),
@@ -306,7 +308,8 @@ class DynamicInferenceEngine:
             [(s.request.request_id, s.num_tokens) for s in scheduled], pad_to_tokens=self.pad_steps_to
         )
         bookkeeping = time.perf_counter() - started
-        result = self.runner.forward(self.context, batch)
+        with kernels.batch_invariant(self.batch_invariant):
+            result = self.runner.forward(self.context, batch)
         self.context.commit_step()
         decisions = self._decide(scheduled, batch, *result) if result is not None else None
         decisions = self._share(scheduled, decisions)

@@ -157,3 +157,146 @@ def test_context_hook_uses_the_backend_forced_by_the_environment(monkeypatch):
         outputs[backend] = ctx.store_kv_and_attend(1, q, k, v)
     assert torch.isfinite(outputs["triton"]).all()
     torch.testing.assert_close(outputs["triton"], outputs["torch"], rtol=0, atol=1e-5)
+
+
+LONG = 40  # keys of the long request: three splits of 16
+
+
+def long_request_cache(block_size=4, head_dim=16, dtype=torch.float32, kv_heads=1, q_heads=2, seed=3):
+    """A NaN-filled cache holding one request of :data:`LONG` tokens on shuffled blocks (and a
+    second, short request of 5), the queries of every position of both, and their tables."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 20
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    value_cache = key_cache.clone()
+    free = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    tables = []
+    for length in (LONG, 5):
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        for pos in range(length):
+            for cache in (key_cache, value_cache):
+                cache[table[pos // block_size], pos % block_size] = torch.randn(kv_heads, head_dim, generator=gen)
+        tables.append(table)
+    queries = torch.randn(LONG + 5, q_heads, head_dim, generator=gen)
+    return key_cache.to(dtype), value_cache.to(dtype), queries.to(dtype), tables, num_blocks - 1
+
+
+def run_kernel(key_cache, value_cache, queries, requests, width, split=16):
+    """Attention of ``requests`` = [(table, query rows, kv_length)] packed in order, tables padded
+    with the dummy block to ``width`` columns."""
+    table = torch.full((len(requests), width), key_cache.shape[0] - 1)
+    for row, (blocks, _, _) in enumerate(requests):
+        table[row, : len(blocks)] = torch.tensor(blocks)
+    query = torch.cat([queries[rows] for _, rows, _ in requests])
+    q_lens = torch.tensor([rows.stop - rows.start for _, rows, _ in requests])
+    kv_lens = torch.tensor([kv for _, _, kv in requests])
+    args = tuple(t.to(DEVICE) for t in (query, key_cache, value_cache, table, q_lens, kv_lens))
+    return triton_paged_attention(*args, kv_split_size=split), torch_paged_attention(*args)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_split_kernel_matches_reference_on_long_context_with_nan_tails(dtype, atol):
+    key_cache, value_cache, queries, (long_table, short_table), _ = long_request_cache(
+        dtype=dtype, kv_heads=KV_HEADS, q_heads=Q_HEADS
+    )
+    requests = [(long_table, slice(20, LONG), LONG), (short_table, slice(LONG, LONG + 5), 5)]
+    out, ref = run_kernel(key_cache, value_cache, queries, requests, width=len(long_table))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+def test_token_bits_do_not_depend_on_chunking_batch_or_table_width():
+    """The long request's tokens computed as one prefill, as two chunks next to another request,
+    and one at a time as decode tokens in wider tables (more splits) agree bitwise."""
+    key_cache, value_cache, queries, (long_table, short_table), _ = long_request_cache()
+    short = (short_table, slice(LONG, LONG + 5), 5)
+    width = len(long_table)
+    whole, _ = run_kernel(key_cache, value_cache, queries, [(long_table, slice(0, LONG), LONG)], width)
+    first, _ = run_kernel(key_cache, value_cache, queries, [short, (long_table[:5], slice(0, 18), 18)], 5)
+    second, _ = run_kernel(key_cache, value_cache, queries, [(long_table, slice(18, LONG), LONG), short], width + 3)
+    assert torch.equal(first[5:], whole[:18]) and torch.equal(second[:22], whole[18:])
+    for position in (15, 16, LONG - 1):
+        decode, _ = run_kernel(
+            key_cache, value_cache, queries, [short, (long_table, slice(position, position + 1), position + 1)], 16
+        )
+        assert torch.equal(decode[5], whole[position]), position
+    # One split (a table of at most 16 keys) gives the bits of the split path.
+    single, _ = run_kernel(key_cache, value_cache, queries, [(long_table[:4], slice(0, 14), 14)], 4)
+    assert torch.equal(single, whole[:14])
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("q_heads, kv_heads", [(16, 16), (32, 8)])
+def test_gpu_kernel_at_model_shapes_matches_reference_and_is_split_invariant(q_heads, kv_heads):
+    """bf16, head dim 128, blocks of 16, contexts past one 512-key split, NaN-poisoned cache: 64
+    decode tokens match the reference, and each equals bitwise the same token computed as the
+    last of a prefill chunk (other split count, other batch)."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, head_dim, requests = 16, 128, 64
+    kv_lengths = torch.randint(300, 1500, (requests,), generator=gen)
+    blocks = -(-kv_lengths // block_size)
+    num_blocks = int(blocks.sum()) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen)
+    table = torch.full((requests, int(blocks.max())), num_blocks - 1)
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    value_cache = key_cache.clone()
+    used = 0
+    for row, (length, n) in enumerate(zip(kv_lengths.tolist(), blocks.tolist(), strict=True)):
+        table[row, :n] = order[used : used + n]
+        used += n
+        slots = (table[row, :n, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        for cache in (key_cache, value_cache):
+            values = torch.randn(length, kv_heads, head_dim, generator=gen)
+            cache.view(-1, kv_heads, head_dim)[slots] = values.bfloat16()
+    key_cache, value_cache, table = key_cache.cuda(), value_cache.cuda(), table.cuda()
+    query = torch.randn(requests, q_heads, head_dim, generator=gen).bfloat16().cuda()
+    ones = torch.ones(requests, dtype=torch.long, device="cuda")
+    decode = triton_paged_attention(query, key_cache, value_cache, table, ones, kv_lengths.cuda())
+    want = torch_paged_attention(query, key_cache, value_cache, table, ones, kv_lengths.cuda())
+    assert torch.isfinite(decode).all()
+    torch.testing.assert_close(decode.float(), want.float(), rtol=0, atol=2e-2)
+    for row in (0, 17, 63):
+        chunk = torch.randn(7, q_heads, head_dim, generator=gen).bfloat16().cuda()
+        chunk[-1] = query[row]
+        lengths = torch.tensor([7], device="cuda"), kv_lengths[row : row + 1].cuda()
+        prefill = triton_paged_attention(chunk, key_cache, value_cache, table[row : row + 1, : blocks[row]], *lengths)
+        assert torch.equal(prefill[-1], decode[row]), row
+
+
+@pytest.mark.gpu(1)
+def test_gpu_kernel_captured_in_a_cuda_graph_replays_the_eager_bits_for_new_steps():
+    """A decode bucket of 8 requests captured once (static query, tables and lengths) and replayed
+    for steps whose lengths, tables and queries change, including past a split boundary: each
+    replay equals an eager call on the same inputs bitwise."""
+    gen = torch.Generator().manual_seed(6)
+    block_size, head_dim, q_heads, kv_heads, requests, width = 16, 128, 32, 8, 8, 48
+    num_blocks = requests * width + 1
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16().cuda()
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16().cuda()
+    query = torch.zeros(requests, q_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(requests, width, dtype=torch.long, device="cuda")
+    q_lens = torch.ones(requests, dtype=torch.long, device="cuda")
+    kv_lens = torch.ones(requests, dtype=torch.long, device="cuda")
+    args = (query, key_cache, value_cache, table, q_lens, kv_lens)
+
+    def new_step():
+        query.copy_(torch.randn(requests, q_heads, head_dim, generator=gen).bfloat16())
+        table.copy_(torch.randperm(num_blocks - 1, generator=gen)[: requests * width].view(requests, width))
+        kv_lens.copy_(torch.randint(1, width * block_size + 1, (requests,), generator=gen))
+
+    new_step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_paged_attention(*args, validate=False)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_paged_attention(*args, validate=False)
+    for _ in range(3):
+        new_step()
+        graph.replay()
+        eager = triton_paged_attention(*args)
+        assert torch.isfinite(eager).all()
+        assert torch.equal(captured, eager)
+        torch.testing.assert_close(captured.float(), torch_paged_attention(*args).float(), rtol=0, atol=2e-2)

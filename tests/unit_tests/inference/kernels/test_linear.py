@@ -1,0 +1,116 @@
+"""The batch-invariant linear equals ``F.linear`` to rounding, and a row's result is bitwise the
+same in batches of any size and at any position in them, on the torch path (CPU) and on the
+Triton GEMM (Triton's interpreter without a GPU, compiled on CUDA). The engine's forward runs
+the model's linears through it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.config import TransformerConfig
+from megatron.core.fusions import fusion_backend
+from megatron.core.inference.kernels import (
+    BACKEND_ENV,
+    KernelBackendError,
+    batch_invariant,
+    invariant_linear,
+    is_batch_invariant,
+    kernel_backend,
+)
+from megatron.core.inference.kernels.matmul_triton import tile_config
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.init_methods import init_method
+from tests.unit_tests.transformer.single_rank import on_single_rank
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ["torch", "triton"] if DEVICE.type == "cpu" else ["triton"]
+
+
+def operands(rows, n, k, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    return tuple(t.to(DEVICE, dtype) for t in (x, w, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, k", [(40, 72), (520, 40)])
+def test_invariant_linear_matches_f_linear(backend, n, k):
+    x, w, b = operands(37, n, k)
+    torch.testing.assert_close(invariant_linear(x, w, b, backend=backend), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    x3 = x.reshape(37, 1, k)  # [s, b, h] activations keep their leading shape
+    assert invariant_linear(x3, w, backend=backend).shape == (37, 1, n)
+
+
+def test_triton_linear_keeps_bf16_and_agrees_to_its_rounding():
+    x, w, _ = operands(21, 40, 72, dtype=torch.bfloat16)
+    out = invariant_linear(x, w, backend="triton")
+    assert out.dtype == torch.bfloat16
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_are_bitwise_the_same_whatever_the_batch(backend):
+    x, w, b = operands(70, 40, 72)
+    full = invariant_linear(x, w, b, backend=backend)
+    for rows in (1, 7, 16, 33):
+        assert torch.equal(invariant_linear(x[:rows], w, b, backend=backend), full[:rows]), rows
+    shifted = torch.roll(x, 19, dims=0)  # every row at another position of its tile
+    assert torch.equal(invariant_linear(shifted, w, b, backend=backend), torch.roll(full, 19, dims=0))
+    assert torch.equal(invariant_linear(x[45:46], w, b, backend=backend)[0], full[45])
+
+
+def test_tile_shape_is_a_function_of_the_weight_only():
+    configs = {tile_config(50304, 2048, 2, 132), tile_config(50304, 2048, 2, 132)}
+    assert len(configs) == 1
+    assert tile_config(2048, 2048, 2, 132).block_n == 16 and tile_config(50304, 2048, 2, 132).block_n == 128
+
+
+@on_single_rank
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_model_linears_are_batch_invariant_inside_the_mode_only(pg, monkeypatch, kernels):
+    """``kernels="triton"``: every kernel on Triton (as on a GPU), the fused ops too, so the
+    linear adds its bias in the GEMM's epilogue, and that GEMM must be the invariant one."""
+    monkeypatch.setenv(BACKEND_ENV, kernels)
+    config = TransformerConfig(num_layers=1, hidden_size=72, num_attention_heads=2, add_bias_linear=True)
+    layer = ColumnParallelLinear(72, 40, config=config, init_method=init_method(config), pg_collection=pg)
+    x = torch.randn(50, 1, 72, generator=torch.Generator().manual_seed(1)).to(next(layer.parameters()).device)
+    assert not is_batch_invariant()
+    with torch.no_grad(), fusion_backend(kernels), batch_invariant():
+        assert is_batch_invariant()
+        full, _ = layer(x)
+        assert torch.equal(layer(x[:3])[0], full[:3]) and torch.equal(layer(x[20:21])[0], full[20:21])
+        assert torch.equal(full, invariant_linear(x, layer.weight, layer.bias))
+        with batch_invariant(False):
+            assert not is_batch_invariant()
+        assert is_batch_invariant()
+    assert not is_batch_invariant()
+
+
+def test_backend_resolution_argument_then_environment_then_device(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert kernel_backend(torch.device("cpu")) == "torch"
+    assert kernel_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert kernel_backend(torch.device("cuda")) == "torch"
+    assert kernel_backend(torch.device("cuda"), "triton") == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "cublas")
+    with pytest.raises(KernelBackendError, match=r"backend 'cublas' is unknown; accepted: auto, torch, triton"):
+        kernel_backend(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(KernelBackendError, match=r"'triton' needs CUDA tensors \(got cpu\)"):
+        kernel_backend(torch.device("cpu"), "triton")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11008, 2048), (2048, 5504), (50304, 2048)])
+def test_gpu_gemm_rows_are_bitwise_the_same_at_every_bucket_and_match_cublas(n, k):
+    """The 1.4B model's shapes in bf16: each bucket's rows equal the 256-row batch's bitwise,
+    and the GEMM agrees with cuBLAS to bf16 rounding."""
+    x, w, _ = operands(256, n, k, dtype=torch.bfloat16)
+    full = invariant_linear(x, w)
+    for rows in (1, 2, 3, 4, 8, 16, 31, 32, 64, 128, 200):
+        assert torch.equal(invariant_linear(x[:rows], w), full[:rows]), rows
+    assert torch.equal(invariant_linear(torch.roll(x, 77, 0), w), torch.roll(full, 77, 0))
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(full.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
