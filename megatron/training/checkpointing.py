@@ -3,7 +3,9 @@
 A checkpoint is ``<save>/iter_XXXXXXX/`` (a sharded checkpoint, see
 ``megatron.core.dist_checkpointing``) plus the ``latest`` tracker. It holds:
 
-* ``model``: the weights, keyed with global layer numbers and true shapes (any layout loads it);
+* ``model`` (``model0``, ``model1``, ... with virtual pipeline stages, one per chunk): the
+  weights, keyed with global layer numbers and true shapes (any layout, with or without
+  virtual stages, loads it);
 * ``optimizer``: fp32 masters, moments, param groups, loss scaler (``optimizer_state``);
 * ``train_state``: the :class:`TrainState` of the logging rank (iteration, consumed samples, ...);
 * ``rng_state``: every rank's RNG states (restored only under the same layout);
