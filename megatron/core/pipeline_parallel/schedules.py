@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core.errors import MegatronConfigError
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.timeline import PipelineTimeline
+from megatron.core.pipeline_parallel.timeline import PipelineTimeline, WaitTimer
 from megatron.core.process_groups import ProcessGroupCollection
 
 
@@ -147,7 +147,7 @@ def _timeline_span(timeline: PipelineTimeline | None, group=None):
     timeline.begin()
     yield
     if group is not None:
-        dist.barrier(group=group)
+        WaitTimer(timeline)(dist.barrier, group)
     timeline.end()
 
 
@@ -238,8 +238,19 @@ def forward_backward_pipelining_without_interleaving(
             hold,
             timeline,
         )
-        _run_1f1b(runner, comm, num_microbatches, forward_only)
+        _run_1f1b(runner, comm if timeline is None else _WaitingComm(comm, timeline), num_microbatches, forward_only)
     return runner.metrics, runner.num_tokens
+
+
+class _WaitingComm:
+    """A P2PCommunicator whose exchanges are recorded as idle intervals of ``timeline``."""
+
+    def __init__(self, comm: P2PCommunicator, timeline: PipelineTimeline):
+        self._comm, self._wait = comm, WaitTimer(timeline)
+
+    def __getattr__(self, name):
+        value = getattr(self._comm, name)
+        return (lambda *args: self._wait(value, *args)) if callable(value) else value
 
 
 def _run_1f1b(runner: _MicrobatchRunner, comm: P2PCommunicator, num_microbatches: int, forward_only: bool) -> None:
@@ -331,8 +342,16 @@ class _Inbox:
     """Receives what the neighbouring stages send, in the order they send it (their own pass
     order, so exchanges pair up on every backend), and keeps what arrives before it is needed."""
 
-    def __init__(self, comm: P2PCommunicator, pp_size: int, vp_size: int, num_microbatches: int, forward_only: bool):
-        self.comm = comm
+    def __init__(
+        self,
+        comm: P2PCommunicator,
+        pp_size: int,
+        vp_size: int,
+        num_microbatches: int,
+        forward_only: bool,
+        wait: WaitTimer,
+    ):
+        self.comm, self.wait = comm, wait
         ranks = dist.get_process_group_ranks(comm.pp_group)
         self.expected: dict[int, deque] = {}
         for peer in {comm.ring_prev_rank, comm.ring_next_rank}:
@@ -344,7 +363,7 @@ class _Inbox:
 
     def take(self, key: tuple[str, int, int], peer: int) -> torch.Tensor:
         while key not in self.arrived:
-            tensor, _ = self.comm.post_sends_and_recv([], peer)
+            tensor, _ = self.wait(self.comm.post_sends_and_recv, [], peer)
             self.arrived[self.expected[peer].popleft()] = tensor
         return self.arrived.pop(key)
 
@@ -413,7 +432,8 @@ def forward_backward_pipelining_with_interleaving(
                 )
             )
         stack.enter_context(_timeline_span(timeline, pgc.pp))
-        inbox = _Inbox(comm, pp_size, vp_size, num_microbatches, forward_only)
+        wait = WaitTimer(timeline)
+        inbox = _Inbox(comm, pp_size, vp_size, num_microbatches, forward_only, wait)
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         sends = []
@@ -437,7 +457,7 @@ def forward_backward_pipelining_with_interleaving(
                 sends = [send for send in sends if not send[0].is_completed()]  # let finished buffers go
                 sends += comm.post_sends_and_recv([(result.detach(), peer)], None)[1]
         for work, _ in sends:
-            work.wait()
+            wait(work.wait)
     last = runners[-1]
     return last.metrics, last.num_tokens
 

@@ -1,11 +1,12 @@
-"""What one rank did during a pipeline schedule: its compute intervals, and the idle time between.
+"""What one rank did during a pipeline schedule: its compute and idle intervals.
 
 A schedule given a :class:`PipelineTimeline` opens it (``begin``) after a barrier over the
-pipeline group, records every micro-batch forward and backward as a compute interval, and
-closes it (``end``) after another barrier, so every rank of the pipeline measures the same span
-and the pipeline bubble (time spent waiting on the neighbours) is what is not compute. The
-idle fraction is read from those intervals, never from a formula; for ``p`` stages, ``v``
-virtual stages and ``m`` micro-batches of equal cost it approaches ``(p - 1) / (v m + p - 1)``.
+pipeline group, records every micro-batch forward and backward as a compute interval and every
+wait on a neighbour (a receive, a send's completion, the closing barrier that the stages which
+finish first wait in) as an idle interval, and closes it (``end``). The idle fraction is read
+from those intervals, never from a formula: ``idle / (idle + compute)``, so the schedule's own
+bookkeeping (neither) does not count; for ``p`` stages, ``v`` virtual stages and ``m``
+micro-batches of equal cost it approaches ``(p - 1) / (v m + p - 1)``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class PipelineTimeline:
     """Per-rank compute and idle intervals of one schedule run (see the module docstring)."""
 
     compute: list[ComputeInterval] = field(default_factory=list)
+    idle: list[tuple[float, float]] = field(default_factory=list)
     start_s: float | None = None
     end_s: float | None = None
 
     def begin(self) -> None:
         self.compute.clear()
+        self.idle.clear()
         self.start_s, self.end_s = time.perf_counter(), None
 
     def end(self) -> None:
@@ -46,38 +49,46 @@ class PipelineTimeline:
     def record(self, kind: str, chunk: int, microbatch: int, start_s: float, end_s: float) -> None:
         self.compute.append(ComputeInterval(kind, chunk, microbatch, start_s, end_s))
 
-    def _span(self) -> tuple[float, float]:
+    def record_idle(self, start_s: float, end_s: float) -> None:
+        self.idle.append((start_s, end_s))
+
+    def _check_complete(self) -> None:
         if self.start_s is None or self.end_s is None:
             raise MegatronRuntimeError("the timeline has no complete run: pass it to a schedule first")
-        return self.start_s, self.end_s
 
     @property
     def total_s(self) -> float:
-        start, end = self._span()
-        return end - start
+        """The whole span, from the opening barrier to the end."""
+        self._check_complete()
+        return self.end_s - self.start_s
 
     @property
     def compute_s(self) -> float:
+        self._check_complete()
         return sum(interval.end_s - interval.start_s for interval in self.compute)
-
-    def idle_intervals(self) -> list[tuple[float, float]]:
-        """The gaps (start, end) of the span not covered by a compute interval."""
-        start, end = self._span()
-        gaps, cursor = [], start
-        for interval in sorted(self.compute, key=lambda i: i.start_s):
-            if interval.start_s > cursor:
-                gaps.append((cursor, interval.start_s))
-            cursor = max(cursor, interval.end_s)
-        if end > cursor:
-            gaps.append((cursor, end))
-        return gaps
 
     @property
     def idle_s(self) -> float:
-        return sum(gap_end - gap_start for gap_start, gap_end in self.idle_intervals())
+        self._check_complete()
+        return sum(end - start for start, end in self.idle)
 
     @property
     def idle_fraction(self) -> float:
-        """Share of the span this rank spent not computing (waiting on its neighbours)."""
-        total = self.total_s
-        return self.idle_s / total if total > 0 else 0.0
+        """Share of this rank's compute-or-wait time spent waiting on its neighbours."""
+        busy = self.compute_s + self.idle_s
+        return self.idle_s / busy if busy > 0 else 0.0
+
+
+class WaitTimer:
+    """Records the calls it makes as idle intervals of ``timeline`` (no-op without one)."""
+
+    def __init__(self, timeline: PipelineTimeline | None):
+        self.timeline = timeline
+
+    def __call__(self, fn, *args):
+        if self.timeline is None:
+            return fn(*args)
+        start = time.perf_counter()
+        result = fn(*args)
+        self.timeline.record_idle(start, time.perf_counter())
+        return result

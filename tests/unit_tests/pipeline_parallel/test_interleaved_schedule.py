@@ -59,6 +59,44 @@ def test_pass_order_warms_up_alternates_and_cools_down():
                 assert passes.index((FORWARD, chunk, microbatch)) < passes.index((BACKWARD, chunk, microbatch))
 
 
+def _simulated_idle_fractions(pp, vp, num_microbatches, forward_s=1.0, backward_s=2.0):
+    """Replay every rank's pass order with free communication: a pass starts when its rank is
+    free and its input (previous virtual stage's forward, next one's backward) is done."""
+    orders = {rank: interleaved_order(pp, rank, vp, num_microbatches) for rank in range(pp)}
+    finished, clock, busy, position = {}, [0.0] * pp, [0.0] * pp, [0] * pp
+    last_stage = pp * vp - 1
+    while any(position[rank] < len(orders[rank]) for rank in range(pp)):
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(orders[rank]):
+                kind, chunk, microbatch = orders[rank][position[rank]]
+                stage = chunk * pp + rank
+                if kind == FORWARD:
+                    source = stage - 1 if stage > 0 else None
+                else:
+                    source = stage + 1 if stage < last_stage else stage
+                needs = None
+                if source is not None:
+                    source_kind = FORWARD if source == stage else kind
+                    needs = (source % pp, source_kind, source // pp, microbatch)
+                if needs is not None and needs not in finished:
+                    break
+                duration = (forward_s if kind == FORWARD else backward_s) / vp
+                clock[rank] = max(clock[rank], finished.get(needs, 0.0)) + duration
+                busy[rank] += duration
+                finished[rank, kind, chunk, microbatch] = clock[rank]
+                position[rank] += 1
+                progressed = True
+        assert progressed, "the pass orders deadlock"
+    return [1 - busy[rank] / max(clock) for rank in range(pp)]
+
+
+@pytest.mark.parametrize("pp,vp,num_microbatches", [(2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_pass_order_has_exactly_the_interleaved_bubble(pp, vp, num_microbatches):
+    expected = (pp - 1) / (vp * num_microbatches + pp - 1)
+    assert _simulated_idle_fractions(pp, vp, num_microbatches) == pytest.approx([expected] * pp, abs=1e-9)
+
+
 @pytest.mark.parametrize("vp,num_microbatches", [(1, 4), (2, 4)])
 def test_measured_bubble_matches_the_formula(vp, num_microbatches):
     """Sleep-padded layers (forward 0.1 s, backward 0.2 s) make compute dominate; the idle
