@@ -38,6 +38,7 @@ def gpt_flags(opts, train_iters: int) -> list[str]:
         *("--micro-batch-size", str(opts.micro_batch_size), "--train-iters", str(train_iters)),
         *("--lr", "1e-4", "--lr-decay-style", "constant", "--clip-grad", "1.0"),
         *("--mock-data", "--vocab-size", str(opts.vocab_size), "--log-interval", "1000000000"),
+        *("--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--eval-iters", "0"),
     ]
     if opts.global_batch_size is not None:
         flags += ["--global-batch-size", str(opts.global_batch_size)]

@@ -77,6 +77,12 @@ def llama_flags(
         "gloo",
         "--log-interval",
         "1000000",
+        "--hidden-dropout",
+        "0.0",
+        "--attention-dropout",
+        "0.0",
+        "--eval-iters",
+        "0",
         *data,
     ]
 

@@ -20,6 +20,7 @@ python3 -m torch.distributed.run --standalone --nproc-per-node 4 examples/pretra
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters 300 \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
+    --hidden-dropout 0.0 --attention-dropout 0.0 \
     --log-interval 25 --eval-interval 100 --eval-iters 2 \
     --save "$RUN" --save-interval 300 --metrics-jsonl "$RUN/metrics.jsonl" "$@"
 

@@ -13,12 +13,16 @@ describe the language model; --hybrid-layer-pattern makes it a HybridModel); the
 flags describe the encoder and where it runs. No global parallel state is used: each module
 builds its own process groups, and checkpoints every module through them (--save,
 --save-interval, --load, --finetune, --no-load-optim, --no-load-rng; a resumed run continues
-exactly where the saved one was).
+exactly where the saved one was). The gradient-reduction flags (--overlap-grad-reduce,
+--overlap-param-gather, --grad-reduce-in-bf16, --ddp-bucket-size) apply to every module; the
+data, evaluation and run-control flags this example does not implement (UNSUPPORTED_FLAGS)
+are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -29,7 +33,7 @@ import torch.distributed as dist
 from megatron.core.config import TransformerConfig
 from megatron.core.datasets.synthetic_image_caption import SyntheticImageCaptionDataset
 from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, save_iteration
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.models.mimo import (
     LANGUAGE_MODEL,
     MimoRoles,
@@ -44,8 +48,12 @@ from megatron.core.models.mimo.checkpointing import load_mimo_state, mimo_sharde
 from megatron.core.models.mimo.roles import data_index, data_width
 from megatron.core.parallel_state import initialize_distributed
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.core.tokenizers import build_tokenizer
-from megatron.training.arguments import ArgumentError, parse_args, transformer_config_from_args
+from megatron.training.arguments import (
+    ArgumentError,
+    parse_args,
+    tokenizer_record_from_args,
+    transformer_config_from_args,
+)
 from megatron.training.checkpointing import (
     rng_object,
     rng_states,
@@ -60,12 +68,48 @@ from megatron.training.training import (
     IterationLog,
     TrainState,
     count_flops_per_token,
+    ddp_config_from_args,
     optimizer_config_from_args,
     save_due,
     scheduler_from_args,
 )
 
 IMAGES = "images"
+
+# Flags of examples/pretrain_gpt.py that this example does not implement (flag -> why); given
+# with a value other than the default, they are refused instead of being silently ignored.
+_NOT_IMPLEMENTED = "the MIMO example does not implement it; train without it"
+_GENERATED_DATA = "the MIMO example trains on generated image-caption samples; drop it"
+UNSUPPORTED_FLAGS = {
+    **dict.fromkeys(
+        (
+            "--mock-data",
+            "--data-path",
+            "--train-data-path",
+            "--valid-data-path",
+            "--test-data-path",
+            "--split",
+            "--data-cache-path",
+            "--eod-mask-loss",
+        ),
+        _GENERATED_DATA,
+    ),
+    "--eval-interval": "the MIMO example does not evaluate; drop it",
+    "--eval-iters": "the MIMO example does not evaluate; drop it",
+    **dict.fromkeys(
+        (
+            "--exit-interval",
+            "--exit-duration-in-mins",
+            "--manual-gc",
+            "--manual-gc-interval",
+            "--no-manual-gc-eval",
+            "--empty-unused-memory-level",
+            "--profile",
+            "--use-torch-compile",
+        ),
+        _NOT_IMPLEMENTED,
+    ),
+}
 
 
 def add_mimo_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +163,9 @@ def parse_mimo_args(argv: list[str] | None = None, world_size: int | None = None
         world_size=language_world_size(pre.encoder_ranks, world_size),
         extra_args_provider=add_mimo_args,
     )
+    given = [flag for flag in UNSUPPORTED_FLAGS if flag in args.non_default_args]
+    if given:
+        raise ArgumentError("; ".join(f"{flag}: {UNSUPPORTED_FLAGS[flag]}" for flag in given))
     checks = [
         (args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (not args.calculate_per_token_loss, "--calculate-per-token-loss is not supported for MIMO models"),
@@ -221,7 +268,7 @@ class MimoTrainer:
         self.collections = self.roles.build_collections(backend=args.distributed_backend)
         torch.manual_seed(args.seed)
         model_parallel_manual_seed(args.seed, next(iter(self.collections.values())))
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        self.tokenizer = tokenizer_record_from_args(args).build()
         self.image_token_id = self.tokenizer.vocab_size
         language_config = transformer_config_from_args(args)
         encoder_config = encoder_config_from_args(args)
@@ -232,13 +279,7 @@ class MimoTrainer:
             {IMAGES: image_submodule_provider(encoder_config, args.image_size, args.patch_size, args.hidden_size)},
             {IMAGES: self.image_token_id},
         ).to(self.device)
-        self.ddp = wrap_with_ddp(
-            self.model,
-            self.collections,
-            DistributedDataParallelConfig(
-                use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=args.bf16 or args.fp16
-            ),
-        )
+        self.ddp = wrap_with_ddp(self.model, self.collections, ddp_config_from_args(args))
         self.optimizer = get_mimo_optimizer(
             optimizer_config_from_args(args),
             self.ddp,
@@ -306,6 +347,19 @@ class MimoTrainer:
         dist.broadcast(loss, src=self.logging_rank)
         return loss.item()
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reducing them, in every module this rank holds."""
+        with contextlib.ExitStack() as stack:
+            for module in self.ddp.values():
+                stack.enter_context(module.no_sync())
+            yield
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter gathers still in flight (--overlap-param-gather)."""
+        for module in self.ddp.values():
+            module.finish_param_sync()
+
     def train_step(self, language_batches, modality_batches) -> tuple[float, bool, float | None]:
         """One iteration; returns (loss, update_successful, grad_norm), the same on every rank."""
         for module in self.ddp.values():
@@ -318,6 +372,7 @@ class MimoTrainer:
             modality_batches,
             self.args.num_microbatches,
             grad_scale_func=self.optimizer.scale_loss,
+            no_sync=self.no_sync,
         )
         for name, module in self.ddp.items():
             finalize_model_grads([module], self.collections[name], module.config)
@@ -335,6 +390,7 @@ class MimoTrainer:
             log.record(state, loss, ok, grad_norm, self.scheduler.get_lr())
             if save_due(args, state):
                 self.save()
+        self.finish_param_sync()
         return state
 
     def layouts(self) -> dict[str, dict]:
@@ -344,6 +400,7 @@ class MimoTrainer:
     def save(self) -> str:
         """Save every module's weights and optimizer state (each through its own groups), the
         LR schedule, the train state and every rank's RNG states as ``--save``/iter_<iteration>."""
+        self.finish_param_sync()
         state = mimo_sharded_state_dict(self.model, self.collections, self.optimizer) | {
             "train_state": train_state_object(dataclasses.asdict(self.state), dist.get_rank() == self.logging_rank),
             "rng_state": rng_object(rng_states()),

@@ -96,6 +96,8 @@ class TransformerConfig(ModelParallelConfig):
     attention_dropout: float = 0.0
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5
+    # Norms multiply by (1 + weight), weights initialized to 0 (Megatron's --apply-layernorm-1p).
+    layernorm_zero_centered_gamma: bool = False
     gated_linear_unit: bool = False  # SwiGLU when activation_func is silu
     activation_func: Callable = F.gelu
     add_bias_linear: bool = True

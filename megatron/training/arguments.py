@@ -9,18 +9,99 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
+from megatron.core.datasets.blend import parse_blend
+from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
+from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
+from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
+from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
 
 
 class ArgumentError(MegatronConfigError):
     """A bad or contradictory flag combination; the message names the flags."""
+
+
+# Flags that select an implementation or a fusion this framework always uses: accepted, and
+# their note is printed once on rank 0 when given (argparse kwargs, note).
+IMPLEMENTATION_FLAGS = {
+    "--use-mcore-models": ({"action": "store_true"}, "models are always megatron-core style (GPTModel, HybridModel)"),
+    "--transformer-impl": (
+        {"choices": ["local", "transformer_engine"], "default": None},
+        "layers are this framework's own torch modules (fused kernels where the backend switch has them)",
+    ),
+    "--use-flash-attn": ({"action": "store_true"}, "attention already uses fused SDPA"),
+    "--attention-backend": (
+        {"choices": ["auto", "flash", "fused", "unfused", "local"], "default": None},
+        "attention uses torch SDPA, which picks its fastest kernel itself",
+    ),
+    "--no-masked-softmax-fusion": (
+        {"action": "store_true"},
+        "attention uses SDPA, which has no separate masked-softmax kernel to turn off",
+    ),
+    "--cross-entropy-loss-fusion": (
+        {"action": "store_true"},
+        "the loss is the vocab-parallel cross-entropy (fused where the backend switch has a kernel)",
+    ),
+    "--no-create-attention-mask-in-dataloader": (
+        {"action": "store_true"},
+        "no attention mask is ever built: attention is causal inside the kernel",
+    ),
+    "--use-checkpoint-args": (
+        {"action": "store_true"},
+        "with --load the model flags always come from the checkpoint's model record",
+    ),
+    "--log-throughput": ({"action": "store_true"}, "tokens/s and TFLOP/s are always in the log line"),
+    "--num-workers": ({"type": int, "default": None}, "samples are read in the training process (no loader workers)"),
+    "--no-mmap-bin-files": ({"action": "store_true"}, ".bin files are always memory-mapped (read on access)"),
+    "--ckpt-format": (
+        {"choices": ["torch_dist"], "default": None},
+        "checkpoints are always sharded torch.distributed.checkpoint directories (torch_dist)",
+    ),
+    "--tiktoken-pattern": ({"choices": ["v1", "v2"], "default": None}, "only TikTokenizer reads it (not supported)"),
+}
+
+# Flags with a meaning this framework does not implement: refused before any process group
+# (argparse kwargs, what to do instead).
+REFUSED_FLAGS = {
+    "--fp8-format": ({"type": str}, "fp8 training is not supported; train in --bf16"),
+    "--fp8-recipe": ({"type": str}, "fp8 training is not supported; train in --bf16"),
+    "--fp8-amax-history-len": ({"type": int}, "fp8 training is not supported; train in --bf16"),
+    "--fp8-amax-compute-algo": ({"type": str}, "fp8 training is not supported; train in --bf16"),
+    "--fp8-param-gather": ({"action": "store_const", "const": True}, "fp8 training is not supported; train in --bf16"),
+    "--rampup-batch-size": (
+        {"nargs": "*"},
+        "batch-size ramp-up is not supported; train with a constant --global-batch-size",
+    ),
+    "--step-batch-size-schedule": (
+        {"type": str},
+        "batch-size schedules are not supported; train with a constant --global-batch-size",
+    ),
+    "--decoupled-lr": (
+        {"type": float},
+        "a separate learning rate for the embedding and output layer is not supported; they train at --lr",
+    ),
+    "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
+}
+
+# What --spec may name (module, function): the specs this framework builds for each family.
+ACCEPTED_SPECS = {
+    "gpt": {
+        ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"),
+        ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec"),
+    },
+    "hybrid": {
+        ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+        ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"),
+    },
+}
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +148,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="default: nccl when CUDA is available, else gloo",
     )
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    # Virtual (interleaved) pipeline stages: accepted only where they give 1 virtual stage per
+    # pipeline rank, which is what the 1F1B schedule runs; more are refused in validate_args.
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -88,14 +174,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hybrid-layer-pattern", type=str, default=None)
-    g.add_argument("--mamba-state-dim", type=int, default=16)
-    g.add_argument("--mamba-head-dim", type=int, default=16)
-    g.add_argument("--mamba-num-groups", type=int, default=1)
-    g.add_argument("--mamba-chunk-size", type=int, default=TransformerConfig.mamba_chunk_size, help="SSD scan chunk")
+    g.add_argument("--mamba-state-dim", type=int, default=128)
+    g.add_argument("--mamba-head-dim", type=int, default=64)
+    g.add_argument("--mamba-num-groups", type=int, default=8)
+    g.add_argument("--mamba-chunk-size", type=int, default=128, help="SSD scan chunk (Megatron's 128)")
     g.add_argument("--mtp-num-layers", type=int, default=None)
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
@@ -110,7 +196,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None, help="or --train-samples")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
@@ -133,10 +219,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true")
 
@@ -152,7 +240,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--split", type=str, default="969,30,1")
-    g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
+    g.add_argument(
+        "--tokenizer-type",
+        type=str,
+        default=None,
+        help="default: GPT2BPETokenizer with --vocab-file / --merge-file (Megatron's), else ByteLevelTokenizer",
+    )
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss on end-of-document tokens")
     g.add_argument("--vocab-size", type=int, default=None, help="for --mock-data; defaults to the tokenizer's")
@@ -161,16 +254,99 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=0)
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--metrics-jsonl", type=str, default=None, metavar="PATH")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in a background thread while training continues (one save in flight at a time)",
+    )
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+
+
+def _add_megatron_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (more Megatron flags)")
+    g.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="zero-centered norm weights: the norm multiplies by (1 + weight), weights start at 0",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="recompute the attention core in backward (= --recompute-granularity selective)",
+    )
+    g.add_argument(
+        "--spec", nargs="*", default=None, metavar="MODULE NAME", help="accepted when it names the spec built here"
+    )
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("schedule and exit")
+    g.add_argument("--train-samples", type=int, default=None, help="sample-based training (instead of --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples (default: all of them)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
+    g.add_argument(
+        "--lr-warmup-fraction", type=float, default=None, help="warm-up as a fraction of the decay iterations/samples"
+    )
+    g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit at a multiple of it")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after it")
+    g.add_argument("--manual-gc", action="store_true", help="disable automatic garbage collection; collect on cue")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
+    g.add_argument(
+        "--no-manual-gc-eval",
+        action="store_false",
+        dest="manual_gc_eval",
+        help="with --manual-gc: do not collect around evaluations",
+    )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="release cached CUDA memory after each step (1) and after evaluation too (2)",
+    )
+
+
+def _add_megatron_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data (more Megatron flags)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            default=None,
+            help=f"the {split} split's own blend ([weight] prefix ...); exclusive with --data-path",
+        )
+    g.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+
+
+def _add_megatron_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("profiling")
+    g.add_argument("--profile", action="store_true", help="profile iterations --profile-step-start..end")
+    g.add_argument(
+        "--use-pytorch-profiler", action="store_true", help="with --profile: torch.profiler, trace in --tensorboard-dir"
+    )
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+
+
+def _add_compatibility_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "Megatron compatibility", "accepted and noted once at start-up (what they select is always used), or refused"
+    )
+    for flag, (kwargs, _) in IMPLEMENTATION_FLAGS.items():
+        g.add_argument(flag, **kwargs)
+    for flag, (kwargs, message) in REFUSED_FLAGS.items():
+        g.add_argument(flag, default=None, help=f"refused: {message}", **kwargs)
 
 
 def build_parser(model_family: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -180,6 +356,11 @@ def build_parser(model_family: str, description: str | None = None) -> argparse.
     _add_training_args(parser)
     _add_data_args(parser)
     _add_logging_and_checkpoint_args(parser)
+    _add_megatron_model_args(parser)
+    _add_schedule_args(parser)
+    _add_megatron_data_args(parser)
+    _add_megatron_logging_args(parser)
+    _add_compatibility_args(parser)
     parser.set_defaults(model_family=model_family)
     return parser
 
@@ -189,11 +370,193 @@ def _require(condition: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Refused flags and, for accepted Megatron flags that select what is always used here, the
+    notes printed once at start-up (``args.compatibility_notes``)."""
+    for flag, (_, message) in REFUSED_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        _require(value is None, f"{flag}: {message}")
+    notes = []
+    for flag, (_, note) in IMPLEMENTATION_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value not in (None, False):
+            shown = flag if value is True else f"{flag} {value}"
+            notes.append(f"{shown}: {note}")
+    if args.spec is not None:
+        spec = tuple(args.spec)
+        _require(
+            spec in ACCEPTED_SPECS[args.model_family],
+            f"--spec {' '.join(spec)}: {args.model_family} models are built from this framework's own layer spec; "
+            f"accepted: {sorted(' '.join(s) for s in ACCEPTED_SPECS[args.model_family])} (or drop --spec)",
+        )
+        notes.append(f"--spec {' '.join(spec)}: the {args.model_family} layer spec built here")
+    if args.group_query_attention:
+        notes.append("--group-query-attention: --num-query-groups alone sets the number of key/value heads")
+    args.compatibility_notes = notes
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _check_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Interleaved schedules are not implemented: only one virtual stage per pipeline rank."""
+    pp = args.pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--num-layers-per-virtual-pipeline-stage", per_stage),
+            ("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size),
+            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank),
+        )
+        if value is not None
+    ]
+    for flag, value in given:
+        _require(value >= 1, f"{flag} must be >= 1, got {value}")
+        if flag == "--num-layers-per-virtual-pipeline-stage":
+            virtual = args.num_layers / (pp * value)
+        else:
+            virtual = value
+        _require(
+            virtual == 1,
+            f"interleaved pipeline schedules are not supported yet: {flag} {value} gives {virtual:g} virtual "
+            f"stages per pipeline rank (--num-layers {args.num_layers}, --pipeline-model-parallel-size {pp}); "
+            "drop the flag to run the 1F1B schedule",
+        )
+        args.compatibility_notes.append(f"{flag} {value}: one virtual stage per pipeline rank, the 1F1B schedule")
+
+
+def _iterations(samples: float, global_batch_size: int) -> int | float:
+    """``samples`` in iterations of ``global_batch_size``; whole numbers stay integers."""
+    iterations = samples / global_batch_size
+    return int(iterations) if iterations == int(iterations) else iterations
+
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    """Iteration- or sample-based training as Megatron has them; the sample forms become
+    (possibly fractional) iterations of the constant global batch."""
+    _require(
+        (args.train_iters is None) != (args.train_samples is None),
+        "--train-iters and --train-samples are mutually exclusive"
+        if args.train_iters is not None
+        else "--train-iters (or --train-samples) is required",
+    )
+    batch = args.global_batch_size
+    if args.train_iters is not None:
+        _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
+        for flag, value, instead in (
+            ("--lr-decay-samples", args.lr_decay_samples, "--lr-decay-iters"),
+            ("--lr-warmup-samples", args.lr_warmup_samples or None, "--lr-warmup-iters"),
+        ):
+            _require(
+                value is None, f"{flag} needs sample-based training (--train-samples); with --train-iters use {instead}"
+            )
+        warmup_flag = "--lr-warmup-iters"
+    else:
+        _require(
+            args.train_samples >= batch,
+            f"--train-samples ({args.train_samples}) is less than one global batch ({batch})",
+        )
+        for flag, value, instead in (
+            ("--lr-decay-iters", args.lr_decay_iters, "--lr-decay-samples"),
+            ("--lr-warmup-iters", args.lr_warmup_iters or None, "--lr-warmup-samples"),
+        ):
+            _require(
+                value is None,
+                f"{flag} needs iteration-based training (--train-iters); with --train-samples use {instead}",
+            )
+        args.train_iters = args.train_samples // batch
+        args.lr_decay_iters = _iterations(args.lr_decay_samples or args.train_samples, batch)
+        args.lr_warmup_iters = _iterations(args.lr_warmup_samples, batch)
+        warmup_flag = "--lr-warmup-samples"
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(not args.lr_warmup_iters, f"--lr-warmup-fraction and {warmup_flag} are mutually exclusive; give one")
+        _require(
+            0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}"
+        )
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    _require(
+        args.lr_warmup_iters <= args.lr_decay_iters,
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed --lr-decay-iters ({args.lr_decay_iters})",
+    )
+    _require(
+        args.exit_interval is None or args.exit_interval >= 1, f"--exit-interval must be >= 1, got {args.exit_interval}"
+    )
+    _require(
+        args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+        f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}",
+    )
+    _require(args.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _require(args.manual_gc or not args.manual_gc_interval, "--manual-gc-interval needs --manual-gc")
+    if args.profile:
+        _require(
+            0 <= args.profile_step_start < args.profile_step_end,
+            f"--profile-step-start ({args.profile_step_start}) must be below --profile-step-end "
+            f"({args.profile_step_end})",
+        )
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Data sources (one --data-path blend, per-split blends, mock data or the built-in corpus)
+    and the tokenizer's inputs."""
+    per_split = {split: getattr(args, f"{split}_data_path") for split in ("train", "valid", "test")}
+    given_per_split = [f"--{split}-data-path" for split, paths in per_split.items() if paths is not None]
+    _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
+    _require(
+        not (given_per_split and (args.data_path or args.mock_data)),
+        f"{', '.join(given_per_split)} and {'--mock-data' if args.mock_data else '--data-path'} are mutually exclusive",
+    )
+    _require(not given_per_split or per_split["train"], "--valid-data-path / --test-data-path need --train-data-path")
+    blends = {}
+    try:
+        if args.data_path:
+            blends["all"] = parse_blend(args.data_path, "--data-path")
+        for split, paths in per_split.items():
+            if paths is not None:
+                blends[split] = parse_blend(paths, f"--{split}-data-path")
+    except ValueError as error:
+        raise ArgumentError(str(error)) from error
+    for blend in blends.values():
+        _require(
+            BUILTIN_DATA_PATH not in blend.prefixes or len(blend.prefixes) == 1,
+            f"'{BUILTIN_DATA_PATH}' (the built-in corpus) cannot be blended with other datasets",
+        )
+    args.data_blends = blends
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file or args.merge_file else DEFAULT_TOKENIZER_TYPE
+    try:
+        check_tokenizer_inputs(
+            args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+        )
+    except ValueError as error:
+        raise ArgumentError(str(error)) from error
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+        builtin = not blends or any(BUILTIN_DATA_PATH in blend.prefixes for blend in blends.values())
+        _require(
+            args.mock_data or not builtin,
+            "NullTokenizer cannot tokenize the built-in corpus; use --mock-data or --data-path",
+        )
+    for flag, path in (
+        ("--tokenizer-model", args.tokenizer_model),
+        ("--vocab-file", args.vocab_file),
+        ("--merge-file", args.merge_file),
+    ):
+        _require(path is None or os.path.exists(path), f"{flag} {path}: no such file or directory")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the flags against each other and the world size; fill derived values.
 
     Raises ArgumentError naming the flags at fault. Runs before any process group exists.
     """
+    _refuse_unsupported(args)
     for flag in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
@@ -217,12 +580,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--generalized-tensor-parallel-size ({gtp}) = {model_parallel}",
     )
     _require(cp == 1, f"--context-parallel-size {cp} is not supported by the models yet; use 1")
+    args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     # GTP peers read different micro-batches: they are part of the data-parallel width.
     args.data_parallel_width = args.data_parallel_size * cp * gtp
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
+    if args.model_family == "hybrid" and args.num_layers is None and args.hybrid_layer_pattern is not None:
+        try:  # Megatron's rule: the pattern gives the depth (and the MTP depth after '/')
+            parsed = parse_hybrid_pattern(args.hybrid_layer_pattern)
+        except ValueError as error:
+            raise ArgumentError(f"invalid model flags: {error}") from error
+        args.num_layers = parsed.num_layers
+        if args.mtp_num_layers is None and parsed.mtp_patterns:
+            args.mtp_num_layers = len(parsed.mtp_patterns)
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
-    _require(args.train_iters >= 1, f"--train-iters must be >= 1, got {args.train_iters}")
+    _check_virtual_pipeline(args)
     _require(
         not args.overlap_param_gather or args.use_distributed_optimizer,
         "--overlap-param-gather needs --use-distributed-optimizer",
@@ -232,11 +604,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}",
     )
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
-    _require(not (args.mock_data and args.data_path), "--mock-data and --data-path are mutually exclusive")
-    _require(
-        args.data_path is None or len(args.data_path) == 1,
-        f"--data-path takes one dataset prefix for now (no blending), got {len(args.data_path or [])}",
-    )
+    _check_data(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_width
     per_step = args.micro_batch_size * args.data_parallel_width
@@ -247,6 +615,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"{args.data_parallel_size} x CP {cp} x GTP {gtp})",
     )
     args.num_microbatches = args.global_batch_size // per_step
+    _check_schedule(args)
     _validate_virtual_pipeline(args)
     _require(
         args.num_attention_heads % tp == 0,
@@ -264,6 +633,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron's behaviour: nothing to split at TP=1
+    if args.recompute_activations:
+        _require(
+            args.recompute_granularity in (None, "selective"),
+            f"--recompute-activations is selective recompute; it contradicts --recompute-granularity "
+            f"{args.recompute_granularity}",
+        )
+        args.recompute_granularity = "selective"  # Megatron's meaning
     if args.position_embedding_type is None:
         args.position_embedding_type = "none" if args.model_family == "hybrid" else "learned_absolute"
     if args.max_position_embeddings is None:
@@ -282,12 +658,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})",
         )
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _require(
-        args.lr_warmup_iters <= args.lr_decay_iters,
-        f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed --lr-decay-iters ({args.lr_decay_iters})",
-    )
     _require(
         not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
         "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive",
@@ -296,6 +666,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _require(args.eval_interval is None or args.eval_iters >= 1, "--eval-interval needs --eval-iters >= 1")
     _require(
         args.mtp_num_layers is None or args.mtp_num_layers >= 1,
@@ -363,14 +734,31 @@ def parse_args(
     world_size: int | None = None,
     extra_args_provider: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.Namespace:
-    """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
+    """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without torchrun).
+
+    With ``--load`` of a checkpoint the model flags not given come from its model record
+    (:mod:`megatron.training.checkpoint_args`). ``args.non_default_args`` lists the flags whose
+    value differs from the default (for the start-up summary)."""
     parser = build_parser(model_family)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     args = parser.parse_args(argv)
+    explicit = given_destinations(parser, sys.argv[1:] if argv is None else argv)
+    apply_checkpoint_record(args, explicit, ArgumentError)
+    args.non_default_args = {
+        action.option_strings[-1]: getattr(args, action.dest)
+        for action in parser._actions
+        if action.option_strings and action.dest != "help" and getattr(args, action.dest) != action.default
+    }
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return validate_args(args, world_size)
+
+
+def given_destinations(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the options that ``argv`` gives (``--flag value`` or ``--flag=value``)."""
+    options = parser._option_string_actions
+    return {options[token.split("=", 1)[0]].dest for token in argv if token.split("=", 1)[0] in options}
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -394,6 +782,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
@@ -409,9 +798,23 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def tokenizer_record_from_args(args: argparse.Namespace) -> TokenizerRecord:
+    """The tokenizer the flags name."""
+    return TokenizerRecord(
+        args.tokenizer_type,
+        args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size if args.tokenizer_type == "NullTokenizer" else None,
+    )
+
+
 def model_record_from_args(args: argparse.Namespace, vocab_size: int) -> ModelRecord:
-    """The model record of a run started from the pretraining flags: built once, it is what
-    the trainer builds the model from and what its checkpoints store."""
+    """The model record of a run: built once, it is what the trainer builds the model from and
+    what its checkpoints store. With ``--load`` of a checkpoint it is the checkpoint's record
+    with this run's layout and training behaviour; otherwise the pretraining flags'."""
+    if getattr(args, "checkpoint_record", None) is not None:
+        return record_for_run(args, args.checkpoint_record, tokenizer_record_from_args(args))
     return ModelRecord(
         family=args.model_family,
         config=transformer_config_from_args(args),
@@ -422,5 +825,5 @@ def model_record_from_args(args: argparse.Namespace, vocab_size: int) -> ModelRe
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
-        tokenizer=TokenizerRecord(args.tokenizer_type, args.tokenizer_model),
+        tokenizer=tokenizer_record_from_args(args),
     )

@@ -13,20 +13,16 @@ import torch.distributed as dist
 
 from megatron.core.datasets import (
     BUILTIN_DATA_PATH,
+    Blend,
+    build_blended_gpt_datasets,
     build_builtin_corpus,
-    build_gpt_datasets,
     build_mock_gpt_datasets,
 )
 
 
-def resolve_data_prefix(args, tokenizer) -> str | None:
-    """The indexed-dataset prefix to read; builds the built-in corpus (rank 0 writes, the
-    others wait) when --data-path is absent or 'builtin'. None for --mock-data."""
-    if args.mock_data:
-        return None
-    paths = args.data_path or [BUILTIN_DATA_PATH]  # one prefix: checked by validate_args
-    if paths[0] != BUILTIN_DATA_PATH:
-        return paths[0]
+def builtin_corpus_prefix(args, tokenizer) -> str:
+    """The built-in corpus's indexed-dataset prefix, built (rank 0 writes, the others wait)
+    or found in the cache."""
     prefix = None
     if args.data_cache_path:
         prefix = f"{args.data_cache_path}/builtin_{type(tokenizer).__name__}_text_document"
@@ -39,24 +35,28 @@ def resolve_data_prefix(args, tokenizer) -> str | None:
 
 
 def build_datasets(args, tokenizer, vocab_size: int):
-    """Train, valid and test datasets sized for the run."""
-    evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    """Train, valid and test datasets sized for the run: mock data, the built-in corpus (no
+    --data-path, or 'builtin'), or the blends of --data-path / --train-data-path etc."""
+    evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1  # Megatron's sizes
     num_samples = [
         args.train_iters * args.global_batch_size,
         evals * args.eval_iters * args.global_batch_size,
         args.eval_iters * args.global_batch_size,
     ]
-    prefix = resolve_data_prefix(args, tokenizer)
-    if prefix is None:
+    if args.mock_data:
         return build_mock_gpt_datasets(num_samples, args.seq_length, vocab_size, args.seed)
-    return build_gpt_datasets(
-        prefix,
+    blends = args.data_blends or {"all": Blend((BUILTIN_DATA_PATH,))}
+    if blends.get("all") == Blend((BUILTIN_DATA_PATH,)):
+        blends = {"all": Blend((builtin_corpus_prefix(args, tokenizer),))}
+    return build_blended_gpt_datasets(
+        blends,
         args.split,
         num_samples,
         args.seq_length,
         args.seed,
         eod_id=tokenizer.eod,
         eod_mask_loss=args.eod_mask_loss,
+        cache_dir=args.data_cache_path,
     )
 
 

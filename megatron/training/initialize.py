@@ -12,15 +12,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.parallel_state import initialize_distributed
 from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tensor_parallel import model_parallel_manual_seed
 
 
 def set_random_seeds(seed: int, pg_collection: ProcessGroupCollection) -> None:
     """Seed Python, numpy and torch; data-parallel ranks share the seed (the data sampler,
-    not the RNG, gives them different batches) and pipeline stages differ by an offset."""
+    not the RNG, gives them different batches) and pipeline stages differ by an offset. The
+    tensor-parallel RNG stream (dropout inside TP-sharded regions) is seeded per TP rank."""
     seed = seed + 100 * pg_collection.rank("pp")
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    model_parallel_manual_seed(seed, pg_collection)
 
 
 def initialize_megatron(args) -> ProcessGroupCollection:

@@ -2,7 +2,11 @@
 
 Only the last pipeline stage's data-parallel rank 0 holds the loss; callers pass every
 record through :class:`MetricsLogger` on that rank (``enabled=True``), which is the one
-that writes.
+that writes. TensorBoard tags are Megatron's (:data:`TENSORBOARD_TAGS`): ``lm loss`` for
+training, ``lm loss validation`` / ``lm loss test`` for evaluations, ``learning-rate``,
+``grad-norm``, ``loss-scale``, ``batch-size``, ``throughput`` (TFLOP/s per rank),
+``tokens-per-second``, ``iteration-time`` (s), and memory (``mem-allocated-bytes``,
+``mem-max-allocated-bytes``, ``mem-reserved-bytes`` on CUDA; ``mem-max-rss-bytes`` on CPU).
 """
 
 from __future__ import annotations
@@ -10,8 +14,36 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
+
+# JSONL key of a training record -> (TensorBoard tag, factor).
+TENSORBOARD_TAGS = {
+    "lm loss": ("lm loss", 1.0),
+    "lr": ("learning-rate", 1.0),
+    "grad_norm": ("grad-norm", 1.0),
+    "loss_scale": ("loss-scale", 1.0),
+    "tflops": ("throughput", 1.0),
+    "tokens_per_s": ("tokens-per-second", 1.0),
+    "elapsed_ms_per_iteration": ("iteration-time", 1e-3),
+}
+
+
+def memory_stats() -> dict[str, int]:
+    """This process's memory: the CUDA allocator's counters when CUDA is in use, else the
+    peak resident set size."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "mem-allocated-bytes": torch.cuda.memory_allocated(),
+            "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(),
+            "mem-reserved-bytes": torch.cuda.memory_reserved(),
+        }
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem-max-rss-bytes": peak if sys.platform == "darwin" else peak * 1024}
 
 
 @dataclass(frozen=True)
@@ -75,14 +107,14 @@ class MetricsLogger:
 
             self._writer = SummaryWriter(log_dir=self.tensorboard_dir)
 
-    def _record(self, record: dict, step: int) -> None:
+    def _record(self, record: dict, step: int, scalars: dict[str, float]) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
         if self._writer is not None:
-            for key, value in record.items():
-                if key not in ("iteration", "type") and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, step)
+            for tag, value in scalars.items():
+                if isinstance(value, (int, float)):
+                    self._writer.add_scalar(tag, value, step)
             self._writer.flush()
 
     def log_training(
@@ -100,6 +132,8 @@ class MetricsLogger:
         skipped: int,
         nan: int,
         extra: dict | None = None,
+        loss_scale: float | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """One training record and Megatron's log line."""
         if not self.enabled:
@@ -117,10 +151,21 @@ class MetricsLogger:
             "skipped_iterations": skipped,
             "nan_iterations": nan,
         }
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
         record.update(extra or {})
-        self._record(record, iteration)
+        scalars = {
+            tag: record[key] * factor for key, (tag, factor) in TENSORBOARD_TAGS.items() if record.get(key) is not None
+        }
+        if batch_size is not None:
+            scalars["batch-size"] = batch_size
+        scalars.update({key: value for key, value in (extra or {}).items() if isinstance(value, (int, float))})
+        scalars.update(memory_stats())
+        self._record(record, iteration, scalars)
         grad = "n/a" if grad_norm is None else f"{grad_norm:.3E}"
         extras = "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items() if isinstance(v, float))
+        if loss_scale is not None:
+            extras += f" loss scale: {loss_scale:.1f} |"
         self.print_fn(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
@@ -134,7 +179,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss))
-        self._record({"type": label, "iteration": iteration, "lm loss": loss, "lm loss ppl": ppl}, iteration)
+        self._record(
+            {"type": label, "iteration": iteration, "lm loss": loss, "lm loss ppl": ppl},
+            iteration,
+            {f"lm loss {label}": loss, f"lm loss {label} ppl": ppl},
+        )
         line = f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         bar = "-" * len(line)
         self.print_fn(f"{bar}\n{line}\n{bar}")

@@ -19,19 +19,21 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import CheckpointingError
+from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError, read_latest_iteration
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.model_record import model_chunks_from_record
+from megatron.core.models.model_record import adopt_untracked_checkpoints, model_chunks_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.tokenizers import build_tokenizer
-from megatron.training.arguments import model_record_from_args
+from megatron.training import startup_summary as summary
+from megatron.training.arguments import model_record_from_args, tokenizer_record_from_args
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
+from megatron.training.run_control import ExitRule, GarbageCollection, IterationProfiler
+from megatron.training.startup_summary import parameter_counts_per_stage
 
 
 @dataclass
@@ -76,7 +78,13 @@ class IterationLog:
         self._start = time.perf_counter()
 
     def record(
-        self, state: TrainState, loss: float, update_successful: bool, grad_norm: float | None, lr: float
+        self,
+        state: TrainState,
+        loss: float,
+        update_successful: bool,
+        grad_norm: float | None,
+        lr: float,
+        loss_scale: float | None = None,
     ) -> None:
         args = self.args
         state.iteration += 1
@@ -101,6 +109,8 @@ class IterationLog:
             grad_norm=grad_norm,
             skipped=state.skipped_iterations,
             nan=state.nan_iterations,
+            loss_scale=loss_scale,
+            batch_size=args.global_batch_size,
         )
         self._losses, self._start = [], time.perf_counter()
 
@@ -112,18 +122,24 @@ def save_due(args, state: TrainState) -> bool:
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of a micro-batch."""
-    losses = output_tensor.float()
-    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """The micro-batch's loss over its unmasked tokens: their mean, or with ``per_token``
+    (``--calculate-per-token-loss``) their sum and count, the gradients being divided by the
+    global batch's token count after the reduction (Megatron's per-token loss). The metric is
+    the mean, or the (sum, count) pair."""
+    total = (output_tensor.float() * loss_mask).sum()
+    tokens = loss_mask.sum()
+    if per_token:
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.detach()])}
+    loss = total / tokens.clamp(min=1)
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, per_token: bool = False):
     """One micro-batch through the model; the loss is computed on the last stage."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
 
 
 def logging_rank(pgc: ProcessGroupCollection) -> int:
@@ -179,6 +195,8 @@ def count_flops_per_token(
 def optimizer_config_from_args(args) -> OptimizerConfig:
     """The optimizer settings the training flags describe."""
     return OptimizerConfig(
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
@@ -227,7 +245,7 @@ class Trainer:
         self.args = args
         self.pgc = pgc
         self.device = device_for(args)
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        self.tokenizer = tokenizer_record_from_args(args).build()
         self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
         self.record = model_record_from_args(args, self.vocab_size)
         chunks = model_chunks_from_record(self.record, pgc, args.virtual_pipeline_model_parallel_size)
@@ -245,7 +263,11 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), self.model_chunks, pgc)
         self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
-        self.train_ds, self.valid_ds, _ = build_datasets(args, self.tokenizer, self.vocab_size)
+        per_chunk = [parameter_counts_per_stage(chunk, pgc, self.device) for chunk in chunks]
+        self.parameter_counts = [sum(counts) for counts in zip(*per_chunk, strict=True)]
+        summary.print_model(args, self.parameter_counts)
+        self.train_ds, self.valid_ds, self.test_ds = build_datasets(args, self.tokenizer, self.vocab_size)
+        summary.print_datasets({"train": self.train_ds, "validation": self.valid_ds, "test": self.test_ds})
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
         self.flops_per_token = count_flops_per_token(chunks, pgc, args.seq_length, args.hidden_size, self.device)
@@ -254,6 +276,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(
             args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
         )
+        self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
     def data_iterator(self, dataset, start_sample: int):
         """The micro-batches from ``start_sample`` on; with virtual stages, a list of one such
@@ -271,11 +294,14 @@ class Trainer:
         ]
         return iterators[0] if len(iterators) == 1 else iterators
 
-    def _run_schedule(self, data_iterator, forward_only: bool) -> torch.Tensor:
-        """Forward (and backward) over one global batch; the mean loss over it on every rank
-        of the last stage (averaged over the data group), zero elsewhere."""
-        metrics, _ = self.forward_backward(
-            forward_step_func=forward_step,
+    def _run_schedule(self, data_iterator, forward_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward (and backward) over one global batch. Returns the loss over it on every rank
+        of the last stage (the mean of the data group's micro-batch means; with per-token loss
+        the global token mean), zero elsewhere, and with per-token loss this stage's token
+        count (None otherwise)."""
+        per_token = self.args.calculate_per_token_loss
+        metrics, num_tokens = self.forward_backward(
+            forward_step_func=partial(forward_step, per_token=per_token),
             data_iterator=data_iterator,
             model=self.model_chunks,
             num_microbatches=self.args.num_microbatches,
@@ -286,48 +312,94 @@ class Trainer:
             pg_collection=self.pgc,
             grad_scale_func=None if forward_only else self.optimizer.scale_loss,
         )
-        if not metrics:
-            return torch.zeros((), device=self.device)
-        loss = torch.stack([m["lm loss"].float() for m in metrics]).mean()
         data_group = self.pgc.dp_cp_gtp_or_dp_cp()
+        if per_token:
+            tokens = torch.tensor(float(num_tokens), device=self.device)
+            if not metrics:
+                return torch.zeros((), device=self.device), tokens
+            pair = torch.stack([m["lm loss"].float() for m in metrics]).sum(dim=0)
+            dist.all_reduce(pair, group=data_group)
+            return pair[0] / pair[1].clamp(min=1), tokens
+        if not metrics:
+            return torch.zeros((), device=self.device), None
+        loss = torch.stack([m["lm loss"].float() for m in metrics]).mean()
         dist.all_reduce(loss, group=data_group)
-        return loss / dist.get_world_size(data_group)
+        return loss / dist.get_world_size(data_group), None
 
     def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
         """One iteration; returns (loss, update_successful, grad_norm)."""
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self._run_schedule(data_iterator, forward_only=False)
-        finalize_model_grads(self.model_chunks, self.pgc, self.config)
+        loss, num_tokens = self._run_schedule(data_iterator, forward_only=False)
+        finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(1)
         return loss.item(), update_successful, grad_norm
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over --eval-iters global batches, always from the first sample."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean loss over --eval-iters global batches of ``dataset`` (default: the validation
+        split), always from its first sample."""
         for chunk in self.model_chunks:
             chunk.eval()
-        iterator = self.data_iterator(self.valid_ds, 0)
-        losses = [self._run_schedule(iterator, forward_only=True).item() for _ in range(self.args.eval_iters)]
+        iterator = self.data_iterator(self.valid_ds if dataset is None else dataset, 0)
+        losses = [self._run_schedule(iterator, forward_only=True)[0].item() for _ in range(self.args.eval_iters)]
         for chunk in self.model_chunks:
             chunk.train()
+        if self.args.empty_unused_memory_level >= 2 and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return sum(losses) / len(losses)
 
+    def _evaluate_and_log(self, dataset, label: str, gc_control: GarbageCollection) -> None:
+        with gc_control.around_evaluation():
+            loss = self.evaluate(dataset)
+        self.logger.log_evaluation(iteration=self.state.iteration, loss=loss, label=label)
+
     def train(self) -> TrainState:
+        """Train to --train-iters (or until --exit-interval / --exit-duration-in-mins: save,
+        then stop), evaluating every --eval-interval; after a full run, evaluate the
+        validation and test splits (--eval-iters batches each), as Megatron does."""
         args, state = self.args, self.state
         iterator = self.data_iterator(self.train_ds, state.consumed_samples)
         log = IterationLog(args, self.logger, self.flops_per_token, dist.get_world_size())
+        gc_control = GarbageCollection(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
+        exit_rule = ExitRule(args.exit_interval, args.exit_duration_in_mins, self.device)
+        profiler = IterationProfiler.from_args(args, self.device)
+        exited = False
         while state.iteration < args.train_iters:
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.poll()  # a failed background save stops training here
+            profiler.before_step(state.iteration + 1)
             loss, ok, grad_norm = self.train_step(iterator)
-            log.record(state, loss, ok, grad_norm, self.scheduler.get_lr())
+            profiler.after_step(state.iteration + 1)
+            if args.empty_unused_memory_level >= 1 and self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.record(state, loss, ok, grad_norm, self.scheduler.get_lr(), self.optimizer.get_loss_scale())
+            gc_control.after_step(state.iteration)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
-                self.logger.log_evaluation(iteration=state.iteration, loss=self.evaluate())
-            if save_due(args, state):
+                self._evaluate_and_log(self.valid_ds, "validation", gc_control)
+            saved = save_due(args, state)
+            if saved:
                 self.save()
+            reason = exit_rule.reason(state.iteration)
+            if reason is not None:
+                if args.save and not saved:
+                    self.save()
+                if dist.get_rank() == 0:
+                    print(f"exiting program {reason}", flush=True)
+                exited = True
+                break
+        profiler.close()
         self.finish_param_sync()  # the last step's overlapped gathers
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends
+        if not exited and args.eval_iters:
+            for dataset, label in ((self.valid_ds, "validation"), (self.test_ds, "test")):
+                if dataset is not None:
+                    self._evaluate_and_log(dataset, label, gc_control)
+        gc_control.close()
         return state
 
     def finish_param_sync(self) -> None:
@@ -347,11 +419,17 @@ class Trainer:
 
 
 def pretrain(args) -> TrainState:
-    """Initialize, build the model the flags describe, (resume,) train and close."""
+    """Initialize, build the model the flags describe, (resume,) train and close. A --load
+    directory without a checkpoint yet starts from scratch (Megatron's behaviour)."""
     pgc = initialize_megatron(args)
+    summary.print_run(args, pgc)
     trainer = Trainer(args, pgc)
-    if args.load:
+    if args.save:  # a save interrupted before its tracker moved: adopt it if complete (before --load reads it)
+        adopt_untracked_checkpoints(args.save)
+    if args.load and read_latest_iteration(args.load) is not None:
         trainer.load()
+    elif args.load and dist.get_rank() == 0:
+        print(f"--load {args.load}: no checkpoint there yet; training from scratch", flush=True)
     state = trainer.train()
     trainer.logger.close()
     return state

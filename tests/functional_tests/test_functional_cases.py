@@ -37,3 +37,15 @@ def test_gpt_goldens_match_a_plain_pytorch_loop():
     ((plain, ours),) = run_distributed(_plain_loop_losses, 1, flags, 3)
     assert plain == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)
     assert ours == pytest.approx(case["golden_lm_loss"][:3], rel=1e-4)
+
+
+def test_cases_pin_the_defaults_their_goldens_rely_on():
+    """Goldens must not move when a default does (Megatron's dropout, evaluation, logging and
+    Mamba defaults are not what these small runs use): every case names those flags."""
+    for name, case in CASES.items():
+        needed = ["--hidden-dropout", "--attention-dropout", "--eval-iters", "--log-interval"]
+        if case["entry_point"].endswith("pretrain_hybrid.py"):
+            needed += ["--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-chunk-size"]
+        if "--fp16" in case["flags"]:
+            needed.append("--initial-loss-scale")
+        assert [flag for flag in needed if flag not in case["flags"]] == [], name

@@ -85,6 +85,7 @@ RUN_ELSEWHERE = {
         "README_CURL_COMPLETIONS": "test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text",
         "README_CURL_CHAT": "test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text",
         "README_SERVE_TORCHRUN": "test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text",
+        "README_SERVE_REPLICAS": "test_launcher_with_two_data_parallel_replicas_serves_concurrent_requests",
         "README_OFFLINE": "test_disaggregated_load_reports_what_offline_load_reports",
         "README_DISAGGREGATED": "test_disaggregated_load_reports_what_offline_load_reports",
     }.items()
@@ -171,8 +172,10 @@ def test_quickstart_trains_tp2_pp2_on_four_processes_and_generates(tmp_path):
     run_dir = tmp_path / "runs" / "quickstart"
     short = " --train-iters 10 --lr-warmup-iters 2 --log-interval 5"
     done = run_command(readme_command(QUICKSTART) + short, ROOT, env=_cpu_env(RUN_DIR=str(run_dir)))
-    losses = [r["lm loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm loss"] for r in records if r["type"] == "train"]
     assert len(losses) == 2 and losses[1] < losses[0]  # logged at iterations 5 and 10
+    assert [r["type"] for r in records if r["type"] != "train"] == ["validation", "test"]  # after training
     assert f"saved checkpoint {run_dir}/iter_0000010 (iteration 10)" in done.stdout
     report = json.loads((run_dir / "generations.json").read_text())
     assert [len(r["generated_tokens"]) for r in report["requests"]] == [96, 96, 96]

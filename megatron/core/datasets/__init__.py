@@ -1,4 +1,5 @@
-"""Datasets: indexed binary token files, GPT samples over them, mock data, built-in corpus.
+"""Datasets: indexed binary token files, GPT samples over them, weighted blends, mock data,
+built-in corpus.
 
 Names are imported from their modules on first use, so that tools which only read or
 write indexed files (tools/preprocess_data.py) do not pay for importing torch.
@@ -11,6 +12,11 @@ _EXPORTS = {
     "build_builtin_corpus": "builtin_corpus",
     "builtin_documents": "builtin_corpus",
     "default_builtin_corpus_prefix": "builtin_corpus",
+    "Blend": "blend",
+    "parse_blend": "blend",
+    "BlendedDataset": "blended_dataset",
+    "blending_indices": "blended_dataset",
+    "build_blended_gpt_datasets": "blended_dataset",
     "DatasetConfigError": "errors",
     "GPTDataset": "gpt_dataset",
     "build_gpt_datasets": "gpt_dataset",

@@ -79,6 +79,15 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def describe(self) -> str:
+        """One line for the start-up summary: samples, documents, tokens, epochs, source."""
+        documents = len(self.document_order) // self.num_epochs
+        tokens = int(self._order_lengths.sum()) // self.num_epochs
+        return (
+            f"{self.num_samples} samples from {documents} documents ({tokens} tokens, {self.num_epochs} epoch"
+            f"{'s' if self.num_epochs > 1 else ''}) of {self.indexed_dataset.path_prefix}"
+        )
+
     def window(self, idx: int) -> np.ndarray:
         """The ``sequence_length + 1`` token ids of sample ``idx`` (after shuffling)."""
         if not 0 <= idx < self.num_samples:

@@ -39,6 +39,9 @@ class MockGPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def describe(self) -> str:
+        return f"{self.num_samples} mock samples (vocabulary {self.vocab_size})"
+
     def window(self, idx: int) -> np.ndarray:
         """The ``sequence_length + 1`` token ids of sample ``idx``."""
         if not 0 <= idx < self.num_samples:

@@ -44,14 +44,13 @@ class DocumentEncoder:
     """Turns one JSONL line into token ids per key; built once per worker process."""
 
     def __init__(self, args: argparse.Namespace):
-        self.tokenizer_type = args.tokenizer_type
-        self.tokenizer_model = args.tokenizer_model
+        self.tokenizer_args = tokenizer_args(args)
         self.json_keys = args.json_keys
         self.append_eod = args.append_eod
         self.tokenizer = None
 
     def initialize(self) -> None:
-        self.tokenizer = build_tokenizer(self.tokenizer_type, self.tokenizer_model)
+        self.tokenizer = build_tokenizer(**self.tokenizer_args)
 
     def encode(self, numbered_line: tuple[int, str]) -> tuple[dict[str, list[int]], int]:
         """Token ids of each key of line ``number``, and the line's size in bytes."""
@@ -72,6 +71,17 @@ class DocumentEncoder:
             if self.append_eod:
                 ids[key].append(self.tokenizer.eod)
         return ids, len(line.encode("utf-8"))
+
+
+def tokenizer_args(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``build_tokenizer`` that the tokenizer flags give."""
+    return {
+        "tokenizer_type": args.tokenizer_type,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "vocab_size": args.vocab_size,
+    }
 
 
 _worker_encoder: DocumentEncoder | None = None
@@ -112,7 +122,7 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     Files are written under temporary names and renamed once complete, so a failure
     leaves no partial dataset behind.
     """
-    vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+    vocab_size = build_tokenizer(**tokenizer_args(args)).vocab_size
     prefixes = {key: output_prefix_for_key(args.output_prefix, key) for key in args.json_keys}
     temporary = {key: f"{prefix}.tmp{os.getpid()}" for key, prefix in prefixes.items()}
     directory = os.path.dirname(args.output_prefix)
@@ -163,7 +173,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     parser.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
-    parser.add_argument("--tokenizer-model", default=None, help="tokenizer.json or its directory")
+    parser.add_argument(
+        "--tokenizer-model", default=None, help="tokenizer.json or its directory; a SentencePiece .model file"
+    )
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: the number of ids")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize (default: text)")
     parser.add_argument("--append-eod", action="store_true", help="append the EOD id to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")

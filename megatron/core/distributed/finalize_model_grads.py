@@ -10,7 +10,10 @@ module adds the reductions that model parallelism needs on top:
 * parameters tagged ``sequence_parallel`` are summed over ``tp`` (each TP rank saw only its
   sequence chunk);
 * weights tagged ``shared_embedding`` (input embedding and output layer tied across the first
-  and last pipeline stage) are summed over ``embd``.
+  and last pipeline stage) are summed over ``embd``;
+* with per-token loss (``num_tokens`` given: the loss was a sum), every gradient is divided
+  by the global batch's token count: the last stage's counts summed over ``dp_cp_gtp`` and
+  sent to the other stages, as Megatron does.
 """
 
 from __future__ import annotations
@@ -61,7 +64,18 @@ def _unique_trainable_params(modules: Iterable[torch.nn.Module]) -> list[torch.n
     return params
 
 
-def finalize_model_grads(modules, pg_collection=None, config=None) -> None:
+def global_token_count(num_tokens: torch.Tensor, pg) -> torch.Tensor:
+    """The global batch's token count on every rank, from each last-stage rank's count
+    (``num_tokens``; other stages pass anything): summed over ``dp_cp_gtp``, broadcast over ``pp``."""
+    count = num_tokens.detach().to(torch.float64).clone()
+    if pg.size("pp") > 1:
+        last = dist.get_global_rank(pg.pp, pg.size("pp") - 1)
+        dist.broadcast(count, src=last, group=pg.pp)
+    dist.all_reduce(count, group=pg.dp_cp_gtp_or_dp_cp())
+    return count
+
+
+def finalize_model_grads(modules, pg_collection=None, config=None, num_tokens: torch.Tensor | None = None) -> None:
     """Finish gradient reductions of ``modules`` (a module or a list of model chunks).
 
     Args:
@@ -69,6 +83,8 @@ def finalize_model_grads(modules, pg_collection=None, config=None) -> None:
             called first when it has one.
         pg_collection: the groups to reduce over (None: the global collection).
         config: gives ``calculate_per_token_loss``; None takes the first chunk's ``config``.
+        num_tokens: with per-token loss, this rank's token count of the iteration (meaningful on
+            the last pipeline stage): the gradients are divided by the global count.
     """
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     pg = resolve_pg_collection(pg_collection)
@@ -95,3 +111,12 @@ def finalize_model_grads(modules, pg_collection=None, config=None) -> None:
         tied = [_grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
         if tied:
             _all_reduce_coalesced(tied, pg.embd)
+
+    if num_tokens is not None:
+        scale = 1.0 / max(global_token_count(num_tokens, pg).item(), 1.0)
+        for module in modules:
+            if hasattr(module, "scale_gradients"):
+                module.scale_gradients(scale)
+        for param in params:
+            if getattr(param, "main_grad", None) is None and param.grad is not None:
+                param.grad.mul_(scale)

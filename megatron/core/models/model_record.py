@@ -23,21 +23,27 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
+    AsyncSaver,
     CheckpointingError,
+    CorruptCheckpointError,
+    adopt_untracked,
     iteration_dir,
     load,
     read_latest_iteration,
-    save,
-    write_latest_iteration,
+    read_metadata,
+    save_iteration,
+    verify_files,
 )
-from megatron.core.dist_checkpointing.core import write_file_atomically
+from megatron.core.dist_checkpointing.dist_utils import on_coordinator
+from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_json
 from megatron.core.dist_checkpointing.model_state import load_model_pieces
+from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.hybrid import HybridModel
@@ -87,23 +93,70 @@ DEFAULT_POSITION_EMBEDDINGS = {"gpt": "learned_absolute", "hybrid": "none"}
 
 @dataclass(frozen=True)
 class TokenizerRecord:
-    """A tokenizer as ``--tokenizer-type`` / ``--tokenizer-model`` name it. ``model`` is the
-    tokenizer's file or directory (None for tokenizers that need no files); in a checkpoint's
-    JSON it is relative to the iteration directory."""
+    """A tokenizer as ``--tokenizer-type`` and the flags it reads name it: ``model``
+    (``--tokenizer-model``: a tokenizer.json or its directory, a SentencePiece .model file),
+    ``vocab_file`` / ``merge_file`` (GPT-2 BPE files), ``vocab_size`` (NullTokenizer). None
+    where the type reads nothing. In a checkpoint's JSON the paths are relative to the
+    iteration directory (see :meth:`stored`)."""
 
     type: str
     model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("model", "vocab_file", "merge_file")
 
     def build(self) -> MegatronTokenizer:
-        return build_tokenizer(self.type, self.model)
+        return build_tokenizer(
+            self.type, self.model, vocab_file=self.vocab_file, merge_file=self.merge_file, vocab_size=self.vocab_size
+        )
+
+    def to_dict(self) -> dict:
+        """``type`` and ``model``, and the other fields that are set."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if v is not None or k in ("type", "model")}
+
+    def _hf_directory(self) -> bool:
+        return self.type == "HuggingFaceTokenizer" and self.model is not None
 
     def files(self) -> list[str]:
-        """The files this tokenizer is read from (none for a tokenizer without a model)."""
-        if self.model is None:
-            return []
-        tokenizer_file = resolve_tokenizer_file(self.model)
-        config_file = tokenizer_file.parent / CONFIG_FILE
-        return [str(tokenizer_file)] + ([str(config_file)] if config_file.is_file() else [])
+        """The files this tokenizer is read from (none for a tokenizer without files)."""
+        if self._hf_directory():
+            tokenizer_file = resolve_tokenizer_file(self.model)
+            config_file = tokenizer_file.parent / CONFIG_FILE
+            return [str(tokenizer_file)] + ([str(config_file)] if config_file.is_file() else [])
+        return [getattr(self, name) for name in self.PATH_FIELDS if getattr(self, name) is not None]
+
+    def stored(self, directory: str) -> TokenizerRecord:
+        """This record once :meth:`files` are copied (by base name) into ``directory``, a path
+        relative to the iteration directory: an HF tokenizer is named by the directory."""
+        if self._hf_directory():
+            return dataclasses.replace(self, model=directory)
+        names = [os.path.basename(path) for path in self.files()]
+        if len(set(names)) != len(names):
+            raise ModelRecordError(
+                f"tokenizer files {self.files()} share a file name; a checkpoint stores them side by side"
+            )
+        return dataclasses.replace(
+            self,
+            **{
+                name: os.path.join(directory, os.path.basename(getattr(self, name)))
+                for name in self.PATH_FIELDS
+                if getattr(self, name) is not None
+            },
+        )
+
+    def located(self, directory: str) -> TokenizerRecord:
+        """This record with its relative paths taken relative to ``directory``."""
+        return dataclasses.replace(
+            self,
+            **{
+                name: os.path.join(os.path.abspath(directory), getattr(self, name))
+                for name in self.PATH_FIELDS
+                if getattr(self, name) is not None
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -178,7 +231,7 @@ class ModelRecord:
             if field.name == "config":
                 value = value.to_dict()
             elif field.name == "tokenizer" and value is not None:
-                value = dataclasses.asdict(value)
+                value = value.to_dict()
             data[field.name] = value
         return data
 
@@ -303,48 +356,84 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 def read_model_record(path: str) -> ModelRecord:
     """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
-    read. Its tokenizer path is resolved to where the checkpoint is now."""
+    read. Its tokenizer path is resolved to where the checkpoint is now. A record that does not
+    parse, or tokenizer files that differ from those published with the checkpoint (which the
+    tokenizer library would fail on with errors of its own), raise CorruptCheckpointError naming
+    the file."""
     checkpoint_dir = resolve_checkpoint_dir(path)
-    with open(os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME), encoding="utf-8") as f:
-        data = json.load(f)
-    record = ModelRecord.from_dict(data)
-    tokenizer = record.tokenizer
-    if data["version"] > 1 and tokenizer is not None and tokenizer.model is not None:
-        located = os.path.join(os.path.abspath(checkpoint_dir), tokenizer.model)
-        record = record.replace(tokenizer=TokenizerRecord(tokenizer.type, located))
+    record_path = os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME)
+    data = read_json(record_path)
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{record_path} must hold a JSON object, found a {type(data).__name__}")
+    try:
+        record = ModelRecord.from_dict(data)
+    except MegatronError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptCheckpointError(f"{record_path} is malformed: {type(err).__name__}: {err}") from err
+    if data["version"] > 1 and record.tokenizer is not None:
+        record = record.replace(tokenizer=record.tokenizer.located(checkpoint_dir))
+    _verify_tokenizer_files(checkpoint_dir)
     return record
+
+
+def _verify_tokenizer_files(checkpoint_dir: str) -> None:
+    """Check the tokenizer's files against the lengths and checksums the metadata recorded when
+    they were published with the checkpoint (older checkpoints do not list them; a directory
+    without metadata is refused by the weight load). The record itself is only parsed: it is
+    plain JSON meant to be read, and its parse errors already name what is wrong."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME)):
+        return
+    metadata = read_metadata(checkpoint_dir)
+    verify_files(checkpoint_dir, metadata, [n for n in metadata.files if n.startswith(f"{TOKENIZER_DIRNAME}/")])
 
 
 def _stored_record(record: ModelRecord) -> ModelRecord:
     """``record`` as a checkpoint stores it: its tokenizer's files in ``tokenizer/``."""
-    if record.tokenizer is None or record.tokenizer.model is None:
+    if record.tokenizer is None or not record.tokenizer.files():
         return record
-    return record.replace(tokenizer=TokenizerRecord(record.tokenizer.type, TOKENIZER_DIRNAME))
+    return record.replace(tokenizer=record.tokenizer.stored(TOKENIZER_DIRNAME))
 
 
-def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: ModelRecord) -> str:
+def save_model_checkpoint(
+    sharded_state_dict: dict,
+    root: str,
+    iteration: int,
+    record: ModelRecord,
+    *,
+    async_saver: AsyncSaver | None = None,
+    on_saved: Callable[[], None] | None = None,
+) -> str:
     """Collectively save ``sharded_state_dict`` as iteration ``iteration`` of ``root`` with the
     model ``record``: the record in the common state and as ``model_config.json``, the
-    tokenizer's files copied into ``tokenizer/``; then move the tracker (so it only ever
-    names directories that are complete). Returns the iteration directory."""
+    tokenizer's files in ``tokenizer/``, all published at once with the shards; then move the
+    tracker (so it only ever names directories that are complete). An earlier save of this
+    iteration interrupted before the tracker moved is adopted or replaced (see
+    :func:`megatron.core.dist_checkpointing.save_iteration`, which also explains
+    ``async_saver`` and ``on_saved``). Returns the iteration directory."""
     tokenizer_files = record.tokenizer.files() if record.tokenizer is not None else []  # every rank: fail alike
     stored = _stored_record(record)
-    path = iteration_dir(root, iteration)
-    save({**sharded_state_dict, "model_config": stored.to_dict()}, path)
-    if dist.get_rank() == 0:
-        if tokenizer_files:
-            os.makedirs(os.path.join(path, TOKENIZER_DIRNAME))
-        for source in tokenizer_files:
-            with open(source, "rb") as f:
-                write_file_atomically(os.path.join(path, TOKENIZER_DIRNAME, os.path.basename(source)), f.read())
-        write_file_atomically(
-            os.path.join(path, MODEL_RECORD_FILENAME), json.dumps(stored.to_dict(), indent=1).encode()
-        )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_latest_iteration(root, iteration)
-    dist.barrier()
-    return path
+    files = {MODEL_RECORD_FILENAME: json.dumps(stored.to_dict(), indent=1).encode()}
+    for source in tokenizer_files:
+        with open(source, "rb") as f:
+            files[f"{TOKENIZER_DIRNAME}/{os.path.basename(source)}"] = f.read()
+    return save_iteration(
+        {**sharded_state_dict, "model_config": stored.to_dict()},
+        root,
+        iteration,
+        files=files,
+        required_files=(MODEL_RECORD_FILENAME,),
+        async_saver=async_saver,
+        on_saved=on_saved,
+    )
+
+
+def adopt_untracked_checkpoints(root: str) -> int | None:
+    """Before saving into ``root``: verify every iteration newer than its tracker and move the
+    tracker to the newest complete one (see :func:`megatron.core.dist_checkpointing.adopt_untracked`;
+    a complete one holds ``model_config.json``). Collective over the world; returns the
+    tracker's iteration."""
+    return on_coordinator(lambda: adopt_untracked(root, required_files=(MODEL_RECORD_FILENAME,)), None)
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> str:

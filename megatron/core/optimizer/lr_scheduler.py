@@ -41,6 +41,8 @@ class OptimizerParamScheduler:
 
     ``num_iters`` counts completed :meth:`step` calls; the value for iteration ``n`` is
     :meth:`get_lr` at ``num_iters = n``. Construction applies the values for ``num_iters = 0``.
+    ``lr_warmup_iters`` / ``lr_decay_iters`` may be fractional (a schedule in samples of a
+    constant global batch: samples / global batch size).
     ``optimizer`` is anything with a ``param_groups`` list of dicts.
     """
 
@@ -49,10 +51,10 @@ class OptimizerParamScheduler:
         optimizer,
         *,
         max_lr: float,
-        lr_decay_iters: int,
+        lr_decay_iters: float,
         min_lr: float = 0.0,
         init_lr: float = 0.0,
-        lr_warmup_iters: int = 0,
+        lr_warmup_iters: float = 0,
         lr_decay_style: str = "linear",
         weight_decay: float = 0.0,
     ):
@@ -60,8 +62,9 @@ class OptimizerParamScheduler:
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
         self.init_lr = float(init_lr)
-        self.lr_warmup_iters = int(lr_warmup_iters)
-        self.lr_decay_iters = int(lr_decay_iters)
+        # Fractional when the schedule is given in samples (--lr-warmup-samples etc.).
+        self.lr_warmup_iters = lr_warmup_iters
+        self.lr_decay_iters = lr_decay_iters
         self.lr_decay_style = lr_decay_style
         self.weight_decay = float(weight_decay)
         self._validate()

@@ -6,6 +6,10 @@ carry ``sequence_parallel = True`` (finalize_model_grads all-reduces them over `
 
 The math is :mod:`megatron.core.fusions.norms` (fused Triton kernels on CUDA, the torch
 reference elsewhere); :meth:`add_and_norm` also takes in the residual add that precedes the norm.
+
+With ``config.layernorm_zero_centered_gamma`` the stored weight is the offset from 1 (it
+starts at 0 and weight decay pulls it towards an identity scale), Megatron's
+``--apply-layernorm-1p``.
 """
 
 from __future__ import annotations
@@ -30,13 +34,23 @@ def mark_replicated(param: nn.Parameter, sequence_parallel: bool = False) -> nn.
     return param
 
 
+def _norm_weight(config: TransformerConfig, hidden_size: int) -> nn.Parameter:
+    fill = torch.zeros if config.layernorm_zero_centered_gamma else torch.ones
+    return mark_replicated(nn.Parameter(fill(hidden_size, dtype=config.params_dtype)), config.sequence_parallel)
+
+
 class _Norm(nn.Module):
-    """The forward of both norms; a subclass names its ``kind`` and holds ``weight`` (and ``bias``)."""
+    """The forward of both norms; a subclass names its ``kind`` and holds ``weight`` (and ``bias``)
+    and ``zero_centered_gamma``."""
 
     kind: str
 
+    def scale(self) -> torch.Tensor:
+        """The multiplier the norm applies: its weight, or 1 + weight when zero-centered."""
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, getattr(self, "bias", None), self.eps, self.kind)
+        return norm(x, self.scale(), getattr(self, "bias", None), self.eps, self.kind)
 
     def add_and_norm(
         self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, config: TransformerConfig
@@ -50,7 +64,7 @@ class _Norm(nn.Module):
             config.hidden_dropout,
             self.training,
             config.sequence_parallel,
-            self.weight,
+            self.scale(),
             getattr(self, "bias", None),
             self.eps,
             self.kind,
@@ -65,9 +79,8 @@ class LayerNorm(_Norm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
         self.eps = config.layernorm_epsilon if eps is None else eps
-        self.weight = mark_replicated(
-            nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
-        )
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.weight = _norm_weight(config, hidden_size)
         self.bias = mark_replicated(
             nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
         )
@@ -81,9 +94,8 @@ class RMSNorm(_Norm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None):
         super().__init__()
         self.eps = config.layernorm_epsilon if eps is None else eps
-        self.weight = mark_replicated(
-            nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype)), config.sequence_parallel
-        )
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.weight = _norm_weight(config, hidden_size)
 
 
 NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}

@@ -146,10 +146,11 @@ def test_hf_without_chat_template_says_so(hf_dir):
 def test_unknown_tokenizer_type_lists_accepted_types():
     with pytest.raises(
         TokenizerError,
-        match=r"unknown tokenizer type 'GPT2BPETokenizer'; accepted --tokenizer-type values: "
-        r"ByteLevelTokenizer, HuggingFaceTokenizer",
+        match=r"unknown tokenizer type 'TikTokenizer'; accepted --tokenizer-type values: "
+        r"ByteLevelTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, "
+        r"GPTSentencePieceTokenizer, NullTokenizer",
     ):
-        build_tokenizer("GPT2BPETokenizer")
+        build_tokenizer("TikTokenizer")
 
 
 def test_hf_tokenizer_needs_a_model_path():

@@ -44,3 +44,37 @@ def train_tiny_tokenizer(
     if config is not None:
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def train_tiny_gpt2_files(directory: Path, vocab_size: int = 320) -> tuple[Path, Path]:
+    """GPT-2-format ``vocab.json`` and ``merges.txt`` (byte-level BPE with ``<|endoftext|>``),
+    trained on generated text; returns their paths."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        generated_sentences(), vocab_size=vocab_size, special_tokens=[EOS], show_progress=False
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab, merges = tokenizer.save_model(str(directory))
+    return Path(vocab), Path(merges)
+
+
+def train_tiny_sentencepiece(directory: Path, vocab_size: int = 64) -> Path:
+    """A SentencePiece BPE ``tokenizer.model`` trained on generated text."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(generated_sentences()),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.model"
+    path.write_bytes(model.getvalue())
+    return path

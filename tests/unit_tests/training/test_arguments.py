@@ -36,10 +36,10 @@ def test_valid_flags_derive_data_parallel_width_and_microbatches():
 
 
 def test_speed_flags_reach_the_config():
-    args = parse_args(BASE + ["--use-torch-compile", "--mamba-chunk-size", "128"], world_size=1)
-    assert args.use_torch_compile and transformer_config_from_args(args).mamba_chunk_size == 128
+    args = parse_args(BASE + ["--use-torch-compile", "--mamba-chunk-size", "64"], world_size=1)
+    assert args.use_torch_compile and transformer_config_from_args(args).mamba_chunk_size == 64
     default = parse_args(BASE, world_size=1)
-    assert not default.use_torch_compile and transformer_config_from_args(default).mamba_chunk_size == 16
+    assert not default.use_torch_compile and transformer_config_from_args(default).mamba_chunk_size == 128  # Megatron's
 
 
 def test_sequence_parallel_is_dropped_at_tp1():
@@ -61,7 +61,7 @@ def test_sequence_parallel_is_dropped_at_tp1():
         ),
         (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
         (["--mock-data", "--data-path", "x"], 1, "--mock-data and --data-path are mutually exclusive"),
-        (["--data-path", "a", "b"], 1, r"--data-path takes one dataset prefix for now \(no blending\), got 2"),
+        (["--data-path", "0.3", "a", "0.7"], 1, r"--data-path takes weight-prefix pairs, got an odd number"),
         (
             ["--tensor-model-parallel-size", "8"],
             8,
@@ -84,7 +84,7 @@ def test_sequence_parallel_is_dropped_at_tp1():
             1,
             r"--seq-length \(16\) exceeds --max-position-embeddings \(8\)",
         ),
-        (["--eval-interval", "5"], 1, "--eval-interval needs --eval-iters >= 1"),
+        (["--eval-interval", "5", "--eval-iters", "0"], 1, "--eval-interval needs --eval-iters >= 1"),
         (["--mamba-chunk-size", "0"], 1, r"--mamba-chunk-size must be >= 1, got 0"),
         (
             ["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"],
@@ -99,7 +99,7 @@ def test_invalid_combinations_fail_with_the_flags_named(extra, world, message):
 
 
 def test_missing_required_flag_is_named():
-    with pytest.raises(ArgumentError, match="--train-iters is required"):
+    with pytest.raises(ArgumentError, match=r"--train-iters \(or --train-samples\) is required"):
         parse_args([a for a in BASE if a not in ("--train-iters", "10")], world_size=1)
 
 
@@ -116,8 +116,9 @@ def test_missing_required_flag_is_named():
 )
 def test_hybrid_flags_are_checked_before_any_process_group(extra, message):
     world = 2 if "--tensor-model-parallel-size" in extra else 1
+    mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
     with pytest.raises(ArgumentError, match=message):
-        parse_args(BASE + extra, model_family="hybrid", world_size=world)
+        parse_args(BASE + mamba + extra, model_family="hybrid", world_size=world)
 
 
 def test_hybrid_requires_a_pattern():

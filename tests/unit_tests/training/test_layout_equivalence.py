@@ -28,6 +28,13 @@ COMMON = [
     "--lr-warmup-iters",
     "2",
     "--mock-data",
+    # Megatron's defaults are dropout 0.1 and 100 evaluation batches at the end: this run pins its own.
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--eval-iters",
+    "0",
     "--vocab-size",
     "64",
     "--log-interval",

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
 
 
@@ -78,6 +80,51 @@ def test_disabled_logger_writes_nothing(tmp_path):
 def test_flops_per_token_by_hand():
     # 6 per matrix weight, plus 6 * s * h per attention layer
     assert training_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 6 * 2 * 16 * 8
+
+
+def _scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_tags_are_megatrons_and_keep_validation_apart(tmp_path):
+    logger = MetricsLogger(True, tensorboard_dir=str(tmp_path), print_fn=lambda line: None)
+    logger.log_training(
+        iteration=5,
+        train_iters=10,
+        consumed_samples=40,
+        elapsed_ms=250.0,
+        tokens_per_s=512.0,
+        tflops=0.5,
+        lr=1e-3,
+        loss=2.5,
+        grad_norm=1.5,
+        skipped=0,
+        nan=0,
+        loss_scale=4096.0,
+        batch_size=8,
+    )
+    logger.log_evaluation(iteration=5, loss=2.0)
+    logger.log_evaluation(iteration=5, loss=2.25, label="test")
+    logger.close()
+    scalars = _scalars(tmp_path)
+    assert scalars["lm loss"] == [(5, 2.5)]
+    assert scalars["lm loss validation"] == [(5, 2.0)] and scalars["lm loss test"] == [(5, 2.25)]
+    expected = {
+        "learning-rate": 1e-3,
+        "grad-norm": 1.5,
+        "loss-scale": 4096.0,
+        "batch-size": 8,
+        "throughput": 0.5,
+        "tokens-per-second": 512.0,
+        "iteration-time": 0.25,
+    }
+    for tag, value in expected.items():
+        assert scalars[tag] == [(5, pytest.approx(value))], tag
+    assert scalars["mem-max-rss-bytes"][0][1] > 1e6  # this CPU process's peak resident memory
 
 
 def test_mamba_scan_flops_by_hand():

@@ -16,10 +16,12 @@ from megatron.core.inference.contexts.errors import (
     CapacityNegotiationTimeoutError,
     InferenceContextError,
     LayerNotOnStageError,
+    MambaSlotsExhaustedError,
     PromptExceedsStepTokenLimitError,
     PromptTooLongError,
     RequestExceedsPoolError,
     StepError,
+    StorageExhaustedError,
     UnknownRequestError,
 )
 from megatron.core.inference.contexts.kv_cache import PagedKVCache
@@ -41,6 +43,7 @@ __all__ = [
     "InferenceContextError",
     "InferenceRequestError",
     "LayerNotOnStageError",
+    "MambaSlotsExhaustedError",
     "MambaSnapshotStore",
     "MambaStateShapes",
     "MambaStateSlots",
@@ -52,6 +55,7 @@ __all__ = [
     "StageCacheSpec",
     "StepBatch",
     "StepError",
+    "StorageExhaustedError",
     "UnknownRequestError",
     "hash_block",
     "paged_attention",

@@ -225,25 +225,29 @@ def plan_capacity(
     """Size this stage, agree with every other pipeline stage (MIN over ``pg_collection.pp``)
     and return the common :class:`Capacity`.
 
-    Every stage must call this, in the same order relative to its other collectives. Raises
-    CapacityError naming the limiting stage when some stage cannot fit one request (on every
-    stage, so a fitting stage reports the remote one), and CapacityNegotiationTimeoutError
-    when the stages do not all join within ``timeout_s``.
+    Every stage must call this, in the same order relative to its other collectives. A stage
+    that cannot size its cache (settings it cannot use, or a budget that cannot fit one
+    request) still joins the negotiation and shares its reason through it: every stage then
+    raises the same CapacityError naming the lowest such stage and its reason. Raises
+    CapacityNegotiationTimeoutError when the stages do not all join within ``timeout_s``.
     """
-    if spec.mamba_layer_numbers and not is_hybrid_model:
-        raise InferenceContextError("this stage holds Mamba layers but is_hybrid_model is False")
-    local = plan_stage_capacity(
-        spec, config, max_sequence_length=max_sequence_length, enable_prefix_caching=enable_prefix_caching
-    )
     pp_group = resolve_pg_collection(pg_collection).pp
     stage = dist.get_rank(pp_group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else None
+    local, problem = _plan_this_stage(
+        spec,
+        config,
+        max_sequence_length=max_sequence_length,
+        is_hybrid_model=is_hybrid_model,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     values = torch.tensor(
-        [local.num_blocks, local.num_mamba_slots, local.max_requests, NEUTRAL if local.fits_one_request else stage],
+        [local.num_blocks, local.num_mamba_slots, local.max_requests, NEUTRAL if problem is None else stage],
         dtype=torch.int64,
         device=device,
     )
-    if dist.get_world_size(pp_group) > 1:
+    shared = dist.get_world_size(pp_group) > 1
+    if shared:
         work = dist.all_reduce(values, op=dist.ReduceOp.MIN, group=pp_group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
@@ -254,20 +258,10 @@ def plan_capacity(
             ) from err
     num_blocks, num_slots, max_requests, limiting_stage = (int(v) for v in values.tolist())
     if limiting_stage != NEUTRAL:
+        if shared:  # every stage learns the limiting stage's reason (all of them join this too)
+            problem = _broadcast_text(problem if limiting_stage == stage else "", limiting_stage, pp_group, device)
         where = "this stage" if limiting_stage == stage else f"a remote stage; this is stage {stage}"
-        detail = (
-            local.reason
-            if limiting_stage == stage
-            else (
-                f"smallest across stages: {num_blocks if num_blocks != NEUTRAL else 'unlimited'} KV blocks, "
-                f"{num_slots if num_slots != NEUTRAL else 'unlimited'} Mamba slots"
-            )
-        )
-        raise CapacityError(
-            f"pipeline stage {limiting_stage} ({where}) cannot fit the state of one request: {detail}; "
-            f"raise the memory budget or lower max_sequence_length",
-            limiting_stage=limiting_stage,
-        )
+        raise CapacityError(f"pipeline stage {limiting_stage} ({where}) {problem}", limiting_stage=limiting_stage)
     return _finalize(
         num_blocks,
         num_slots,
@@ -277,6 +271,44 @@ def plan_capacity(
         is_hybrid_model,
         enable_prefix_caching,
     )
+
+
+def _plan_this_stage(
+    spec: StageCacheSpec,
+    config: CapacityConfig,
+    *,
+    max_sequence_length: int,
+    is_hybrid_model: bool,
+    enable_prefix_caching: bool,
+) -> tuple[StageCapacity, str | None]:
+    """This stage's numbers and, when it cannot size its cache, why (a sentence saying what to
+    change); a stage with a problem contributes NEUTRAL numbers."""
+    try:
+        if spec.mamba_layer_numbers and not is_hybrid_model:
+            raise InferenceContextError("this stage holds Mamba layers but is_hybrid_model is False")
+        local = plan_stage_capacity(
+            spec, config, max_sequence_length=max_sequence_length, enable_prefix_caching=enable_prefix_caching
+        )
+    except InferenceContextError as err:
+        return StageCapacity(NEUTRAL, NEUTRAL, NEUTRAL, False, str(err)), f"cannot size its inference cache: {err}"
+    if not local.fits_one_request:
+        return local, (
+            f"cannot fit the state of one request: {local.reason}; raise the memory budget or lower max_sequence_length"
+        )
+    return local, None
+
+
+def _broadcast_text(text: str, src_stage: int, group: dist.ProcessGroup, device) -> str:
+    """``text`` of stage ``src_stage``, on every stage of ``group`` (collective; UTF-8 bytes)."""
+    src = dist.get_global_rank(group, src_stage)
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src, group=group)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src, group=group)
+    return buffer.cpu().numpy().tobytes().decode()
 
 
 def _finalize(num_blocks, num_slots, max_requests, max_sequence_length, block_size, is_hybrid, prefix_caching):

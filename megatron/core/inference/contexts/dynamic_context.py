@@ -59,6 +59,7 @@ from megatron.core.inference.contexts.errors import (
     BlockPoolExhaustedError,
     InferenceContextError,
     LayerNotOnStageError,
+    MambaSlotsExhaustedError,
     PromptExceedsStepTokenLimitError,
     PromptTooLongError,
     RequestExceedsPoolError,
@@ -356,6 +357,13 @@ class DynamicInferenceContext:
             raise BlockPoolExhaustedError(
                 f"request {request_id!r} needs {num_new} new KV blocks but only {available} are free "
                 f"(besides its {len(cached)} cached ones); wait for requests to finish"
+            )
+        # All or nothing: a slot held by a handoff pin (not a request of this context) must not
+        # leave the blocks below taken.
+        if self.mamba_slots is not None and self.mamba_slots.num_free_slots == 0:
+            raise MambaSlotsExhaustedError(
+                f"request {request_id!r} needs a Mamba state slot but all {self.capacity.num_mamba_slots} are held "
+                f"(by requests or handoff pins); wait for them to be released"
             )
         self.pool.share(cached)
         block_ids = list(cached) + self.pool.allocate(num_new, reason)

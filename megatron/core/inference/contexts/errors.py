@@ -62,8 +62,17 @@ class InferenceContextError(MegatronInputError):
     """The inference context was given settings or calls it does not accept (the message names them)."""
 
 
-class BlockPoolExhaustedError(InferenceContextError):
+class StorageExhaustedError(InferenceContextError):
+    """Fewer free KV blocks or Mamba state slots than asked for right now; nothing was allocated
+    (the same call may succeed once requests or handoff pins give storage back)."""
+
+
+class BlockPoolExhaustedError(StorageExhaustedError):
     """More KV blocks were asked for than are free; nothing was allocated."""
+
+
+class MambaSlotsExhaustedError(StorageExhaustedError):
+    """Every Mamba state slot is in use (by requests or by handoff pins); nothing was allocated."""
 
 
 class UnknownRequestError(InferenceContextError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.inference.contexts.errors import InferenceContextError
+from megatron.core.inference.contexts.errors import InferenceContextError, MambaSlotsExhaustedError
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,10 @@ class MambaStateSlots:
         return len(self._free)
 
     def allocate(self) -> int:
-        """Hand out a slot with zeroed conv and SSM state in every layer."""
+        """Hand out a slot with zeroed conv and SSM state in every layer (raises
+        MambaSlotsExhaustedError when none is free)."""
         if not self._free:
-            raise InferenceContextError(f"all {self.conv.shape[1]} Mamba state slots are in use")
+            raise MambaSlotsExhaustedError(f"all {self.conv.shape[1]} Mamba state slots are in use")
         slot = self._free.pop()
         self.conv[:, slot] = 0
         self.ssm[:, slot] = 0

@@ -10,8 +10,8 @@ Each step, in this order:
    nothing can run at all, the newest paused request is evicted: it loses its blocks and is
    requeued at the head of the waiting queue, to be re-admitted with prompt = prompt +
    generated and the rest of its budget.
-3. **Admission** (FIFO), only while no request is paused, while the pool, the request cap and
-   the step's token budget allow.
+3. **Admission** (FIFO), only while no request is paused, while the pool (KV blocks and a Mamba
+   slot, taken all or nothing), the request cap and the step's token budget allow.
 4. **Tokens**: decode tokens (plus drafts) first, then prefill chunks in admission order up to
    ``max_tokens_per_step``. A prompt is split only with chunked prefill (or when it is a
    recompute or import), and never so that its final chunk is a single token.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megatron.core.inference.contexts.block_allocator import PageReason
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron.core.inference.contexts.errors import BlockPoolExhaustedError
+from megatron.core.inference.contexts.errors import BlockPoolExhaustedError, StorageExhaustedError
 from megatron.core.inference.engines.requests import EngineRequest, RequestStatus
 
 
@@ -148,23 +148,30 @@ class Scheduler:
         budget = self.max_tokens_per_step - sum(min(self._uncomputed(r), 1) for r in self.admitted)
         while self.waiting and budget > 0 and context.num_requests < context.capacity.max_requests:
             request = self.waiting[0]
-            tokens = request.context_tokens
-            try:
-                cached = context.add_request(
-                    request.request_id,
-                    tokens,
-                    max_new_tokens=request.remaining_budget - 1,
-                    hash_chain=request.hash_chain,
-                    allow_chunked_prefill=self._may_chunk(request),
-                )
-            except BlockPoolExhaustedError:
+            cached = self._take_storage(request)
+            if cached is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.ACTIVE
-            request.prefill_target = len(tokens)
+            request.prefill_target = len(request.context_tokens)
             self.admitted.append(request)
             events.prefix_cache_hit_blocks += cached // context.block_size
             budget -= 1
+
+    def _take_storage(self, request: EngineRequest) -> int | None:
+        """Admit ``request`` into the context, all or nothing: its blocks and its Mamba slot, or
+        neither (None: storage is short now, e.g. slots held by handoff pins; it stays queued).
+        Returns the number of prompt tokens found cached."""
+        try:
+            return self.context.add_request(
+                request.request_id,
+                request.context_tokens,
+                max_new_tokens=request.remaining_budget - 1,
+                hash_chain=request.hash_chain,
+                allow_chunked_prefill=self._may_chunk(request),
+            )
+        except StorageExhaustedError:
+            return None
 
     def _may_chunk(self, request: EngineRequest) -> bool:
         return self.enable_chunked_prefill or request.evicted or request.prefilled_import

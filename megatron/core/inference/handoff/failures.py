@@ -4,12 +4,19 @@ Request-level failures subclass
 :class:`~megatron.core.inference.errors.InferenceRequestError`, so they travel to the client as
 the ``error`` of one terminal output (``to_dict`` / ``from_dict`` round-trip through msgpack and
 JSON). A handoff the decode side cannot take is rejected (a ``ValueError``); a transfer that
-cannot start or fails is a runtime fault of the transport or a peer, not of the request.
+cannot start or fails, a pull refused while storage is quarantined, and a prefill worker that
+does not answer are runtime faults of the transport or a peer, not of the request. Settings the
+handoff roles do not accept raise :class:`HandoffConfigError`.
 """
 
 from __future__ import annotations
 
+from megatron.core.errors import MegatronConfigError
 from megatron.core.inference.errors import RequestFailedError, RequestRejectedError
+
+
+class HandoffConfigError(MegatronConfigError):
+    """A setting of a handoff role (timeouts, bounds) that is out of range (the message says which)."""
 
 
 class HandoffRejectedError(RequestRejectedError):
@@ -48,3 +55,23 @@ class TransferFailedError(RequestFailedError):
 
     def describe(self, request_id, transport, reason):
         return f"KV pull of request {request_id!r} over {transport} failed: {reason}"
+
+
+class QuarantineFullError(RequestFailedError):
+    """The decode side refused a new pull: storage held back from transfers that have not ended
+    (quarantined) is past its bound, or leaves too little room for this import. Nothing was
+    pulled; the same request may succeed once those transfers end or their peers are gone."""
+
+    fields = ("request_id", "reason")
+
+    def describe(self, request_id, reason):
+        return f"the decode engine refused to pull request {request_id!r}: {reason}"
+
+
+class PrefillFailedError(RequestFailedError):
+    """The prefill worker did not answer for a request in time, or could not be reached."""
+
+    fields = ("request_id", "reason")
+
+    def describe(self, request_id, reason):
+        return f"prefill of request {request_id!r} failed: {reason}"

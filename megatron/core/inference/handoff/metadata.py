@@ -163,7 +163,9 @@ class HandoffRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HandoffRecord:
-        """Rebuild a record; a missing or unknown field raises :class:`HandoffMetadataError`."""
+        """Rebuild a record; a missing, unknown or malformed field raises :class:`HandoffMetadataError`."""
+        if not isinstance(data, dict):
+            raise HandoffMetadataError(request_id="?", field="record", problem=f"a {type(data).__name__}, not a map")
         known = set(cls.__dataclass_fields__)
         request_id = str(data.get("request_id", "?"))
         unknown, required = (
@@ -185,4 +187,9 @@ class HandoffRecord:
             raise HandoffMetadataError(
                 request_id=request_id, field="record", problem=f"missing fields {missing}, unknown fields {unknown}"
             )
-        return cls(**dict(data, sources=[SourceLayout.from_dict(s) for s in data["sources"]]))
+        try:
+            return cls(**dict(data, sources=[SourceLayout.from_dict(s) for s in data["sources"]]))
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise HandoffMetadataError(
+                request_id=request_id, field="sources", problem=f"malformed source layout: {exc}"
+            ) from exc

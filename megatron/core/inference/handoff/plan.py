@@ -80,44 +80,21 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
-def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], dst_blocks: list[int]) -> list[Segment]:
-    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer."""
-    segments = []
-    width = local.head_dim * _itemsize(local.kv_dtype)
-    for layer_index, layer in enumerate(local.attention_layers):
-        covered = 0
+def _kv_supply(record: HandoffRecord, local: SourceLayout) -> list[list[tuple[int, SourceLayout, int, int]]]:
+    """For each local attention layer (in order), who supplies its KV heads: ``(source index,
+    source, head start, head stop)``. Raises :class:`HandoffMetadataError` when a source holding
+    the layer does not match this engine's cache or the heads are not all covered."""
+    supply = []
+    for layer in local.attention_layers:
+        overlaps, covered = [], 0
         for source_index, source in enumerate(record.sources):
             if layer not in source.attention_layers:
                 continue
             _check_compatible(record, local, source)
             start, stop = max(local.kv_head_start, source.kv_head_start), min(local.kv_head_stop, source.kv_head_stop)
-            if start >= stop:
-                continue
-            covered += stop - start
-            src_layer = source.attention_layers.index(layer)
-            same_heads = (
-                (start, stop)
-                == (source.kv_head_start, source.kv_head_stop)
-                == (local.kv_head_start, local.kv_head_stop)
-            )
-            tokens = [None] if same_heads else range(local.block_size)
-            for plane in (0, 1):
-                for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
-                    for token in tokens:
-                        t = token or 0
-                        nbytes = (
-                            local.block_size * local.num_local_heads * width if same_heads else (stop - start) * width
-                        )
-                        segments.append(
-                            Segment(
-                                source_index,
-                                KV_REGION,
-                                _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
-                                KV_REGION,
-                                _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
-                                nbytes,
-                            )
-                        )
+            if start < stop:
+                overlaps.append((source_index, source, start, stop))
+                covered += stop - start
         if covered != local.num_local_heads:
             raise HandoffMetadataError(
                 request_id=record.request_id,
@@ -125,13 +102,15 @@ def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], d
                 problem=f"layer {layer} heads [{local.kv_head_start}, {local.kv_head_stop}) are not all held by the "
                 f"prefill ranks (covered {covered} of {local.num_local_heads})",
             )
-    return _merge(segments)
+        supply.append(overlaps)
+    return supply
 
 
-def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> list[Segment]:
-    """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer."""
-    segments = []
-    for layer_index, layer in enumerate(local.mamba_layers):
+def _mamba_supply(record: HandoffRecord, local: SourceLayout) -> list[tuple[int, SourceLayout]]:
+    """For each local Mamba layer (in order), the source holding its state: ``(source index,
+    source)``. Raises :class:`HandoffMetadataError` when none matches this engine's layout."""
+    supply = []
+    for layer in local.mamba_layers:
         matches = [
             (i, s)
             for i, s in enumerate(record.sources)
@@ -144,16 +123,77 @@ def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> lis
                 problem=f"no prefill rank holds Mamba layer {layer} at TP rank {local.tp_rank} of {local.tp_size} "
                 f"(Mamba state moves only between equal TP layouts)",
             )
-        source_index, source = matches[0]
-        if (source.mamba.conv_shape, source.mamba.ssm_shape) != (local.mamba.conv_shape, local.mamba.ssm_shape):
+        source = matches[0][1]
+        if source.mamba is None or (source.mamba.conv_shape, source.mamba.ssm_shape) != (
+            local.mamba.conv_shape,
+            local.mamba.ssm_shape,
+        ):
+            shapes = "none" if source.mamba is None else f"{source.mamba.conv_shape}, {source.mamba.ssm_shape}"
             raise HandoffMetadataError(
                 request_id=record.request_id,
                 field="mamba",
-                problem=f"prefill state shapes {source.mamba.conv_shape}, "
-                f"{source.mamba.ssm_shape} differ from {local.mamba.conv_shape}, "
-                f"{local.mamba.ssm_shape}",
+                problem=f"prefill state shapes {shapes} differ from {local.mamba.conv_shape}, {local.mamba.ssm_shape}",
             )
-        src_layer = source.mamba_layers.index(layer)
+        supply.append(matches[0])
+    return supply
+
+
+def check_plan(record: HandoffRecord, local: SourceLayout) -> None:
+    """Raise the :class:`HandoffMetadataError` that planning ``record``'s pulls into ``local``
+    would raise (run at submission, so a record that cannot be planned is never queued); also
+    checks the source block ids and Mamba slot against the sources' buffers."""
+
+    def out_of_range(name, problem):
+        return HandoffMetadataError(request_id=record.request_id, field=name, problem=problem)
+
+    for overlaps in _kv_supply(record, local):
+        for _, source, _, _ in overlaps:
+            usable = source.num_blocks_with_dummy - 1
+            if any(not 0 <= block < usable for block in record.block_ids):
+                raise out_of_range("block_ids", f"ids must lie in [0, {usable}) of the prefill rank's pool")
+    for _, source in _mamba_supply(record, local):
+        if record.mamba_slot is None or not 0 <= record.mamba_slot < source.mamba.num_slots:
+            raise out_of_range(
+                "mamba_slot", f"{record.mamba_slot!r} is not a slot of the prefill rank's {source.mamba.num_slots}"
+            )
+
+
+def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], dst_blocks: list[int]) -> list[Segment]:
+    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer."""
+    segments = []
+    width = local.head_dim * _itemsize(local.kv_dtype)
+    for layer_index, overlaps in enumerate(_kv_supply(record, local)):
+        for source_index, source, start, stop in overlaps:
+            src_layer = source.attention_layers.index(local.attention_layers[layer_index])
+            same_heads = (
+                (start, stop)
+                == (source.kv_head_start, source.kv_head_stop)
+                == (local.kv_head_start, local.kv_head_stop)
+            )
+            tokens = [None] if same_heads else range(local.block_size)
+            nbytes = local.block_size * local.num_local_heads * width if same_heads else (stop - start) * width
+            for plane in (0, 1):
+                for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
+                    for token in tokens:
+                        t = token or 0
+                        segments.append(
+                            Segment(
+                                source_index,
+                                KV_REGION,
+                                _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
+                                KV_REGION,
+                                _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
+                                nbytes,
+                            )
+                        )
+    return _merge(segments)
+
+
+def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> list[Segment]:
+    """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer."""
+    segments = []
+    for layer_index, (source_index, source) in enumerate(_mamba_supply(record, local)):
+        src_layer = source.mamba_layers.index(local.mamba_layers[layer_index])
         for region, which in ((CONV_REGION, "conv"), (SSM_REGION, "ssm")):
             row = local.mamba.row_bytes(which)
             segments.append(

@@ -12,7 +12,10 @@ A pin ends on the decode side's word: :meth:`PrefillSide.release` (no transfer c
 more: storage freed) or :meth:`PrefillSide.abandon` (a read may still be in flight: storage
 quarantined until a later release). A pin nobody spoke for within ``pin_timeout_s`` is freed
 only when the transport can tell that no read of it can still run
-(:meth:`~HandoffTransport.may_still_read`), else it is quarantined.
+(:meth:`~HandoffTransport.may_still_read`), else it is quarantined; :meth:`PrefillSide.expire_pins`
+also frees every quarantined pin as soon as the transport tells so (for NIXL: every expected
+reader is gone), so a pin whose word never comes does not stay quarantined for good.
+:meth:`PrefillSide.storage_stats` says where the storage is.
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ class PrefillSide:
 
     def expire_pins(self) -> list[str]:
         """Handle pins past ``pin_timeout_s``: freed when no read can still run, else
-        quarantined. Returns their ids."""
+        quarantined; then free every quarantined pin that no read can reach any more. Returns
+        the ids that expired."""
         now = self.clock()
         expired = [rid for rid, pin in self.pins.items() if now - pin.created_at > self.pin_timeout_s]
         for request_id in expired:
@@ -197,8 +201,32 @@ class PrefillSide:
                 self.abandon(request_id)
             else:
                 self.release(request_id)
+        for request_id in [rid for rid in self.quarantine if not self.transport.may_still_read(rid)]:
+            self.release(request_id)
         return expired
 
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(pin.state.block_ids) for pin in (*self.pins.values(), *self.quarantine.values()))
+
+    def storage_stats(self) -> dict[str, int | bool]:
+        """Where this side's storage is: requests prefilling, pins, quarantined pins, the blocks
+        they hold, the context's free and total blocks and Mamba slots; ``idle`` when nothing is
+        held (every block and slot free, nothing prefilling, pinned or quarantined)."""
+        context, slots = self.context, self.context.mamba_slots
+        stats = dict(
+            prefilling=len(self._prefilling),
+            pins=len(self.pins),
+            quarantined_pins=len(self.quarantine),
+            pinned_blocks=self.num_pinned_blocks,
+            free_blocks=context.num_free_blocks,
+            num_blocks=context.capacity.num_blocks,
+            free_mamba_slots=slots.num_free_slots if slots is not None else 0,
+            num_mamba_slots=slots.conv.shape[1] if slots is not None else 0,
+        )
+        stats["idle"] = (
+            stats["free_blocks"] == stats["num_blocks"]
+            and stats["free_mamba_slots"] == stats["num_mamba_slots"]
+            and not any(stats[k] for k in ("prefilling", "pins", "quarantined_pins"))
+        )
+        return stats

@@ -3,26 +3,36 @@
 The decode side *pulls*: :meth:`HandoffTransport.post_pull` starts reading a list of
 :class:`~megatron.core.inference.handoff.plan.Segment` runs from a peer's registered regions
 into this side's registered regions and returns a :class:`PullHandle`; :meth:`~HandoffTransport.poll`
-reports ``pending``, ``done`` or ``failed``; :meth:`~HandoffTransport.release` frees the handle
-once it is not pending. A side first :meth:`~HandoffTransport.register` s its cache tensors
-(``kv``, ``conv``, ``ssm``) and :meth:`~HandoffTransport.export` s a msgpack-able descriptor
-that peers put in their handoff records.
+reports ``pending``, ``done`` or ``failed`` (a transfer whose peer disconnected has ended:
+``failed``); :meth:`~HandoffTransport.release` frees the handle once no write of it can land
+(:meth:`~HandoffTransport.may_still_write`). A side first :meth:`~HandoffTransport.register` s
+its cache tensors (``kv``, ``conv``, ``ssm``) and :meth:`~HandoffTransport.export` s a
+msgpack-able descriptor that peers put in their handoff records.
+
+Every failure of a transport call, the backend's own exceptions included, is raised as a
+:class:`TransportError` (the backend's exception is its ``__cause__``); :class:`PeerGoneError`
+when the peer disconnected or died.
 
 * :class:`NixlTransport` — NIXL one-sided READs (UCX backend; CPU memory, or GPU memory when
-  the regions live on a GPU). The source does nothing per transfer, so it cannot know whether
-  a read is in flight: :meth:`~HandoffTransport.may_still_read` is always True there.
+  the regions live on a GPU). A pending read may write the puller's storage at any time. The
+  source does nothing per transfer, so it knows no read exactly: it can only tell that every
+  peer expected to read from it (:meth:`~HandoffTransport.expect_readers`) is gone, by probing
+  each with a tiny read of its own (see :meth:`NixlTransport.may_still_read`).
 * :class:`TorchDistributedTransport` — ``torch.distributed`` send/recv: the puller asks for
   a list of runs (through a shared store), the source packs and sends them (from
-  :meth:`~HandoffTransport.serve`, called from its loop), the puller unpacks. The source knows
-  its in-flight reads exactly and refuses pulls of transfers it no longer serves.
+  :meth:`~HandoffTransport.serve`, called from its loop), the puller unpacks inside
+  :meth:`~HandoffTransport.poll` (so a pending pull never writes the puller's regions). The
+  source knows its in-flight reads exactly and refuses pulls of transfers it no longer serves.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +43,17 @@ import torch.distributed as dist
 from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference.handoff.plan import Segment
 
+logger = logging.getLogger(__name__)
+
 
 class TransportError(MegatronRuntimeError):
-    """A pull the transport cannot start (bad peer descriptor, run out of bounds, refused)."""
+    """A transport call that failed: a pull it cannot start (bad peer descriptor, run out of
+    bounds, refused) or a fault of the backend or the peer (the backend's exception, e.g. one
+    of NIXL's, is the ``__cause__``)."""
+
+
+class PeerGoneError(TransportError):
+    """The peer disconnected or died: no transfer with it can run any more."""
 
 
 class TransferState(enum.StrEnum):
@@ -75,6 +93,7 @@ class HandoffTransport(abc.ABC):
         self.num_posted = 0
         self.num_done = 0
         self.num_failed = 0
+        self.num_released = 0
         # Source side: whether a transfer id is still served (set by the prefill side, so that
         # pulls of released or abandoned pins are refused where the transport can refuse).
         self.is_servable: Callable[[str], bool] = lambda transfer_id: True
@@ -101,10 +120,32 @@ class HandoffTransport(abc.ABC):
 
     @abc.abstractmethod
     def release(self, handle: PullHandle) -> None:
-        """Free a pull that is no longer pending."""
+        """Free a pull that :meth:`may_still_write` no more (raises :class:`TransportError`
+        for one that may)."""
+
+    def may_still_write(self, handle: PullHandle) -> bool:
+        """Puller side: whether the pull may still write this side's regions (while it is
+        pending, unless the transport writes only inside :meth:`poll`)."""
+        return handle.state is TransferState.PENDING
+
+    def check_peer(self, peer: dict[str, Any]) -> None:
+        """Raise :class:`TransportError` unless ``peer`` is a well-formed descriptor of this
+        transport (what :meth:`export` gives on the peer)."""
+        if not isinstance(peer, dict) or peer.get("transport") != self.name:
+            found = peer.get("transport") if isinstance(peer, dict) else type(peer).__name__
+            raise TransportError(f"peer descriptor is for {found!r}, this transport is {self.name!r}")
+
+    @property
+    def num_open(self) -> int:
+        """Posted pulls not released yet (a pending one counts)."""
+        return self.num_posted - self.num_released
 
     def serve(self) -> None:  # noqa: B027 - optional hook, a no-op for one-sided transports
         """Source-side progress (called from the source's loop); nothing for one-sided transports."""
+
+    def expect_readers(self, peers: Sequence[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
+        """Source side: the descriptors of the peers that may pull from this side (used by
+        :meth:`may_still_read` where the transport cannot see reads)."""
 
     def may_still_read(self, transfer_id: str) -> bool:
         """Source side: whether a peer may still be reading the storage of ``transfer_id``."""
@@ -133,20 +174,62 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _nixl_error_types() -> tuple[tuple[type[Exception], ...], type[Exception]]:
+    """NIXL's own exception classes (plain ``Exception`` subclasses of its bindings) and the
+    one it raises for a disconnected peer."""
+    from nixl import _bindings
+
+    types = tuple(v for v in vars(_bindings).values() if isinstance(v, type) and issubclass(v, Exception))
+    return types, _bindings.nixlRemoteDisconnectError
+
+
+@dataclass
+class _Reader:
+    """What a source knows of a peer that may read from it: gone for good once a probe found
+    it disconnected; ``probe`` is the probe read in flight."""
+
+    peer: dict[str, Any]
+    gone: bool = False
+    answered: bool = False
+    probe: Any = None
+    probed_at: float = float("-inf")
+
+
 class NixlTransport(HandoffTransport):
     """NIXL READs over UCX (see module doc). On CPU hosts without an RDMA device, set
-    ``UCX_NET_DEVICES=lo`` in the environment before creating it."""
+    ``UCX_NET_DEVICES=lo`` in the environment before creating it.
+
+    Args:
+        agent_name: this side's NIXL agent name (unique among the peers).
+        backends: NIXL backends to create.
+        probe_interval_s: how often a source probes an expected reader that answered.
+    """
 
     name = "nixl"
 
-    def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",)):
+    def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",), *, probe_interval_s: float = 1.0):
         super().__init__()
         from nixl._api import nixl_agent, nixl_agent_config
 
+        self._errors, self._disconnected = _nixl_error_types()
         self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
+        self.probe_interval_s = probe_interval_s
+        with self._call("creating the agent"):
+            self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
         self._registrations = []
         self._remote_agents: dict[str, str] = {}
+        self._readers: dict[str, _Reader] = {}
+        self._probe_buffer: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def _call(self, what: str) -> Iterator[None]:
+        """Raise NIXL's exceptions as :class:`TransportError` (:class:`PeerGoneError` for a
+        disconnected peer), the original as the cause."""
+        try:
+            yield
+        except self._errors as exc:
+            kind = PeerGoneError if isinstance(exc, self._disconnected) else TransportError
+            raise kind(f"NIXL failed {what}: {type(exc).__name__}: {exc}") from exc
 
     @staticmethod
     def _device_id(tensor: torch.Tensor) -> int:
@@ -159,33 +242,83 @@ class NixlTransport(HandoffTransport):
     def register(self, regions: dict[str, torch.Tensor]) -> None:
         super().register(regions)
         for tensor in regions.values():
-            self._registrations.append(self.agent.register_memory(tensor))
+            with self._call("registering memory"):
+                self._registrations.append(self.agent.register_memory(tensor))
 
     def export(self) -> dict[str, Any]:
+        with self._call("exporting its metadata"):
+            metadata = self.agent.get_agent_metadata()
         return {
             "transport": self.name,
             "agent": self.agent_name,
-            "metadata": self.agent.get_agent_metadata(),
+            "metadata": metadata,
             "regions": {
                 name: [t.data_ptr(), t.numel() * t.element_size(), self._device_id(t), self._mem_type(t)]
                 for name, t in self.regions.items()
             },
         }
 
+    def check_peer(self, peer: dict[str, Any]) -> None:
+        super().check_peer(peer)
+        regions = peer.get("regions")
+        well_formed = (
+            isinstance(peer.get("agent"), str)
+            and isinstance(peer.get("metadata"), bytes)
+            and isinstance(regions, dict)
+            and all(
+                isinstance(entry, list | tuple)
+                and len(entry) == 4
+                and all(isinstance(v, int) and v >= 0 for v in entry[:3])
+                and entry[3] in ("DRAM", "VRAM")
+                for entry in regions.values()
+            )
+        )
+        if not well_formed:
+            raise TransportError(
+                "a NIXL peer descriptor needs agent (str), metadata (bytes) and regions "
+                "{name: [address, bytes, device, 'DRAM' or 'VRAM']}"
+            )
+
     def connect(self, peer: dict[str, Any]) -> str:
         """The NIXL name of a peer, loading its metadata the first time."""
-        if peer.get("transport") != self.name:
-            raise TransportError(f"peer descriptor is for {peer.get('transport')!r}, this transport is {self.name!r}")
+        self.check_peer(peer)
         agent = peer["agent"]
         if agent not in self._remote_agents:
-            self._remote_agents[agent] = self.agent.add_remote_agent(peer["metadata"])
+            with self._call(f"loading the metadata of agent {agent!r}"):
+                self._remote_agents[agent] = self.agent.add_remote_agent(peer["metadata"])
         return self._remote_agents[agent]
+
+    def _post_read(self, peer: dict[str, Any], local: list[tuple], remote: list[tuple], mem_types) -> Any:
+        """Create and post one READ (``(address, bytes, device)`` lists); the NIXL handle.
+        A transfer that could not be posted is released here: nothing of it will write."""
+        remote_name = self.connect(peer)
+        with self._call("describing the transfer"):
+            local_descs = self.agent.get_xfer_descs(local, mem_types[1])
+            remote_descs = self.agent.get_xfer_descs(remote, mem_types[0])
+        with self._call("creating the transfer"):
+            xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
+        try:
+            with self._call("posting the transfer"):
+                status = self.agent.transfer(xfer)
+            if status == "ERR":
+                raise TransportError("NIXL failed to post the transfer")
+        except TransportError:
+            self._release_quietly(xfer)
+            raise
+        return xfer
+
+    def _release_quietly(self, xfer) -> None:
+        try:
+            with self._call("releasing a transfer"):
+                self.agent.release_xfer_handle(xfer)
+        except TransportError as exc:  # NIXL keeps it on its own leak list; nothing more to do
+            logger.warning("%s", exc)
 
     def post_pull(self, transfer_id: str, peer: dict[str, Any], segments: Sequence[Segment]) -> PullHandle:
         if not segments:
             raise TransportError(f"pull {transfer_id!r} has no runs")
-        remote_name = self.connect(peer)
-        remote = {name: entry for name, entry in peer["regions"].items()}
+        self.check_peer(peer)
+        remote = dict(peer["regions"].items())
         self._check_bounds({n: e[1] for n, e in remote.items()}, segments, "source")
         local = {n: t.numel() * t.element_size() for n, t in self.regions.items()}
         self._check_bounds(local, segments, "destination")
@@ -195,7 +328,8 @@ class NixlTransport(HandoffTransport):
         )
         if len(mem_types[0]) != 1 or len(mem_types[1]) != 1:
             raise TransportError("one pull must read one memory type and write one memory type")
-        local_descs = self.agent.get_xfer_descs(
+        xfer = self._post_read(
+            peer,
             [
                 (
                     self.regions[s.dst_region].data_ptr() + s.dst_offset,
@@ -204,45 +338,102 @@ class NixlTransport(HandoffTransport):
                 )
                 for s in segments
             ],
-            mem_types[1].pop(),
-        )
-        remote_descs = self.agent.get_xfer_descs(
             [(remote[s.src_region][0] + s.src_offset, s.nbytes, remote[s.src_region][2]) for s in segments],
-            mem_types[0].pop(),
+            (mem_types[0].pop(), mem_types[1].pop()),
         )
-        try:
-            xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
-        except Exception as exc:  # NIXL raises its own binding error types
-            raise TransportError(f"NIXL refused the transfer: {exc}") from exc
-        status = self.agent.transfer(xfer)
-        if status == "ERR":
-            self.agent.release_xfer_handle(xfer)
-            raise TransportError("NIXL failed to post the transfer")
         self.num_posted += 1
         return PullHandle(transfer_id, sum(s.nbytes for s in segments), len(segments), xfer)
+
+    def _state(self, xfer) -> TransferState:
+        """The state of a NIXL transfer. Raises :class:`PeerGoneError` when its peer
+        disconnected (the transfer has ended) and :class:`TransportError` when NIXL cannot tell
+        (the transfer may still run)."""
+        with self._call("checking a transfer"):
+            status = self.agent.check_xfer_state(xfer)
+        return {"DONE": TransferState.DONE, "ERR": TransferState.FAILED}.get(status, TransferState.PENDING)
 
     def poll(self, handle: PullHandle) -> TransferState:
         if handle.state is not TransferState.PENDING:
             return handle.state
-        status = self.agent.check_xfer_state(handle.impl)
-        if status == "DONE":
-            return self._count(handle._end(TransferState.DONE))
-        if status == "ERR":
-            return self._count(handle._end(TransferState.FAILED, "NIXL reported the transfer failed"))
-        return TransferState.PENDING
+        try:
+            state = self._state(handle.impl)
+        except PeerGoneError as exc:
+            return self._count(handle._end(TransferState.FAILED, str(exc)))
+        if state is TransferState.FAILED:
+            return self._count(handle._end(state, "NIXL reported the transfer failed"))
+        return self._count(handle._end(state)) if state is TransferState.DONE else state
 
     def release(self, handle: PullHandle) -> None:
+        if self.may_still_write(handle):
+            raise TransportError(f"pull {handle.transfer_id!r} is still pending; poll it until it ends")
         if handle.impl is not None:
-            self.agent.release_xfer_handle(handle.impl)
-            handle.impl = None
+            xfer, handle.impl = handle.impl, None
+            self.num_released += 1
+            with self._call("releasing a transfer"):
+                self.agent.release_xfer_handle(xfer)
+
+    # ---- source side: is any expected reader still there? -----------------------------------
+    def expect_readers(self, peers: Sequence[dict[str, Any]]) -> None:
+        for peer in peers:
+            self.check_peer(peer)
+            self._readers.setdefault(peer["agent"], _Reader(peer))
+
+    def may_still_read(self, transfer_id: str) -> bool:
+        """False once every expected reader is gone (a probe read of 8 bytes of its first region
+        found it disconnected); True while any may be alive, or when no reader is expected (a
+        one-sided read leaves no trace here). Probes are posted and polled without waiting, at
+        most every ``probe_interval_s`` per reader."""
+        if not self._readers:
+            return True
+        for reader in self._readers.values():
+            self._probe(reader)
+        return not all(reader.gone for reader in self._readers.values())
+
+    def reader_status(self) -> dict[str, str]:
+        """Each expected reader's agent name: ``gone`` (a probe found it disconnected),
+        ``answered`` (a probe read completed) or ``unknown``."""
+        return {
+            agent: "gone" if r.gone else "answered" if r.answered else "unknown" for agent, r in self._readers.items()
+        }
+
+    def _probe(self, reader: _Reader) -> None:
+        if reader.gone:
+            return
+        try:
+            if reader.probe is not None:
+                state = self._state(reader.probe)
+                if state is TransferState.PENDING:
+                    return
+                probe, reader.probe = reader.probe, None
+                self._release_quietly(probe)  # answered (or failed without a disconnect: ask again later)
+                reader.answered = reader.answered or state is TransferState.DONE
+            elif time.monotonic() - reader.probed_at >= self.probe_interval_s:
+                reader.probed_at = time.monotonic()
+                reader.probe = self._post_probe(reader.peer)
+        except PeerGoneError:
+            if reader.probe is not None:
+                self._release_quietly(reader.probe)
+            reader.gone, reader.probe = True, None
+        except TransportError as exc:  # cannot tell: the reader stays possibly alive
+            logger.warning("probing reader %s: %s", reader.peer["agent"], exc)
+
+    def _post_probe(self, peer: dict[str, Any]):
+        address, _, device, mem_type = next(iter(peer["regions"].values()))
+        if self._probe_buffer is None:
+            self._probe_buffer = torch.zeros(8, dtype=torch.uint8)
+            with self._call("registering memory"):
+                self._registrations.append(self.agent.register_memory(self._probe_buffer))
+        local = [(self._probe_buffer.data_ptr(), 8, 0)]
+        return self._post_read(peer, local, [(address, 8, device)], (mem_type, "DRAM"))
 
     def close(self) -> None:
-        for registration in self._registrations:
-            self.agent.deregister_memory(registration)
-        self._registrations.clear()
-        for agent in self._remote_agents.values():
-            self.agent.remove_remote_agent(agent)
-        self._remote_agents.clear()
+        with self._call("closing"):
+            for registration in self._registrations:
+                self.agent.deregister_memory(registration)
+            self._registrations.clear()
+            for agent in self._remote_agents.values():
+                self.agent.remove_remote_agent(agent)
+            self._remote_agents.clear()
 
 
 _TAG_STATUS, _TAG_PAYLOAD = 7103, 7104
@@ -260,12 +451,25 @@ def shared_store(group: dist.ProcessGroup | None = None, host: str = "127.0.0.1"
     return dist.PrefixStore("handoff/", store)
 
 
+@contextlib.contextmanager
+def _torch_errors(what: str) -> Iterator[None]:
+    """Raise the ``RuntimeError`` s of torch.distributed and its stores as :class:`TransportError`."""
+    try:
+        yield
+    except TransportError:
+        raise
+    except RuntimeError as exc:
+        raise TransportError(f"torch.distributed failed {what}: {type(exc).__name__}: {exc}") from exc
+
+
 class TorchDistributedTransport(HandoffTransport):
     """Pulls over ``torch.distributed`` point-to-point (see module doc).
 
     Pull requests and completions travel through ``store`` (whose ``check`` never blocks,
     unlike a gloo receive); the bytes travel as one send per pull from source to puller.
     The puller posts its receives before asking, so the source's sends complete at once.
+    The bytes reach the puller's regions only inside :meth:`poll`: a pending pull may be
+    released at any time (its posted receives are kept until they complete).
 
     Args:
         store: a store shared by both sides (see :func:`shared_store`).
@@ -283,6 +487,7 @@ class TorchDistributedTransport(HandoffTransport):
         self.group = group
         self._next_pull = {int(client): 0 for client in clients}  # source side: next sequence per client
         self._sequence = 0  # puller side
+        self._abandoned_works: list = []  # receives of released pending pulls (their buffers stay alive)
 
     @property
     def _device(self) -> torch.device:
@@ -296,9 +501,18 @@ class TorchDistributedTransport(HandoffTransport):
             "regions": {n: t.numel() * t.element_size() for n, t in self.regions.items()},
         }
 
+    def check_peer(self, peer: dict[str, Any]) -> None:
+        super().check_peer(peer)
+        regions = peer.get("regions")
+        if not (
+            isinstance(peer.get("rank"), int)
+            and isinstance(regions, dict)
+            and all(isinstance(size, int) and size >= 0 for size in regions.values())
+        ):
+            raise TransportError("a torch.distributed peer descriptor needs rank (int) and regions {name: bytes}")
+
     def post_pull(self, transfer_id: str, peer: dict[str, Any], segments: Sequence[Segment]) -> PullHandle:
-        if peer.get("transport") != self.name:
-            raise TransportError(f"peer descriptor is for {peer.get('transport')!r}, this transport is {self.name!r}")
+        self.check_peer(peer)
         if not segments:
             raise TransportError(f"pull {transfer_id!r} has no runs")
         self._check_bounds(peer["regions"], segments, "source")
@@ -307,16 +521,17 @@ class TorchDistributedTransport(HandoffTransport):
         nbytes = sum(s.nbytes for s in segments)
         status = torch.zeros(1, dtype=torch.int64, device=device)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        works = [
-            dist.irecv(status, source, self.group, tag=_TAG_STATUS),
-            dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD),
-        ]
         key = f"{source}/{me}/{self._sequence}"
-        self._sequence += 1
-        self.store.set(
-            f"pull/{key}",
-            msgpack.packb({"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]}),
-        )
+        with _torch_errors("posting a pull"):
+            works = [
+                dist.irecv(status, source, self.group, tag=_TAG_STATUS),
+                dist.irecv(payload, source, self.group, tag=_TAG_PAYLOAD),
+            ]
+            self._sequence += 1
+            self.store.set(
+                f"pull/{key}",
+                msgpack.packb({"id": transfer_id, "runs": [[s.src_region, s.src_offset, s.nbytes] for s in segments]}),
+            )
         self.num_posted += 1
         return PullHandle(transfer_id, nbytes, len(segments), (works, status, payload, list(segments), f"done/{key}"))
 
@@ -324,11 +539,15 @@ class TorchDistributedTransport(HandoffTransport):
         if handle.state is not TransferState.PENDING:
             return handle.state
         works, status, payload, segments, done_key = handle.impl
-        if not self.store.check([done_key]):
-            return TransferState.PENDING
-        for work in works:
-            work.wait()
-        self.store.delete_key(done_key)
+        try:
+            with _torch_errors("checking a pull"):
+                if not self.store.check([done_key]):
+                    return TransferState.PENDING
+                for work in works:
+                    work.wait()
+                self.store.delete_key(done_key)
+        except TransportError as exc:  # nothing reaches the regions outside this call: it ended
+            return self._count(handle._end(TransferState.FAILED, str(exc)))
         if int(status.item()) != 0:
             return self._count(handle._end(TransferState.FAILED, "the source refused the pull (no live pin)"))
         position = 0
@@ -339,13 +558,27 @@ class TorchDistributedTransport(HandoffTransport):
             position += seg.nbytes
         return self._count(handle._end(TransferState.DONE))
 
+    def may_still_write(self, handle: PullHandle) -> bool:
+        return False
+
     def release(self, handle: PullHandle) -> None:
-        if handle.state is TransferState.PENDING:
-            raise TransportError(f"pull {handle.transfer_id!r} is still pending; poll it until it ends")
-        handle.impl = None
+        if handle.impl is not None:
+            if handle.state is TransferState.PENDING:
+                self._abandoned_works = [w for w in self._abandoned_works if not w.is_completed()]
+                self._abandoned_works += handle.impl[0]
+            handle.impl = None
+            self.num_released += 1
 
     def serve(self) -> None:
-        """Answer every pull that was asked for (returns at once when none was)."""
+        """Answer every pull that was asked for (returns at once when none was). A fault of a
+        puller or of the store is logged: the source has nothing to undo."""
+        try:
+            with _torch_errors("serving pulls"):
+                self._serve()
+        except TransportError as exc:
+            logger.warning("%s", exc)
+
+    def _serve(self) -> None:
         me, device = dist.get_rank(), self._device
         for client, sequence in self._next_pull.items():
             key = f"{me}/{client}/{sequence}"

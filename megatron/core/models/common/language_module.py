@@ -162,6 +162,7 @@ class LanguageModule(nn.Module):
                 bias=False,
                 gather_output=False,
                 pg_collection=self.pg_collection,
+                output_dtype=self.logit_dtype,
             )
         if tied:
             output_layer.weight = self.embedding.word_embeddings.weight
@@ -263,8 +264,7 @@ class LanguageModule(nn.Module):
         if labels is None:
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)[..., : self.vocab_size]
-            logits = logits.transpose(0, 1).contiguous()
-            return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
+            return logits.transpose(0, 1).contiguous()
         loss = self.per_token_loss(logits, labels)
         if self.mtp is None:
             return loss

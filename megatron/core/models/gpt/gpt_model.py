@@ -22,7 +22,8 @@ class GPTModel(LanguageModule):
     chunk: chunk v of pipeline rank p holds the layers of virtual stage ``v * PP + p``
     (:func:`~megatron.core.transformer.transformer_block.virtual_stage_index`).
     The vocabulary is padded with ``pad_vocab_size``; padded entries never reach logits or loss.
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(

@@ -26,7 +26,8 @@ class HybridModel(LanguageModule):
     Each pipeline stage builds only its ``|`` segments, with global layer numbers; with
     ``config.virtual_pipeline_model_parallel_size`` V, chunk ``vp_stage`` of rank p builds the
     segments of virtual stage ``vp_stage * PP + p`` (the pattern needs a multiple of PP x V).
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(

@@ -9,7 +9,6 @@ import asyncio
 import httpx
 import msgpack
 import pytest
-import zmq
 
 from megatron.core.inference.coordinator import InferenceClient
 from megatron.core.inference.engines import DynamicInferenceEngine
@@ -25,7 +24,7 @@ from tests.unit_tests.inference.handoff.common import build_engine, nixl
 from tests.unit_tests.tokenizers.tiny_hf_tokenizer import BOS, EOS, train_tiny_tokenizer
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
-from ..coordinator.cluster import running_cluster
+from ..coordinator.cluster import peer_socket, running_cluster
 from ..coordinator.engine_double import HashEngine, expected_tokens
 from ..server.harness import openai_server
 
@@ -119,8 +118,13 @@ def test_the_handoff_front_ends_tokenize_text(pg):
     prefill_end = HandoffChannel("tcp://127.0.0.1:0", bind=True)
     front = DisaggregatedEngine(decode, HandoffChannel(prefill_end.address, bind=False))
     front.add_request("d", "123", GREEDY)
-    [(kind, payload)] = prefill_end.receive(timeout_ms=10_000)
-    assert kind == "prefill" and payload["prompt_tokens"] == DIGITS
+    # The decode side also announces its readers; the prefill message carries the token ids.
+    prefills = []
+    while not prefills:
+        messages = prefill_end.receive(timeout_ms=10_000)
+        assert messages, "no prefill message within 10 s"
+        prefills += [payload for kind, payload in messages if kind == "prefill"]
+    assert [payload["prompt_tokens"] for payload in prefills] == [DIGITS]
 
 
 def test_the_coordinator_client_refuses_text_and_the_coordinator_answers_it_once():
@@ -137,9 +141,7 @@ def test_the_coordinator_client_refuses_text_and_the_coordinator_answers_it_once
         assert asyncio.run(scenario())["generated_tokens"] == 4
 
         # A peer that sends text anyway gets exactly one reply: the typed error.
-        raw = zmq.Context.instance().socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(coordinator.address)
+        raw = peer_socket(coordinator, "client")  # a client of this launch (its key pair)
         params = {"temperature": 0.0, "max_tokens": 2}
         replies = []
         with raw:

@@ -1,0 +1,126 @@
+"""What the loop does around its steps: Megatron's exit rules (--exit-interval,
+--exit-duration-in-mins), manual garbage collection (--manual-gc) and profiling (--profile)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class ExitRule:
+    """When to stop early: at a multiple of ``interval`` iterations, or once ``duration_min``
+    minutes have passed since the rule was made (decided by the slowest clock: every rank
+    joins a MAX all-reduce each iteration, so all stop at the same iteration)."""
+
+    def __init__(self, interval: int | None, duration_min: float | None, device):
+        self.interval, self.duration_min, self.device = interval, duration_min, device
+        self.start = time.monotonic()
+
+    def reason(self, iteration: int) -> str | None:
+        """Why the run stops after ``iteration`` (a phrase for the log line), or None."""
+        if self.duration_min is not None:
+            minutes = (time.monotonic() - self.start) / 60
+            over = torch.tensor(float(minutes > self.duration_min), device=self.device)
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            if over.item():
+                return f"after {minutes:.2f} minutes (--exit-duration-in-mins {self.duration_min:g})"
+        if self.interval is not None and iteration % self.interval == 0:
+            return f"at iteration {iteration} (--exit-interval {self.interval})"
+        return None
+
+
+class GarbageCollection:
+    """With ``manual`` (--manual-gc) Python's automatic collector is off for the run and a
+    full collection runs every ``interval`` iterations (0: never) and, with ``around_eval``,
+    before each evaluation, then a young-generation one after it, as in Megatron."""
+
+    def __init__(self, manual: bool, interval: int, around_eval: bool):
+        self.manual, self.interval, self.around_eval = manual, interval, around_eval
+        self._was_enabled = gc.isenabled()
+        if manual:
+            gc.disable()
+            gc.collect()
+
+    def after_step(self, iteration: int) -> None:
+        if self.manual and self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    @contextlib.contextmanager
+    def around_evaluation(self):
+        if self.manual and self.around_eval:
+            gc.collect()
+        yield
+        if self.manual and self.around_eval:
+            gc.collect(generation=0)
+
+    def close(self) -> None:
+        """Give the collector back as it was before the run."""
+        if self.manual and self._was_enabled:
+            gc.enable()
+
+
+class IterationProfiler:
+    """--profile: iterations [start, end) of the ranks in --profile-ranks are profiled. With
+    --use-pytorch-profiler by torch.profiler, the trace written to --tensorboard-dir (the
+    working directory without one); otherwise they are the capture range of an outside
+    profiler (nsys --capture-range=cudaProfilerApi), which needs CUDA."""
+
+    def __init__(self, start: int, end: int, use_torch: bool, trace_dir: str | None, device, enabled: bool):
+        self.start, self.end, self.use_torch, self.device = start, end, use_torch, device
+        self.enabled = enabled
+        self._torch = None
+        self._trace_dir = trace_dir or "."
+
+    @classmethod
+    def from_args(cls, args, device) -> IterationProfiler:
+        enabled = bool(args.profile) and dist.get_rank() in args.profile_ranks
+        if enabled and not args.use_pytorch_profiler and device.type != "cuda":
+            print(
+                "--profile without --use-pytorch-profiler marks a CUDA profiler capture range; "
+                "there is none on CPU (add --use-pytorch-profiler for a torch.profiler trace)",
+                flush=True,
+            )
+            enabled = False
+        return cls(
+            args.profile_step_start,
+            args.profile_step_end,
+            args.use_pytorch_profiler,
+            args.tensorboard_dir,
+            device,
+            enabled,
+        )
+
+    def before_step(self, iteration: int) -> None:
+        if not self.enabled or iteration != self.start:
+            return
+        if self.use_torch:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._torch = torch.profiler.profile(
+                activities=activities,
+                record_shapes=True,
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(self._trace_dir),
+            )
+            self._torch.__enter__()
+        else:
+            torch.cuda.cudart().cudaProfilerStart()
+
+    def after_step(self, iteration: int) -> None:
+        if self.enabled and iteration == self.end - 1:
+            self.close()
+
+    def close(self) -> None:
+        """Stop profiling if it is running (the trace is written now)."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        if self._torch is not None:
+            self._torch.__exit__(None, None, None)
+            self._torch = None
+        elif not self.use_torch:
+            torch.cuda.cudart().cudaProfilerStop()

@@ -1,0 +1,254 @@
+"""Megatron's command-line surface, before any process group: its defaults, the flags that only
+select what is always used (accepted, noted once), the refused ones (named, with what to use
+instead), the sample-based schedule, and the flags with meaning (recompute, zero-centered norms)."""
+
+import pytest
+import torch
+
+from megatron.core.config import TransformerConfig
+from megatron.core.transformer.norms import LayerNorm, RMSNorm
+from megatron.training.arguments import (
+    IMPLEMENTATION_FLAGS,
+    ArgumentError,
+    build_parser,
+    parse_args,
+    transformer_config_from_args,
+)
+from tests.unit_tests.training.test_arguments import BASE
+
+# Megatron-LM's defaults (megatron/training/arguments.py and the config dataclasses it builds
+# flags from); each must be ours too.
+MEGATRON_DEFAULTS = {
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+    "mamba_state_dim": 128,
+    "mamba_head_dim": 64,
+    "mamba_num_groups": 8,
+    "mamba_chunk_size": 128,
+    "initial_loss_scale": 2.0**32,
+    "log_interval": 100,
+    "eval_iters": 100,
+    "eval_interval": None,
+    "seed": 1234,
+    "weight_decay": 0.01,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_eps": 1e-8,
+    "clip_grad": 1.0,
+    "init_method_std": 0.02,
+    "norm_epsilon": 1e-5,
+    "normalization": "LayerNorm",
+    "rotary_base": 10000,
+    "rotary_percent": 1.0,
+    "lr_decay_style": "linear",
+    "min_lr": 0.0,
+    "lr_warmup_init": 0.0,
+    "lr_warmup_iters": 0,
+    "lr_warmup_samples": 0,
+    "lr_warmup_fraction": None,
+    "train_samples": None,
+    "exit_interval": None,
+    "exit_duration_in_mins": None,
+    "manual_gc": False,
+    "manual_gc_interval": 0,
+    "manual_gc_eval": True,
+    "mtp_loss_scaling_factor": 0.1,
+    "distributed_timeout_minutes": 10,
+    "optimizer": "adam",
+    "sgd_momentum": 0.9,
+    "profile_step_start": 10,
+    "profile_step_end": 12,
+    "profile_ranks": [0],
+}
+
+
+def test_defaults_are_megatrons():
+    parser = build_parser("gpt")
+    assert {dest: parser.get_default(dest) for dest in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+
+
+def _args(*extra, family="gpt", world=1):
+    return parse_args(BASE + list(extra), model_family=family, world_size=world)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--use-mcore-models"],
+        ["--transformer-impl", "local"],
+        ["--transformer-impl", "transformer_engine"],
+        ["--use-flash-attn"],
+        ["--no-masked-softmax-fusion"],
+        ["--attention-backend", "auto"],
+        ["--cross-entropy-loss-fusion"],
+        ["--no-create-attention-mask-in-dataloader"],
+        ["--log-throughput"],
+        ["--num-workers", "1"],
+        ["--no-mmap-bin-files"],
+        ["--ckpt-format", "torch_dist"],
+        ["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+        ["--group-query-attention"],
+        ["--use-checkpoint-args"],
+    ],
+)
+def test_implementation_flags_are_accepted_and_noted_once(extra):
+    notes = _args(*extra).compatibility_notes
+    assert len(notes) == 1 and notes[0].startswith(" ".join(extra[:2] if extra[0] != "--spec" else extra))
+    assert _args().compatibility_notes == []
+
+
+def test_the_flash_attention_note_says_what_is_used():
+    assert _args("--use-flash-attn").compatibility_notes == ["--use-flash-attn: attention already uses fused SDPA"]
+    assert set(IMPLEMENTATION_FLAGS) >= {"--use-mcore-models", "--transformer-impl", "--attention-backend"}
+
+
+def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
+    spec = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+    mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
+    args = _args(*spec, *mamba, "--hybrid-layer-pattern", "M*M-", family="hybrid")
+    assert args.compatibility_notes == [
+        "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec: the hybrid layer spec built here"
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--fp8-format", "hybrid"], "--fp8-format: fp8 training is not supported; train in --bf16"),
+        (["--fp8-param-gather"], "--fp8-param-gather: fp8 training is not supported"),
+        (["--rampup-batch-size", "16", "16", "100"], "--rampup-batch-size: batch-size ramp-up is not supported"),
+        (["--decoupled-lr", "5e-4"], "--decoupled-lr: a separate learning rate for the embedding"),
+        (
+            ["--spec", "my.module", "my_spec"],
+            r"--spec my.module my_spec: gpt models are built from this framework's own layer spec",
+        ),
+        (["--tokenizer-type", "TikTokenizer"], "unknown tokenizer type 'TikTokenizer'; accepted --tokenizer-type"),
+        (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size"),
+        (
+            ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"],
+            "NullTokenizer cannot tokenize the built-in corpus; use --mock-data or --data-path",
+        ),
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "nope.json"], "--vocab-file nope.json: no such file"),
+        (
+            ["--tokenizer-type", "ByteLevelTokenizer", "--vocab-file", "v.json"],
+            "--tokenizer-type ByteLevelTokenizer does not read --vocab-file",
+        ),
+        (["--vocab-file", "v.json"], "--vocab-file v.json: no such file"),  # GPT2BPETokenizer, Megatron's default
+        (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
+        (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
+        (["--data-path", "a", "--train-data-path", "b"], "--train-data-path and --data-path are mutually exclusive"),
+        (["--valid-data-path", "b"], "--valid-data-path / --test-data-path need --train-data-path"),
+        (["--data-path", "0.5", "builtin", "0.5", "a"], "'builtin' .* cannot be blended"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported"),
+    ],
+)
+def test_refused_flags_name_the_flag_and_what_to_use(extra, message):
+    world = 2 if "--context-parallel-size" in extra else 1
+    with pytest.raises(ArgumentError, match=message):
+        _args(*extra, world=world)
+
+
+@pytest.mark.parametrize(
+    "extra,world,virtual",
+    [
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2, 2),
+        (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2, 2),
+        (["--num-virtual-stages-per-pipeline-rank", "4"], 1, 4),
+    ],
+)
+def test_more_than_one_virtual_stage_is_refused_before_any_process_group(extra, world, virtual):
+    with pytest.raises(
+        ArgumentError, match=f"interleaved pipeline schedules are not supported yet: .* gives {virtual} "
+    ):
+        _args(*extra, world=world)
+
+
+def test_one_virtual_stage_per_rank_is_the_1f1b_schedule_and_says_so():
+    args = _args("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2", world=2)
+    assert args.compatibility_notes == [
+        "--num-layers-per-virtual-pipeline-stage 2: one virtual stage per pipeline rank, the 1F1B schedule"
+    ]
+
+
+def test_sample_based_schedule_becomes_iterations_of_the_global_batch():
+    train = [a for a in BASE if a not in ("--train-iters", "10")]
+    args = parse_args(
+        train
+        + ["--global-batch-size", "8", "--train-samples", "100", "--lr-warmup-samples", "12"]
+        + ["--lr-decay-samples", "88"],
+        world_size=1,
+    )
+    assert (args.train_iters, args.lr_warmup_iters, args.lr_decay_iters) == (12, 1.5, 11)
+    fraction = parse_args(train + ["--global-batch-size", "8", "--train-samples", "80", "--lr-warmup-fraction", "0.25"])
+    assert (fraction.train_iters, fraction.lr_decay_iters, fraction.lr_warmup_iters) == (10, 10, 2.5)
+    iterations = _args("--lr-warmup-fraction", "0.1", "--lr-decay-iters", "5")
+    assert iterations.lr_warmup_iters == 0.5
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--train-samples", "80"], "--train-iters and --train-samples are mutually exclusive"),
+        (["--lr-warmup-samples", "8"], "--lr-warmup-samples needs sample-based training .* use --lr-warmup-iters"),
+        (["--lr-decay-samples", "8"], "--lr-decay-samples needs sample-based training .* use --lr-decay-iters"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction and --lr-warmup-iters"),
+        (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must be in \[0, 1\]"),
+        (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+    ],
+)
+def test_schedule_flags_follow_megatrons_exclusions(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        _args(*extra)
+
+
+def test_sample_flags_refuse_iteration_forms():
+    train = [a for a in BASE if a not in ("--train-iters", "10")]
+    with pytest.raises(ArgumentError, match="--lr-warmup-iters needs iteration-based training .* --lr-warmup-samples"):
+        parse_args(train + ["--train-samples", "80", "--lr-warmup-iters", "2"], world_size=1)
+
+
+def test_gpt2_bpe_files_select_megatrons_default_tokenizer(tmp_path):
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("{}")
+    files = ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]
+    assert _args(*files).tokenizer_type == "GPT2BPETokenizer"
+    assert _args().tokenizer_type == "ByteLevelTokenizer"
+
+
+def test_recompute_activations_is_selective_recompute():
+    assert _args("--recompute-activations").recompute_granularity == "selective"
+    assert transformer_config_from_args(_args("--recompute-activations")).recompute_granularity == "selective"
+
+
+def test_hybrid_depth_comes_from_the_pattern_as_in_megatron():
+    i = BASE.index("--num-layers")
+    base = BASE[:i] + BASE[i + 2 :]
+    mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
+    args = parse_args(base + mamba + ["--hybrid-layer-pattern", "M-M*-/*-"], model_family="hybrid", world_size=1)
+    assert (args.num_layers, args.mtp_num_layers) == (5, 1)
+
+
+@pytest.mark.parametrize("norm_class", [LayerNorm, RMSNorm])
+def test_apply_layernorm_1p_stores_the_offset_from_one(norm_class):
+    config = transformer_config_from_args(_args("--apply-layernorm-1p"))
+    assert config.layernorm_zero_centered_gamma
+    zero_centered = norm_class(config, 32)
+    standard = norm_class(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4), 32)
+    assert torch.equal(zero_centered.weight, torch.zeros(32))
+    with torch.no_grad():
+        zero_centered.weight.uniform_(-0.5, 0.5)
+        standard.weight.copy_(zero_centered.weight + 1)
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    torch.testing.assert_close(zero_centered(x), standard(x), rtol=0, atol=0)
+    # the layers' fused residual-add + norm path scales the same way (no dropout in eval)
+    zero_centered.eval(), standard.eval()
+    fused = zero_centered.add_and_norm(x, None, residual, config)
+    expected = standard.add_and_norm(x, None, residual, config)
+    for got, want in zip(fused, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_non_default_arguments_are_listed_for_the_summary():
+    args = _args("--use-flash-attn", "--hidden-dropout", "0.0")
+    assert args.non_default_args["--hidden-dropout"] == 0.0 and args.non_default_args["--use-flash-attn"] is True
+    assert "--attention-dropout" not in args.non_default_args

@@ -1,0 +1,64 @@
+"""--exit-interval and --exit-duration-in-mins save, then stop cleanly (no end-of-run
+evaluation); --manual-gc turns automatic collection off for the run only; --profile with
+--use-pytorch-profiler writes a trace of the chosen iterations."""
+
+import gc
+
+from megatron.core.dist_checkpointing import read_latest_iteration
+from megatron.training.arguments import parse_args
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_harness import run_distributed
+
+FLAGS = [
+    *("--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8"),
+    *("--micro-batch-size", "2", "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--vocab-size", "32"),
+    *("--distributed-backend", "gloo", "--eval-iters", "1", "--log-interval", "1"),
+]
+
+
+def _train(flags):
+    seen = []
+    state = pretrain(parse_args(FLAGS + flags, world_size=1))
+    seen.append(gc.isenabled())
+    return state.iteration, seen
+
+
+def test_exit_interval_saves_then_stops(tmp_path, capfd):
+    (result,) = run_distributed(_train, 1, ["--exit-interval", "2", "--save", str(tmp_path)])
+    assert result[0] == 2 and read_latest_iteration(str(tmp_path)) == 2
+    out = capfd.readouterr().out
+    assert "saved checkpoint" in out and "exiting program at iteration 2 (--exit-interval 2)" in out
+    assert "validation loss" not in out  # an early exit skips the end-of-run evaluation
+
+
+def test_exit_duration_saves_then_stops_after_the_first_iteration_past_it(tmp_path, capfd):
+    (result,) = run_distributed(_train, 1, ["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path)])
+    assert result[0] == 1 and read_latest_iteration(str(tmp_path)) == 1
+    assert "(--exit-duration-in-mins 1e-09)" in capfd.readouterr().out
+
+
+def _gc_during_training(flags):
+    from megatron.training import training
+
+    states = []
+    original = training.Trainer.train_step
+
+    def spy(self, iterator):
+        states.append(gc.isenabled())
+        return original(self, iterator)
+
+    training.Trainer.train_step = spy  # this rank is a forked process: the patch dies with it
+    pretrain(parse_args(FLAGS + flags, world_size=1))
+    return states, gc.isenabled()
+
+
+def test_manual_gc_turns_automatic_collection_off_for_the_run_only():
+    ((during, after),) = run_distributed(_gc_during_training, 1, ["--manual-gc", "--manual-gc-interval", "2"])
+    assert during == [False] * 5 and after is True
+
+
+def test_pytorch_profiler_traces_the_chosen_iterations(tmp_path):
+    flags = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4"]
+    run_distributed(_train, 1, flags + ["--tensorboard-dir", str(tmp_path)])
+    traces = [p for p in tmp_path.iterdir() if p.name.endswith(".pt.trace.json")]
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
