@@ -55,6 +55,8 @@ class ModelParallelConfig:
     fp16: bool = False
     # Mean-loss (False) or per-token-loss (True) gradient scaling of GTP reduce-scatter.
     calculate_per_token_loss: bool = False
+    # Model chunks per pipeline rank for the interleaved schedule (None: one, not interleaved).
+    virtual_pipeline_model_parallel_size: int | None = None
 
     def __post_init__(self):
         for name in (
@@ -68,6 +70,14 @@ class ModelParallelConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.cp_comm_type not in ("p2p", "all_gather"):
             raise ConfigError(f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}")
+        vp_size = self.virtual_pipeline_model_parallel_size
+        if vp_size is not None and (not isinstance(vp_size, int) or vp_size < 1):
+            raise ConfigError(f"virtual_pipeline_model_parallel_size must be None or an integer >= 1, got {vp_size!r}")
+        if vp_size is not None and vp_size > 1 and self.pipeline_model_parallel_size == 1:
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size ({vp_size}) needs pipeline_model_parallel_size > 1; "
+                "interleaving only splits pipeline stages"
+            )
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both set; choose one")
         if self.bf16 and self.params_dtype == torch.float32:

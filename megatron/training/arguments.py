@@ -142,11 +142,25 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="default: nccl when CUDA is available, else gloo",
     )
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    # Virtual (interleaved) pipeline stages: accepted only where they give 1 virtual stage per
-    # pipeline rank, which is what the 1F1B schedule runs; more are refused in validate_args.
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    # Virtual (interleaved) pipeline stages, Megatron's three spellings (one at most).
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per virtual pipeline stage: V = num-layers / PP / this (interleaved schedule)",
+    )
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="model chunks (virtual stages) per pipeline rank for the interleaved schedule",
+    )
+    g.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="the same as --virtual-pipeline-model-parallel-size",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -393,34 +407,6 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _check_virtual_pipeline(args: argparse.Namespace) -> None:
-    """Interleaved schedules are not implemented: only one virtual stage per pipeline rank."""
-    pp = args.pipeline_model_parallel_size
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    given = [
-        (flag, value)
-        for flag, value in (
-            ("--num-layers-per-virtual-pipeline-stage", per_stage),
-            ("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size),
-            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank),
-        )
-        if value is not None
-    ]
-    for flag, value in given:
-        _require(value >= 1, f"{flag} must be >= 1, got {value}")
-        if flag == "--num-layers-per-virtual-pipeline-stage":
-            virtual = args.num_layers / (pp * value)
-        else:
-            virtual = value
-        _require(
-            virtual == 1,
-            f"interleaved pipeline schedules are not supported yet: {flag} {value} gives {virtual:g} virtual "
-            f"stages per pipeline rank (--num-layers {args.num_layers}, --pipeline-model-parallel-size {pp}); "
-            "drop the flag to run the 1F1B schedule",
-        )
-        args.compatibility_notes.append(f"{flag} {value}: one virtual stage per pipeline rank, the 1F1B schedule")
-
-
 def _iterations(samples: float, global_batch_size: int) -> int | float:
     """``samples`` in iterations of ``global_batch_size``; whole numbers stay integers."""
     iterations = samples / global_batch_size
@@ -588,7 +574,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             args.mtp_num_layers = len(parsed.mtp_patterns)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
-    _check_virtual_pipeline(args)
     _require(
         not args.overlap_param_gather or args.use_distributed_optimizer,
         "--overlap-param-gather needs --use-distributed-optimizer",
@@ -610,6 +595,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     args.num_microbatches = args.global_batch_size // per_step
     _check_schedule(args)
+    _validate_virtual_pipeline(args)
     _require(
         args.num_attention_heads % tp == 0,
         f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --tensor-model-parallel-size ({tp})",
@@ -686,16 +672,65 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     try:
         config = transformer_config_from_args(args)
         if args.model_family == "hybrid":
-            from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern
+            from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_pattern, select_stage_layers
             from megatron.core.ssm.mamba_mixer import MambaDims
 
             MambaDims.from_config(config, tp)
-            resolve_hybrid_pattern(
+            pattern = resolve_hybrid_pattern(
                 config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None
             )
+            select_stage_layers(pattern, pp, 0, args.virtual_pipeline_model_parallel_size or 1)
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Megatron's virtual-pipeline flags: ``--num-layers-per-virtual-pipeline-stage N`` gives
+    ``V = num_layers / PP / N``; ``--virtual-pipeline-model-parallel-size V`` (or
+    ``--num-virtual-stages-per-pipeline-rank V``) gives V directly. Sets
+    ``args.virtual_pipeline_model_parallel_size`` (None: no interleaving; V = 1 runs 1F1B and
+    says so in the compatibility notes)."""
+    pp = args.pipeline_model_parallel_size
+    given = [
+        (flag, getattr(args, _dest(flag)))
+        for flag in (
+            "--num-layers-per-virtual-pipeline-stage",
+            "--virtual-pipeline-model-parallel-size",
+            "--num-virtual-stages-per-pipeline-rank",
+        )
+        if getattr(args, _dest(flag)) is not None
+    ]
+    _require(len(given) <= 1, f"{' and '.join(flag for flag, _ in given)} are mutually exclusive; give one")
+    args.virtual_pipeline_model_parallel_size = None
+    if not given:
+        return
+    flag, value = given[0]
+    _require(value >= 1, f"{flag} must be >= 1, got {value}")
+    vp = value
+    if flag == "--num-layers-per-virtual-pipeline-stage":
+        _require(
+            args.num_layers % (pp * value) == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+            f"{flag} ({value})",
+        )
+        vp = args.num_layers // (pp * value)
+    if vp == 1:
+        args.compatibility_notes.append(f"{flag} {value}: one virtual stage per pipeline rank, the 1F1B schedule")
+        return
+    _require(pp > 1, f"{flag} {value}: virtual pipeline stages (V = {vp}) need --pipeline-model-parallel-size > 1")
+    if args.model_family != "hybrid":
+        _require(
+            args.num_layers % (pp * vp) == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+            f"virtual pipeline size ({vp}) = {pp * vp}",
+        )
+    _require(
+        args.num_microbatches % pp == 0,
+        f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches} = --global-batch-size "
+        f"/ (--micro-batch-size x data-parallel width)) to be a multiple of --pipeline-model-parallel-size ({pp})",
+    )
+    args.virtual_pipeline_model_parallel_size = vp
 
 
 def parse_args(

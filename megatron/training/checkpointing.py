@@ -3,7 +3,9 @@
 A checkpoint is ``<save>/iter_XXXXXXX/`` (a sharded checkpoint, see
 ``megatron.core.dist_checkpointing``) plus the ``latest`` tracker. It holds:
 
-* ``model``: the weights, keyed with global layer numbers and true shapes (any layout loads it);
+* ``model`` (``model0``, ``model1``, ... with virtual pipeline stages, one per chunk): the
+  weights, keyed with global layer numbers and true shapes (any layout, with or without
+  virtual stages, loads it);
 * ``optimizer``: fp32 masters, moments, param groups, loss scaler (``optimizer_state``);
 * ``train_state``: the :class:`TrainState` of the logging rank (iteration, consumed samples, ...);
 * ``rng_state``: every rank's RNG states (restored only under the same layout);
@@ -42,6 +44,31 @@ LAYOUT_AXES = ("tp", "pp", "dp", "cp", "gtp")
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The language model inside a DistributedDataParallel wrapper."""
     return getattr(model, "module", model)
+
+
+def model_state_keys(trainer) -> list[str]:
+    """Where each model chunk's weights go in the state dict: ``model`` without virtual
+    stages, ``model0``, ``model1``, ... with them (Megatron's names). The pieces themselves are
+    keyed by global layer numbers, so either form loads into the other."""
+    chunks = trainer.model_chunks
+    return ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
+
+
+def _model_states(trainer) -> dict:
+    return {
+        key: unwrap_model(chunk).sharded_state_dict()
+        for key, chunk in zip(model_state_keys(trainer), trainer.model_chunks, strict=True)
+    }
+
+
+def _checkpoint_params(trainer) -> list:
+    """The checkpoint parameters of every chunk, local names made distinct by the chunk's key."""
+    params = []
+    for key, chunk in zip(model_state_keys(trainer), trainer.model_chunks, strict=True):
+        model = unwrap_model(chunk)
+        specs = checkpoint_params(model, "", vocab_rows(model))
+        params += specs if key == "model" else [dataclasses.replace(spec, name=f"{key}.{spec.name}") for spec in specs]
+    return params
 
 
 def _layout(pg: ProcessGroupCollection) -> dict[str, int]:
@@ -83,10 +110,9 @@ def save_checkpoint(trainer) -> str:
     (``trainer.checkpoint_saver``) this takes a snapshot and the save completes in the
     background (see :mod:`megatron.core.dist_checkpointing.async_save`)."""
     args, pg = trainer.args, trainer.pgc
-    model = unwrap_model(trainer.model)
-    params = checkpoint_params(model, "", vocab_rows(model))
+    params = _checkpoint_params(trainer)
     state_dict = {
-        "model": model.sharded_state_dict(),
+        **_model_states(trainer),
         "optimizer": optimizer_sharded_state_dict(trainer.optimizer, params, pg),
         "train_state": train_state_object(dataclasses.asdict(trainer.state), trainer.is_logging_rank),
         "rng_state": rng_object(rng_states()),
@@ -127,13 +153,12 @@ def load_checkpoint(trainer) -> None:
         raise CheckpointingError(f"--load {args.load}: no latest_checkpointed_iteration.txt tracker there")
     checkpoint_dir = iteration_dir(args.load, iteration)
     common = load({}, checkpoint_dir)
-    model = unwrap_model(trainer.model)
-    params = checkpoint_params(model, "", vocab_rows(model))
+    params = _checkpoint_params(trainer)
     resume = not args.finetune
     with_optimizer = resume and not args.no_load_optim and "optimizer" in common
     with_train_state = resume and "scheduler" in common  # converted checkpoints hold weights only
     with_rng = resume and not args.no_load_rng and common.get("layout") == _layout(pg)
-    request = {"model": model.sharded_state_dict()}
+    request = _model_states(trainer)
     if with_optimizer:
         request["optimizer"] = optimizer_sharded_state_dict(trainer.optimizer, params, pg)
     if with_train_state:
@@ -141,7 +166,8 @@ def load_checkpoint(trainer) -> None:
     if with_rng:
         request["rng_state"] = rng_object(None)
     loaded = load(request, checkpoint_dir)
-    load_model_pieces(model, loaded["model"])
+    for key, chunk in zip(model_state_keys(trainer), trainer.model_chunks, strict=True):
+        load_model_pieces(unwrap_model(chunk), loaded[key])
     loaded_parts = ["model weights"]
     if with_optimizer:
         load_optimizer_state(trainer.optimizer, loaded["optimizer"], params)

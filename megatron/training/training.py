@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError, read_latest_iteration
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.model_record import adopt_untracked_checkpoints, model_from_record
+from megatron.core.models.model_record import adopt_untracked_checkpoints, model_chunks_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -176,31 +176,39 @@ def logging_rank(pgc: ProcessGroupCollection) -> int:
 
 
 def count_flops_per_token(
-    model: torch.nn.Module, pgc: ProcessGroupCollection, seq_length: int, hidden_size: int, device: torch.device
+    model: torch.nn.Module | list[torch.nn.Module],
+    pgc: ProcessGroupCollection,
+    seq_length: int,
+    hidden_size: int,
+    device: torch.device,
 ) -> float:
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
     embedding lookups excluded, the (possibly tied) output layer included, plus attention and
-    the Mamba scans (see :func:`training_flops_per_token`)."""
+    the Mamba scans (see :func:`training_flops_per_token`). ``model`` may be this rank's list of
+    model chunks (virtual pipeline stages)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
 
-    output_weight = model.output_layer.weight if getattr(model, "output_layer", None) is not None else None
+    chunks = model if isinstance(model, list) else [model]
     first_replica = pgc.rank("gtp") == 0
-    matmul = sum(
-        param.numel()
-        for name, param in model.named_parameters()
-        if param.dim() >= 2
-        and (not name.startswith("embedding.") or param is output_weight)
-        and (getattr(param, "gtp_sharded", False) or first_replica)
-    )
-    attention_layers = sum(isinstance(m, SelfAttention) for m in model.modules())
-    mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
+    matmul = 0
+    for chunk in chunks:
+        output_weight = chunk.output_layer.weight if getattr(chunk, "output_layer", None) is not None else None
+        matmul += sum(
+            param.numel()
+            for name, param in chunk.named_parameters()
+            if param.dim() >= 2
+            and (not name.startswith("embedding.") or param is output_weight)
+            and (getattr(param, "gtp_sharded", False) or first_replica)
+        )
+    attention_layers = sum(isinstance(m, SelfAttention) for chunk in chunks for m in chunk.modules())
+    mixers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MambaMixer)]
     if pgc.rank("tp") != 0 or not first_replica:
         attention_layers, mixers = 0, []
     counts = torch.tensor([float(matmul), float(attention_layers), float(len(mixers))], device=device)
     dist.all_reduce(counts, group=pgc.mp)
-    config = model.config
+    config = chunks[0].config
     ssd = SSDShape(
         config.mamba_num_heads,
         config.mamba_head_dim,
@@ -267,39 +275,56 @@ class Trainer:
         self.tokenizer = tokenizer_record_from_args(args).build()
         self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
         self.record = model_record_from_args(args, self.vocab_size)
-        model = model_from_record(self.record, pgc).to(self.device)
+        chunks = model_chunks_from_record(self.record, pgc, args.virtual_pipeline_model_parallel_size)
+        chunks = [chunk.to(self.device) for chunk in chunks]
         if args.use_torch_compile:
-            model.decoder.compile_layers()
-        self.config = model.config
-        self.model = DistributedDataParallel(self.config, ddp_config_from_args(args), model, pg_collection=pgc)
-        self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.model], pgc)
+            for chunk in chunks:
+                chunk.decoder.compile_layers()
+        self.config = chunks[0].config
+        # One DDP wrapper per model chunk (virtual pipeline stage); ``model`` is the first.
+        self.model_chunks = [
+            DistributedDataParallel(self.config, ddp_config_from_args(args), chunk, pg_collection=pgc)
+            for chunk in chunks
+        ]
+        self.model = self.model_chunks[0]
+        self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), self.model_chunks, pgc)
         self.scheduler = scheduler_from_args(self.optimizer, args)
         self.state = TrainState()
-        self.parameter_counts = parameter_counts_per_stage(model, pgc, self.device)
+        per_chunk = [parameter_counts_per_stage(chunk, pgc, self.device) for chunk in chunks]
+        self.parameter_counts = [sum(counts) for counts in zip(*per_chunk, strict=True)]
         summary.print_model(args, self.parameter_counts)
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(args, self.tokenizer, self.vocab_size)
         summary.print_datasets({"train": self.train_ds, "validation": self.valid_ds, "test": self.test_ds})
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
-        self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size, self.device)
+        self.flops_per_token = count_flops_per_token(chunks, pgc, args.seq_length, args.hidden_size, self.device)
         self.cp_group = pgc.cp if args.context_parallel_size > 1 else None
         seq = args.seq_length // args.context_parallel_size
         seq //= args.tensor_model_parallel_size if args.sequence_parallel else 1
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
-        self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        self.forward_backward = get_forward_backward_func(
+            args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+        )
         self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
     def data_iterator(self, dataset, start_sample: int):
-        """This rank's micro-batches; under CP, its load-balanced chunks of each sequence."""
-        batches = microbatches(
-            dataset,
-            start_sample=start_sample,
-            micro_batch_size=self.args.micro_batch_size,
-            data_rank=data_shard_rank(self.pgc),
-            data_width=self.args.data_parallel_width,
-            device=self.device,
-        )
-        return (get_batch_on_this_cp_rank(batch, self.cp_group) for batch in batches)
+        """The micro-batches from ``start_sample`` on (under CP, this rank's load-balanced chunks of
+        each sequence); with virtual stages, a list of one such iterator per model chunk (each chunk
+        reads every micro-batch, as Megatron's do)."""
+
+        def rank_batches():
+            batches = microbatches(
+                dataset,
+                start_sample=start_sample,
+                micro_batch_size=self.args.micro_batch_size,
+                data_rank=data_shard_rank(self.pgc),
+                data_width=self.args.data_parallel_width,
+                device=self.device,
+            )
+            return (get_batch_on_this_cp_rank(batch, self.cp_group) for batch in batches)
+
+        iterators = [rank_batches() for _ in self.model_chunks]
+        return iterators[0] if len(iterators) == 1 else iterators
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward (and backward) over one global batch. Returns the loss over it on every rank
@@ -310,7 +335,7 @@ class Trainer:
         metrics, num_tokens = self.forward_backward(
             forward_step_func=partial(forward_step, per_token=per_token, cp_group=self.cp_group),
             data_iterator=data_iterator,
-            model=[self.model],
+            model=self.model_chunks,
             num_microbatches=self.args.num_microbatches,
             tensor_shape=self.tensor_shape,
             dtype=self.config.params_dtype,
@@ -335,10 +360,11 @@ class Trainer:
 
     def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
         """One iteration; returns (loss, update_successful, grad_norm)."""
-        self.model.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss, num_tokens = self._run_schedule(data_iterator, forward_only=False)
-        finalize_model_grads([self.model], self.pgc, self.config, num_tokens=num_tokens)
+        finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(1)
@@ -348,10 +374,12 @@ class Trainer:
     def evaluate(self, dataset=None) -> float:
         """Mean loss over --eval-iters global batches of ``dataset`` (default: the validation
         split), always from its first sample."""
-        self.model.eval()
+        for chunk in self.model_chunks:
+            chunk.eval()
         iterator = self.data_iterator(self.valid_ds if dataset is None else dataset, 0)
         losses = [self._run_schedule(iterator, forward_only=True)[0].item() for _ in range(self.args.eval_iters)]
-        self.model.train()
+        for chunk in self.model_chunks:
+            chunk.train()
         if self.args.empty_unused_memory_level >= 2 and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return sum(losses) / len(losses)
@@ -396,7 +424,7 @@ class Trainer:
                 exited = True
                 break
         profiler.close()
-        self.model.finish_param_sync()  # the last step's overlapped gathers
+        self.finish_param_sync()  # the last step's overlapped gathers
         if self.checkpoint_saver is not None:
             self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends
         if not exited and args.eval_iters:
@@ -406,10 +434,14 @@ class Trainer:
         gc_control.close()
         return state
 
+    def finish_param_sync(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
     def save(self) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
-        self.model.finish_param_sync()
+        self.finish_param_sync()
         save_checkpoint(self)
 
     def load(self) -> None:

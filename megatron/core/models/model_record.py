@@ -56,6 +56,7 @@ from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tokenizers.base import MegatronTokenizer
 from megatron.core.tokenizers.factory import build_tokenizer
 from megatron.core.tokenizers.huggingface import CONFIG_FILE, resolve_tokenizer_file
+from megatron.core.transformer.transformer_block import is_first_virtual_stage, is_last_virtual_stage
 
 logger = logging.getLogger(__name__)
 MODEL_RECORD_FILENAME = "model_config.json"
@@ -220,6 +221,7 @@ class ModelRecord:
             generalized_tensor_parallel_size=pg_collection.size("gtp"),
             context_parallel_size=pg_collection.size("cp") if pg_collection.has("cp") else 1,
             sequence_parallel=self.config.sequence_parallel and tp > 1,
+            virtual_pipeline_model_parallel_size=None,  # a run's choice, like the sizes above
         )
 
     def replace(self, **changes) -> ModelRecord:
@@ -297,18 +299,41 @@ def model_from_record(record: ModelRecord, pg_collection: ProcessGroupCollection
     ``pg_collection`` (None: the global one), built from the spec the record names. A hybrid
     pattern without ``|`` is split over PP > 1 stages by layer count (logged on rank 0).
     ``overrides`` replace constructor arguments (e.g. ``parallel_output=False``)."""
+    return _model_chunk(record, resolve_pg_collection(pg_collection), None, None, overrides)
+
+
+def model_chunks_from_record(
+    record: ModelRecord,
+    pg_collection: ProcessGroupCollection | None = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    **overrides,
+) -> list[torch.nn.Module]:
+    """This pipeline rank's model chunks: one (:func:`model_from_record`) without virtual
+    stages, else ``virtual_pipeline_model_parallel_size`` of them, chunk v holding virtual stage
+    ``v * PP + pp_rank`` (the first stage builds the embedding, the last the output layer and MTP)."""
     pg = resolve_pg_collection(pg_collection)
-    config = record.config_for(pg)
+    vp_size = virtual_pipeline_model_parallel_size
+    if vp_size is None:
+        return [_model_chunk(record, pg, None, None, overrides)]
+    return [_model_chunk(record, pg, vp_size, vp_stage, overrides) for vp_stage in range(vp_size)]
+
+
+def _model_chunk(
+    record: ModelRecord, pg: ProcessGroupCollection, vp_size: int | None, vp_stage: int | None, overrides: dict
+):
+    config = dataclasses.replace(record.config_for(pg), virtual_pipeline_model_parallel_size=vp_size)
+    pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     kwargs = {
         "vocab_size": record.vocab_size,
         "max_sequence_length": record.max_sequence_length,
-        "pre_process": pg.rank("pp") == 0,
-        "post_process": pg.rank("pp") == pg.size("pp") - 1,
+        "pre_process": is_first_virtual_stage(config, pp_rank, pp_size, vp_stage),
+        "post_process": is_last_virtual_stage(config, pp_rank, pp_size, vp_stage),
         "share_embeddings_and_output_weights": record.share_embeddings_and_output_weights,
         "position_embedding_type": record.position_embedding_type,
         "rotary_percent": record.rotary_percent,
         "rotary_base": record.rotary_base,
         "pg_collection": pg,
+        "vp_stage": vp_stage,
         **SPECS[record.spec].build(config),
     }
     if record.family == "gpt":

@@ -27,6 +27,9 @@ class P2PCommunicator:
         self.stage, self.num_stages = me, len(ranks)
         self.prev_rank = ranks[me - 1] if me > 0 else None
         self.next_rank = ranks[me + 1] if me < len(ranks) - 1 else None
+        # Virtual stages wrap around: the last stage's chunk v feeds the first stage's chunk v + 1.
+        self.ring_prev_rank = ranks[me - 1]
+        self.ring_next_rank = ranks[(me + 1) % len(ranks)]
 
     @property
     def is_first_stage(self) -> bool:
@@ -45,6 +48,32 @@ class P2PCommunicator:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+    def post_sends_and_recv(
+        self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None
+    ) -> tuple[torch.Tensor | None, list[tuple[dist.Work, torch.Tensor]]]:
+        """Post ``sends`` ((tensor, global peer rank) pairs) and, unless ``recv_from`` is None,
+        one receive from that peer, in one ``batch_isend_irecv``; wait for the receive only.
+
+        Returns the received tensor and the send works: the caller waits for those (and keeps
+        the tensors alive) before it reuses them, e.g. at the end of the schedule. Used by the
+        interleaved schedule, which sends as soon as a result exists and receives only when a
+        pass needs its input, so no rank ever waits with an unsent result.
+        """
+        sends = [(t.contiguous(), peer) for t, peer in sends]
+        ops = [dist.P2POp(dist.isend, t, peer, self.pp_group) for t, peer in sends]
+        received = None
+        if recv_from is not None:
+            received = self._empty(requires_grad=False)
+            ops.append(dist.P2POp(dist.irecv, received, recv_from, self.pp_group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) != len(ops):  # one coalesced work for the whole batch (NCCL)
+            for work in works:
+                work.wait()
+            return received, []
+        if recv_from is not None:
+            works.pop().wait()
+        return received, [(work, t) for work, (t, _) in zip(works, sends, strict=True)]
 
     def recv_forward(self) -> torch.Tensor | None:
         """Activation from the previous stage (None on the first stage)."""

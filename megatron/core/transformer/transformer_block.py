@@ -19,25 +19,61 @@ class PipelineLayoutError(ConfigError):
     """The layers cannot be split over the pipeline stages as requested."""
 
 
+def virtual_pipeline_size(config: TransformerConfig) -> int:
+    """Model chunks per pipeline rank: ``config.virtual_pipeline_model_parallel_size`` (None is 1)."""
+    return config.virtual_pipeline_model_parallel_size or 1
+
+
+def virtual_stage_index(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None) -> int:
+    """Position of chunk ``vp_stage`` of rank ``pp_rank`` in the pipeline of ``pp_size x V``
+    (virtual) stages: ``vp_stage * pp_size + pp_rank``, as Megatron interleaves them.
+    ``vp_stage`` must be given exactly when the config asks for virtual stages."""
+    vp_size = virtual_pipeline_size(config)
+    if vp_stage is None and config.virtual_pipeline_model_parallel_size is not None:
+        raise PipelineLayoutError(
+            f"virtual_pipeline_model_parallel_size is {vp_size}: pass vp_stage (0..{vp_size - 1}) to say which "
+            "model chunk to build"
+        )
+    if vp_stage is not None and not (isinstance(vp_stage, int) and 0 <= vp_stage < vp_size):
+        raise PipelineLayoutError(
+            f"vp_stage={vp_stage!r} is outside virtual_pipeline_model_parallel_size "
+            f"({config.virtual_pipeline_model_parallel_size}); accepted: 0..{vp_size - 1}"
+        )
+    return (vp_stage or 0) * pp_size + pp_rank
+
+
+def is_first_virtual_stage(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None) -> bool:
+    """Whether chunk ``vp_stage`` of rank ``pp_rank`` is the first stage of the whole pipeline."""
+    return virtual_stage_index(config, pp_rank, pp_size, vp_stage) == 0
+
+
+def is_last_virtual_stage(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None) -> bool:
+    """Whether chunk ``vp_stage`` of rank ``pp_rank`` is the last stage of the whole pipeline."""
+    return virtual_stage_index(config, pp_rank, pp_size, vp_stage) == pp_size * virtual_pipeline_size(config) - 1
+
+
 def num_layers_per_stage(config: TransformerConfig, pp_size: int) -> int:
-    """Layers on each pipeline stage: ``num_layers / pp_size`` (it must divide, >= 1 each)."""
-    if config.num_layers % pp_size or config.num_layers < pp_size:
+    """Layers on each (virtual) pipeline stage: ``num_layers / (pp_size x V)`` (it must divide,
+    >= 1 each)."""
+    stages = pp_size * virtual_pipeline_size(config)
+    if config.num_layers % stages or config.num_layers < stages:
+        if config.virtual_pipeline_model_parallel_size is None:
+            raise PipelineLayoutError(
+                f"num_layers ({config.num_layers}) must be a positive multiple of pipeline_model_parallel_size "
+                f"({pp_size}) so that every stage holds the same number of layers"
+            )
         raise PipelineLayoutError(
             f"num_layers ({config.num_layers}) must be a positive multiple of pipeline_model_parallel_size "
-            f"({pp_size}) so that every stage holds the same number of layers"
+            f"({pp_size}) x virtual_pipeline_model_parallel_size ({config.virtual_pipeline_model_parallel_size}) "
+            f"= {stages} so that every virtual stage holds the same number of layers"
         )
-    return config.num_layers // pp_size
+    return config.num_layers // stages
 
 
-def layer_offset(config: TransformerConfig, pp_rank: int, pp_size: int) -> int:
-    """Number of layers before stage ``pp_rank``; its first global layer number is ``offset + 1``."""
-    return pp_rank * num_layers_per_stage(config, pp_size)
-
-
-def check_no_virtual_pipeline(vp_stage: int | None) -> None:
-    """Virtual (interleaved) pipeline stages are not supported yet."""
-    if vp_stage is not None:
-        raise PipelineLayoutError(f"virtual pipeline stages are not supported yet; got vp_stage={vp_stage}, pass None")
+def layer_offset(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> int:
+    """Number of layers before chunk ``vp_stage`` of stage ``pp_rank``; its first global layer
+    number is ``offset + 1``."""
+    return virtual_stage_index(config, pp_rank, pp_size, vp_stage) * num_layers_per_stage(config, pp_size)
 
 
 class StageLayerStack(nn.Module):
@@ -118,8 +154,9 @@ class StageLayerStack(nn.Module):
 
 
 class TransformerBlock(StageLayerStack):
-    """This stage's transformer layers (``num_layers / pp`` of them, numbered globally) and, on
-    the last stage, the final norm."""
+    """This (virtual) stage's transformer layers (``num_layers / (pp x V)`` of them, numbered
+    globally; chunk ``vp_stage`` of rank p holds virtual stage ``vp_stage * pp + p``) and, on the
+    last stage, the final norm."""
 
     def __init__(
         self,
@@ -130,10 +167,9 @@ class TransformerBlock(StageLayerStack):
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
     ):
-        check_no_virtual_pipeline(vp_stage)
         pg_collection = resolve_pg_collection(pg_collection)
         pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
-        offset = layer_offset(config, pp_rank, pp_size)
+        offset = layer_offset(config, pp_rank, pp_size, vp_stage)
         super().__init__(
             config,
             list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1)),

@@ -153,14 +153,18 @@ def test_refused_flags_name_the_flag_and_what_to_use(extra, message):
     [
         (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2, 2),
         (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2, 2),
-        (["--num-virtual-stages-per-pipeline-rank", "4"], 1, 4),
+        (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2, 2),
     ],
 )
-def test_more_than_one_virtual_stage_is_refused_before_any_process_group(extra, world, virtual):
+def test_virtual_stages_select_the_interleaved_schedule(extra, world, virtual):
+    assert _args(*extra, "--global-batch-size", "4", world=world).virtual_pipeline_model_parallel_size == virtual
+
+
+def test_virtual_stages_without_pipeline_parallelism_are_refused():
     with pytest.raises(
-        ArgumentError, match=f"interleaved pipeline schedules are not supported yet: .* gives {virtual} "
+        ArgumentError, match=r"virtual pipeline stages \(V = 4\) need --pipeline-model-parallel-size > 1"
     ):
-        _args(*extra, world=world)
+        _args("--num-virtual-stages-per-pipeline-rank", "4")
 
 
 def test_one_virtual_stage_per_rank_is_the_1f1b_schedule_and_says_so():

@@ -10,7 +10,7 @@ from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, check_no_virtual_pipeline
+from megatron.core.transformer.transformer_block import TransformerBlock
 
 
 class GPTModel(LanguageModule):
@@ -18,6 +18,9 @@ class GPTModel(LanguageModule):
 
     The signature is frozen (positional indexes are part of the API); new parameters go last.
     ``pre_process`` / ``post_process`` say whether this is the first / last pipeline stage.
+    With ``config.virtual_pipeline_model_parallel_size`` V, ``vp_stage`` (0..V-1) picks the model
+    chunk: chunk v of pipeline rank p holds the layers of virtual stage ``v * PP + p``
+    (:func:`~megatron.core.transformer.transformer_block.virtual_stage_index`).
     The vocabulary is padded with ``pad_vocab_size``; padded entries never reach logits or loss.
     ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
     accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
@@ -48,7 +51,6 @@ class GPTModel(LanguageModule):
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         check_context_parallel_config(config, pg_collection)
-        check_no_virtual_pipeline(vp_stage)
         super().__init__(
             config,
             vocab_size,

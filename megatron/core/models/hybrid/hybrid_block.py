@@ -22,7 +22,7 @@ from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.transformer.spec import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import StageLayerStack
+from megatron.core.transformer.transformer_block import StageLayerStack, virtual_pipeline_size, virtual_stage_index
 
 
 @dataclass
@@ -47,7 +47,7 @@ def build_hybrid_layer(
 
 
 class HybridStack(StageLayerStack):
-    """This pipeline stage's layers of the main pattern (chosen by :func:`select_stage_layers`)
+    """This (virtual) pipeline stage's layers of the main pattern (chosen by :func:`select_stage_layers`)
     and, on the last stage, the final norm; ``forward`` is TransformerBlock's."""
 
     def __init__(
@@ -58,9 +58,12 @@ class HybridStack(StageLayerStack):
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        stage = select_stage_layers(layer_pattern, pg_collection.size("pp"), pg_collection.rank("pp"))
+        pp_size, pp_rank = pg_collection.size("pp"), pg_collection.rank("pp")
+        virtual_stage_index(config, pp_rank, pp_size, vp_stage)  # vp_stage agrees with the config
+        stage = select_stage_layers(layer_pattern, pp_size, pp_rank, virtual_pipeline_size(config), vp_stage or 0)
         symbols = dict(stage)
         super().__init__(
             config,

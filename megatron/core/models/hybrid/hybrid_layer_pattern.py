@@ -158,22 +158,30 @@ def resolve_hybrid_pattern(
     return parsed
 
 
-def select_stage_layers(parsed: HybridLayerPattern, pp_size: int, pp_rank: int) -> list[tuple[int, str]]:
-    """``(global layer number, symbol)`` of every main-stack layer that pipeline stage ``pp_rank``
-    builds: the ``|`` segments are dealt to the stages in order, ``len(segments) / pp_size``
-    consecutive segments each. Layer numbers are 1-based over the whole main pattern.
+def select_stage_layers(
+    parsed: HybridLayerPattern, pp_size: int, pp_rank: int, vp_size: int = 1, vp_stage: int = 0
+) -> list[tuple[int, str]]:
+    """``(global layer number, symbol)`` of every main-stack layer that model chunk ``vp_stage``
+    of pipeline stage ``pp_rank`` builds: the ``|`` segments are dealt to the ``pp_size x vp_size``
+    (virtual) stages in order, ``len(segments) / (pp_size x vp_size)`` consecutive segments each;
+    chunk ``vp_stage`` of rank ``pp_rank`` is virtual stage ``vp_stage * pp_size + pp_rank``.
+    Layer numbers are 1-based over the whole main pattern.
     """
-    if len(parsed.segments) % pp_size:
+    num_stages = pp_size * vp_size
+    if len(parsed.segments) % num_stages:
+        stages = f"{pp_size} pipeline stage(s)" + (f" x {vp_size} virtual stages" if vp_size > 1 else "")
         raise HybridPatternError(
             f"hybrid layer pattern {parsed.pattern!r} has {len(parsed.segments)} pipeline segment(s) separated "
-            f"by '|', which do not divide evenly among {pp_size} pipeline stage(s); use a multiple of {pp_size} "
-            "segments"
+            f"by '|', which do not divide evenly among {stages}; use a multiple of {num_stages} segments"
         )
     if not 0 <= pp_rank < pp_size:
         raise HybridPatternError(f"pp_rank {pp_rank} is outside pipeline_model_parallel_size {pp_size}")
-    per_stage = len(parsed.segments) // pp_size
-    first_layer = 1 + sum(len(s) for s in parsed.segments[: pp_rank * per_stage])
-    mine = "".join(parsed.segments[pp_rank * per_stage : (pp_rank + 1) * per_stage])
+    if not 0 <= vp_stage < vp_size:
+        raise HybridPatternError(f"vp_stage {vp_stage} is outside virtual_pipeline_model_parallel_size {vp_size}")
+    per_stage = len(parsed.segments) // num_stages
+    stage = vp_stage * pp_size + pp_rank
+    first_layer = 1 + sum(len(s) for s in parsed.segments[: stage * per_stage])
+    mine = "".join(parsed.segments[stage * per_stage : (stage + 1) * per_stage])
     return [(first_layer + i, symbol) for i, symbol in enumerate(mine)]
 
 

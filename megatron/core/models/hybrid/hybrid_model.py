@@ -12,7 +12,6 @@ from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import check_no_virtual_pipeline
 
 
 class HybridModel(LanguageModule):
@@ -24,7 +23,9 @@ class HybridModel(LanguageModule):
     The pattern comes from ``hybrid_layer_pattern``, else the legacy
     ``hybrid_override_pattern``, else the ratios; its main part must have
     ``config.num_layers`` layers and its ``/`` parts must number ``config.mtp_num_layers``.
-    Each pipeline stage builds only its ``|`` segments, with global layer numbers.
+    Each pipeline stage builds only its ``|`` segments, with global layer numbers; with
+    ``config.virtual_pipeline_model_parallel_size`` V, chunk ``vp_stage`` of rank p builds the
+    segments of virtual stage ``vp_stage * PP + p`` (the pattern needs a multiple of PP x V).
     ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
     accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
@@ -54,7 +55,6 @@ class HybridModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_virtual_pipeline(vp_stage)
         layer_pattern = resolve_hybrid_pattern(
             config.num_layers,
             config.mtp_num_layers,
@@ -97,4 +97,5 @@ class HybridModel(LanguageModule):
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=pg_collection,
+            vp_stage=vp_stage,
         )
