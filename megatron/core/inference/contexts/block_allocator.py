@@ -11,6 +11,10 @@ count of zero sits in one doubly linked free list, which is also the eviction or
   (least recently used is evicted first), uncached ones to the head (they hold nothing worth
   keeping, so they are reused before any cached block is evicted).
 * :meth:`BlockPool.share` takes a reference on cached blocks; one that was free is unlinked.
+* Blocks for an import (reason ``import``) are handed out as one run of consecutive ids when
+  enough consecutive free blocks hold no cached prefix: a handoff transfer then moves each
+  layer's K (V) of the run as one descriptor instead of one per block. Taking uncached free
+  blocks out of order changes no eviction order (they hold nothing worth keeping).
 
 Since a request always holds its whole chain and frees it leaf first, and a cache lookup
 takes a contiguous prefix, a cached block always enters the free list after its cached
@@ -48,6 +52,11 @@ class PageReason(enum.StrEnum):
     @property
     def initializes_page(self) -> bool:
         return self is not PageReason.IMPORT
+
+    @property
+    def prefers_contiguous(self) -> bool:
+        """Imported blocks are written by a transfer, which moves a run of consecutive ids at once."""
+        return self is PageReason.IMPORT
 
 
 NO_BLOCK = -1
@@ -101,7 +110,8 @@ class BlockPool:
         return self._hashes[block_id]
 
     def peek_free(self, count: int) -> list[int]:
-        """The ids the next :meth:`allocate` of ``count`` blocks will hand out, in order."""
+        """The ids the next :meth:`allocate` of ``count`` blocks will hand out, in order (for a
+        reason that does not prefer a contiguous run)."""
         ids, node = [], self._next[self._sentinel]
         while node != self._sentinel and len(ids) < count:
             ids.append(node)
@@ -123,8 +133,10 @@ class BlockPool:
         """Hand out ``count`` fresh private blocks (ref count 1) for ``reason``.
 
         Cached blocks taken from the free list are evicted from the prefix cache. For every
-        reason but IMPORT the pages are initialized before they are returned. Raises
-        BlockPoolExhaustedError, allocating nothing, when fewer than ``count`` are free.
+        reason but IMPORT the pages are initialized before they are returned. For IMPORT the
+        ids are one ascending run when one exists among the uncached free blocks (see module
+        doc). Raises BlockPoolExhaustedError, allocating nothing, when fewer than ``count`` are
+        free.
         """
         reason = PageReason(reason)
         if count > self._num_free:
@@ -132,9 +144,10 @@ class BlockPool:
                 f"asked for {count} KV blocks ({reason.value}) but only {self._num_free} of "
                 f"{self.num_blocks} are free; free or evict requests first"
             )
+        run = self._uncached_free_run(count) if reason.prefers_contiguous and count > 1 else None
         ids = []
-        for _ in range(count):
-            block_id = self._next[self._sentinel]
+        for index in range(count):
+            block_id = self._next[self._sentinel] if run is None else run + index
             self._unlink(block_id)
             if self._hashes[block_id] is not None:
                 self._evict(block_id)
@@ -191,6 +204,20 @@ class BlockPool:
         return True
 
     # ---- internals -----------------------------------------------------------------------
+    def _uncached_free_run(self, count: int) -> int | None:
+        """The first id of the lowest run of ``count`` consecutive free blocks without a hash,
+        or None. The free list's head first (the common case, O(count)), else one scan of the
+        pool."""
+        head = self.peek_free(count)
+        if head == list(range(head[0], head[0] + count)) and all(self._hashes[b] is None for b in head):
+            return head[0]
+        length = 0
+        for block_id in range(self.num_blocks):
+            length = length + 1 if self._ref_counts[block_id] == 0 and self._hashes[block_id] is None else 0
+            if length == count:
+                return block_id - count + 1
+        return None
+
     def _evict(self, block_id: int) -> None:
         assert self._num_cached_children[block_id] == 0, (
             f"evicting block {block_id} would orphan its cached children (eviction must take leaves first)"

@@ -6,13 +6,16 @@ each of its attention layers (global numbers), its KV head range: every prefill 
 that layer with an overlapping head range supplies the overlap. When the two ranks hold the
 same heads (equal TP), a block is one contiguous run; otherwise each token of a block holds
 the overlap as its own run (different TP sizes). Mamba state moves between ranks of the same
-TP rank and size (its channels are not head-sliced here). Adjacent runs are merged.
+TP rank and size (its channels are not head-sliced here). Block runs whose ids ascend on both
+sides move as one segment per layer plane; adjacent segments are merged.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron.core.inference.handoff.failures import HandoffMetadataError
@@ -42,6 +45,7 @@ def _kv_offset(layout: SourceLayout, plane: int, layer_index: int, block: int, t
     return index * layout.head_dim * _itemsize(layout.kv_dtype)
 
 
+@functools.cache
 def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
 
@@ -158,10 +162,27 @@ def check_plan(record: HandoffRecord, local: SourceLayout) -> None:
             )
 
 
+def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """``(source block, destination block, length)`` of the maximal runs of ``src_blocks[i] ->
+    dst_blocks[i]`` along which both ids ascend by one: each run of a layer's K (V) plane is
+    one contiguous range on both sides."""
+    src, dst = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    if not len(src):
+        return []
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
+
+
 def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], dst_blocks: list[int]) -> list[Segment]:
-    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer."""
+    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer, layer by
+    layer. With equal heads on both sides, one segment per (layer, K/V, block run); otherwise
+    one per (layer, K/V, block, token)."""
     segments = []
     width = local.head_dim * _itemsize(local.kv_dtype)
+    runs = block_runs(src_blocks, dst_blocks)
     for layer_index, overlaps in enumerate(_kv_supply(record, local)):
         for source_index, source, start, stop in overlaps:
             src_layer = source.attention_layers.index(local.attention_layers[layer_index])
@@ -170,22 +191,30 @@ def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], d
                 == (source.kv_head_start, source.kv_head_stop)
                 == (local.kv_head_start, local.kv_head_stop)
             )
-            tokens = [None] if same_heads else range(local.block_size)
-            nbytes = local.block_size * local.num_local_heads * width if same_heads else (stop - start) * width
+            if same_heads:
+                pieces = [
+                    (src, dst, 0, length * local.block_size * local.num_local_heads * width)
+                    for src, dst, length in runs
+                ]
+            else:
+                pieces = [
+                    (src + i, dst + i, token, (stop - start) * width)
+                    for src, dst, length in runs
+                    for i in range(length)
+                    for token in range(local.block_size)
+                ]
             for plane in (0, 1):
-                for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
-                    for token in tokens:
-                        t = token or 0
-                        segments.append(
-                            Segment(
-                                source_index,
-                                KV_REGION,
-                                _kv_offset(source, plane, src_layer, src_block, t, start - source.kv_head_start),
-                                KV_REGION,
-                                _kv_offset(local, plane, layer_index, dst_block, t, start - local.kv_head_start),
-                                nbytes,
-                            )
+                for src_block, dst_block, token, nbytes in pieces:
+                    segments.append(
+                        Segment(
+                            source_index,
+                            KV_REGION,
+                            _kv_offset(source, plane, src_layer, src_block, token, start - source.kv_head_start),
+                            KV_REGION,
+                            _kv_offset(local, plane, layer_index, dst_block, token, start - local.kv_head_start),
+                            nbytes,
                         )
+                    )
     return _merge(segments)
 
 

@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -183,6 +183,15 @@ def _nixl_error_types() -> tuple[tuple[type[Exception], ...], type[Exception]]:
     return types, _bindings.nixlRemoteDisconnectError
 
 
+class _Region(NamedTuple):
+    """A registered region as NIXL addresses it (also the wire form of a descriptor's region)."""
+
+    address: int
+    nbytes: int
+    device: int
+    mem_type: str
+
+
 @dataclass
 class _Reader:
     """What a source knows of a peer that may read from it: gone for good once a probe found
@@ -217,6 +226,7 @@ class NixlTransport(HandoffTransport):
         with self._call("creating the agent"):
             self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
         self._registrations = []
+        self._local: dict[str, _Region] = {}  # this side's regions, resolved once at registration
         self._remote_agents: dict[str, str] = {}
         self._readers: dict[str, _Reader] = {}
         self._probe_buffer: torch.Tensor | None = None
@@ -241,9 +251,15 @@ class NixlTransport(HandoffTransport):
 
     def register(self, regions: dict[str, torch.Tensor]) -> None:
         super().register(regions)
-        for tensor in regions.values():
+        for name, tensor in regions.items():
             with self._call("registering memory"):
                 self._registrations.append(self.agent.register_memory(tensor))
+            self._local[name] = _Region(
+                tensor.data_ptr(),
+                tensor.numel() * tensor.element_size(),
+                self._device_id(tensor),
+                self._mem_type(tensor),
+            )
 
     def export(self) -> dict[str, Any]:
         with self._call("exporting its metadata"):
@@ -252,10 +268,7 @@ class NixlTransport(HandoffTransport):
             "transport": self.name,
             "agent": self.agent_name,
             "metadata": metadata,
-            "regions": {
-                name: [t.data_ptr(), t.numel() * t.element_size(), self._device_id(t), self._mem_type(t)]
-                for name, t in self.regions.items()
-            },
+            "regions": {name: list(region) for name, region in self._local.items()},
         }
 
     def check_peer(self, peer: dict[str, Any]) -> None:
@@ -318,27 +331,19 @@ class NixlTransport(HandoffTransport):
         if not segments:
             raise TransportError(f"pull {transfer_id!r} has no runs")
         self.check_peer(peer)
-        remote = dict(peer["regions"].items())
-        self._check_bounds({n: e[1] for n, e in remote.items()}, segments, "source")
-        local = {n: t.numel() * t.element_size() for n, t in self.regions.items()}
-        self._check_bounds(local, segments, "destination")
+        remote, local = {n: _Region(*entry) for n, entry in peer["regions"].items()}, self._local
+        self._check_bounds({n: r.nbytes for n, r in remote.items()}, segments, "source")
+        self._check_bounds({n: r.nbytes for n, r in local.items()}, segments, "destination")
         mem_types = (
-            {remote[s.src_region][3] for s in segments},
-            {self._mem_type(self.regions[s.dst_region]) for s in segments},
+            {remote[s.src_region].mem_type for s in segments},
+            {local[s.dst_region].mem_type for s in segments},
         )
         if len(mem_types[0]) != 1 or len(mem_types[1]) != 1:
             raise TransportError("one pull must read one memory type and write one memory type")
         xfer = self._post_read(
             peer,
-            [
-                (
-                    self.regions[s.dst_region].data_ptr() + s.dst_offset,
-                    s.nbytes,
-                    self._device_id(self.regions[s.dst_region]),
-                )
-                for s in segments
-            ],
-            [(remote[s.src_region][0] + s.src_offset, s.nbytes, remote[s.src_region][2]) for s in segments],
+            [(local[s.dst_region].address + s.dst_offset, s.nbytes, local[s.dst_region].device) for s in segments],
+            [(remote[s.src_region].address + s.src_offset, s.nbytes, remote[s.src_region].device) for s in segments],
             (mem_types[0].pop(), mem_types[1].pop()),
         )
         self.num_posted += 1

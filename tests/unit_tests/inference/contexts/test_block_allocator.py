@@ -171,3 +171,29 @@ def test_released_request_hash_chain_is_reused_not_recomputed():
     ctx.add_request("a", list(range(9)) + [7, 7, 7], hash_chain=chain)
     assert ctx.request("a").hash_chain is chain
     assert chain.hashes[:2] == hashes_before and len(chain.hashes) == 3
+
+
+def test_import_blocks_are_one_ascending_run_where_uncached_free_blocks_allow():
+    pool = BlockPool(10)
+    held = pool.allocate(10, PageReason.ADMISSION)
+    pool.free([held[i] for i in (1, 3, 4, 6, 7, 8)])  # free runs: [1], [3, 4], [6, 7, 8]
+    assert pool.peek_free(3) == [1, 3, 4]  # what any other reason would get
+    assert pool.allocate(3, PageReason.IMPORT) == [6, 7, 8]  # the only run of 3
+    assert pool.allocate(2, PageReason.IMPORT) == [3, 4]
+    assert pool.num_free_blocks == 1 and pool.allocate(1, PageReason.IMPORT) == [1]
+
+
+def test_import_without_a_long_enough_uncached_run_takes_the_plain_order():
+    pool = BlockPool(6)
+    chain = BlockHashChain(BS)
+    chain.extend(list(range(2 * BS)))
+    cached = pool.allocate(2, PageReason.ADMISSION)  # [0, 1], then cached
+    pool.register(cached[0], chain.hashes[0])
+    pool.register(cached[1], chain.hashes[1], cached[0])
+    rest = pool.allocate(4, PageReason.ADMISSION)  # [2, 3, 4, 5]
+    pool.free([rest[0], rest[2]])  # uncached free: 2, 4 (no run of 2)
+    pool.free(cached)  # cached free, LRU at the tail: 1 (leaf) then 0
+    assert pool.peek_free(4) == [2, 4, 1, 0]
+    # 0 and 1 are consecutive but cached: an import never evicts out of LRU order.
+    assert pool.allocate(3, PageReason.IMPORT) == [2, 4, 1]
+    assert pool.num_cached_blocks == 1 and pool.find_cached_prefix(chain.hashes) == [0]

@@ -1,33 +1,25 @@
-"""benchmarks/handoff_transfer.py runs between two processes and prints both rates and their ratio."""
+"""benchmarks/handoff_transfer.py runs between two processes, prints both rates and their ratio
+and writes them as JSON; its pulls move one descriptor per layer plane and block run."""
 
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.unit_tests.inference.engines.test_offline_example import ROOT
 
+SMALL = ["--layers", "2", "--blocks", "8", "--block-size", "4", "--kv-heads", "2", "--head-dim", "8"]
 
-def test_transfer_benchmark_prints_our_rate_against_raw_nixl():
+
+def test_transfer_benchmark_prints_our_rate_against_raw_nixl(tmp_path):
+    runs = 2 * 2 * 1  # (K, V) x 2 layers x one run of 8 blocks
+    out = tmp_path / "handoff.json"
     done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "handoff_transfer.py"),
-            "--layers",
-            "2",
-            "--blocks",
-            "8",
-            "--block-size",
-            "4",
-            "--kv-heads",
-            "2",
-            "--head-dim",
-            "8",
-            "--iters",
-            "2",
-            "--device",
-            "cpu",
-        ],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "handoff_transfer.py"), *SMALL, "--trials", "2"]
+        + ["--device", "cpu", "--json", str(out)],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
         capture_output=True,
         text=True,
@@ -36,5 +28,11 @@ def test_transfer_benchmark_prints_our_rate_against_raw_nixl():
     assert done.returncode == 0, done.stderr
     # 8 blocks x (K, V) x 2 layers x 4 tokens x 2 heads x 8 dims x 4 bytes
     assert re.search(
-        r"0\.01 MB in 32 runs .*handoff pull [\d.]+ GB/s, raw NIXL [\d.]+ GB/s, ratio [\d.]+", done.stdout
+        rf"0\.01 MB in {runs} runs .*median of 2 alternating trials\): handoff pull [\d.]+ GB/s, "
+        r"raw NIXL [\d.]+ GB/s, ratio [\d.]+",
+        done.stdout,
     ), done.stdout
+    result = json.loads(out.read_text())
+    assert result["bytes"] == 8 * 2 * 2 * 4 * 2 * 8 * 4 and result["descriptors"] == runs
+    assert len(result["seconds"]["ours"]) == len(result["seconds"]["raw"]) == 2
+    assert result["ratio"] == pytest.approx(result["median_seconds"]["raw"] / result["median_seconds"]["ours"])
