@@ -15,15 +15,20 @@ from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.inference.server.errors import bad_request
-from megatron.core.inference.server.protocol import ChatCompletionRequest, NamedToolChoice
+from megatron.core.inference.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from megatron.core.inference.server.service import OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
 from megatron.core.tokenizers import TokenizerError
 
 
+def offered_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools of a request as OpenAI tool dicts (None when there are none)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[dict] | None, list[dict] | None]:
     """(tools shown to the model, tools whose calls are parsed out of the output)."""
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    tools = offered_tools(body.tools)
     choice = body.tool_choice
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice needs a non-empty tools list", param="tool_choice")
@@ -67,16 +72,29 @@ class _ChatChoice:
         return None if reason is None else R.chat_finish_reason(reason, self.made_tool_calls)
 
 
+def chat_prompt(
+    service: OpenAIService,
+    messages: list[ChatMessage],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt token ids of a chat: what the model sees."""
+    dumped = [message.model_dump(exclude_none=True) for message in messages]
+    try:
+        prompt_text = render_chat(service.tokenizer, dumped, tools, add_generation_prompt, chat_template_kwargs)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    return tokenize_prompt(service.tokenizer, prompt_text)
+
+
 async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) -> Response:
     service.check_model(body.model)
     service.check_fan_out(1, body.n)
     tools, parsed_tools = _tools(service, body)
-    messages = [message.model_dump(exclude_none=True) for message in body.messages]
-    try:
-        prompt_text = render_chat(service.tokenizer, messages, tools)
-    except TokenizerError as exc:
-        raise bad_request(str(exc), param="messages") from exc
-    prompt = service.check_prompt(tokenize_prompt(service.tokenizer, prompt_text), "messages")
+    prompt = service.check_prompt(
+        chat_prompt(service, body.messages, tools, chat_template_kwargs=body.chat_template_kwargs), "messages"
+    )
     params = service.sampling_params(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,

@@ -49,16 +49,22 @@ def with_tools(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] |
     return [{"role": "system", "content": instructions}, *messages]
 
 
-def default_chat_prompt(messages: list[dict[str, Any]]) -> str:
-    """The built-in template: every turn, then an open assistant turn."""
+def default_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The built-in template: every turn, then an open assistant turn (when ``add_generation_prompt``)."""
     turns = [f"<|{message['role']}|>\n{message_text(message)}{TURN_END}\n" for message in messages]
-    return "".join(turns) + "<|assistant|>\n"
+    return "".join(turns) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The prompt text of a chat: the tokenizer's ``apply_chat_template`` when it has a template."""
     messages = with_tools(messages, tools)
     if getattr(tokenizer, "chat_template", None):
         flat = [{"role": m["role"], "content": message_text(m)} for m in messages]
-        return tokenizer.apply_chat_template(flat, add_generation_prompt=True)
-    return default_chat_prompt(messages)
+        return tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
+    return default_chat_prompt(messages, add_generation_prompt)

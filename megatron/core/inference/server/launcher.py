@@ -24,6 +24,7 @@ server and coordinator; a second signal kills.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -205,6 +206,7 @@ def serve_checkpoint(args: argparse.Namespace) -> int:
         dist.barrier()  # every replica has sent its registration
         if is_frontend:
             _wait_for_replicas(coordinator, dist.get_world_size() // pg.size("mp"))
+            config = dataclasses.replace(config, max_model_len=model.max_sequence_length)
             server = ServerThread(
                 InferenceClient(coordinator.address), sock=sock, tokenizer=tokenizer, config=config
             ).start()

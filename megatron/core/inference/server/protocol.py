@@ -14,9 +14,9 @@ Responses are plain dicts built in ``responses.py``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 
 from megatron.core.inference.sampling import MAX_TOP_LOGPROBS
@@ -219,3 +219,42 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="a BOS in front when the tokenizer asks for one")
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """POST /tokenize with chat messages (vLLM's shape): the ids the chat completion would see."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+# A body with ``messages`` is a chat request, any other a prompt request (so errors name one shape's fields).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]
+    | Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+    Discriminator(_tokenize_kind),
+]

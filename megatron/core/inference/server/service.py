@@ -44,6 +44,8 @@ class ServerConfig:
 
     Args:
         model_name: the one model id served (``model`` of requests must equal it).
+        max_model_len: the engine's length limit (prompt plus generated tokens), reported by
+            /v1/models and /tokenize; None: unknown.
         api_key: when set, /v1/ requests need ``Authorization: Bearer <api_key>``.
         max_request_bytes: larger request bodies get 413.
         max_prompt_tokens: longer prompts get 400 (``context_length_exceeded``) before reaching an
@@ -62,6 +64,7 @@ class ServerConfig:
     """
 
     model_name: str = "megatron"
+    max_model_len: int | None = None
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
@@ -76,7 +79,14 @@ class ServerConfig:
     tool_call_parser: str | None = "hermes"
 
     def __post_init__(self):
-        counts = ("max_request_bytes", "max_prompt_tokens", "default_max_tokens", "max_prompts_per_request", "max_n")
+        counts = (
+            "max_model_len",
+            "max_request_bytes",
+            "max_prompt_tokens",
+            "default_max_tokens",
+            "max_prompts_per_request",
+            "max_n",
+        )
         for name in (*counts, "max_in_flight_per_request"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -131,6 +141,16 @@ class OpenAIService:
         self.config = config
         self.metrics = ServerMetrics()
         self.created = R.now()
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model as /v1/models lists it (OpenAI's model object, with vLLM's max_model_len)."""
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "megatron",
+            "max_model_len": self.config.max_model_len,
+        }
 
     # -- validation ----------------------------------------------------------------------
 
