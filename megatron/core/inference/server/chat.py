@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -103,9 +102,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
         echo_logprobs=False,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    started = time.monotonic()
     choices = await service.start_choices(request_id, [prompt], params, body.n)
-    service.metrics.observe_ttft(time.monotonic() - started)
     states = {index: _ChatChoice(service, body, parsed_tools) for index in range(choices.size)}
     created = R.now()
     if body.stream:
@@ -116,7 +113,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     events: dict[int, list] = {index: [] for index in states}
     logprobs: dict[int, list] = {index: [] for index in states}
     reasons: dict[int, str] = {}
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         async with aclosing(choices.deltas()) as deltas:
             async for choice, delta in deltas:
@@ -128,7 +125,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
                 if delta.finish_reason is not None:
                     reasons[choice.index] = state.finish_reason(delta.finish_reason)
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()
     result = [
         _whole_choice(
             service, index, events[index], logprobs[index] if states[index].want_logprobs else None, reasons[index]
@@ -158,7 +155,7 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
     def chunk(choice_dicts: list, **extra) -> str:
         return R.sse(R.envelope("chat.completion.chunk", request_id, body.model, created, choice_dicts, **extra))
 
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         for index in states:
             opening = {
@@ -188,4 +185,4 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
             yield chunk([], usage=usage)
         yield R.SSE_DONE
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()

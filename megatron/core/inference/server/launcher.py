@@ -117,6 +117,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         header_timeout_s=args.http_header_timeout,
         body_timeout_s=args.http_body_timeout,
+        kv_block_size=args.kv_block_size,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )

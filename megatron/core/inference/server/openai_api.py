@@ -15,13 +15,14 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 import megatron
 from megatron.core.inference.coordinator.client import InferenceClient
 from megatron.core.inference.server.chat import chat_completions
 from megatron.core.inference.server.completions import completions
 from megatron.core.inference.server.errors import APIError, install_error_handlers
+from megatron.core.inference.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from megatron.core.inference.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestCounterMiddleware
 from megatron.core.inference.server.protocol import (
     ChatCompletionRequest,
@@ -70,12 +71,12 @@ def _add_routes(app: FastAPI, service: OpenAIService) -> None:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics() -> Response:
         try:
             stats = await service.client.stats(timeout_s=1.0)
         except Exception:  # noqa: BLE001 - metrics stay available when the coordinator is not
             stats = None
-        return PlainTextResponse(service.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

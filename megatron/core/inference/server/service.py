@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class ServerConfig:
         header_timeout_s: a connection whose request head (request line and headers) is not
             complete this long after it opened, or after its previous response, is closed.
         body_timeout_s: a request body not complete this long after its head gets 408.
+        kv_block_size: tokens per KV block of the engines (for the prefix-cache hit rate in
+            /metrics); None: no hit rate.
         reasoning_parser, reasoning_options: split chat output into reasoning_content and content.
         tool_call_parser: how chat output encodes tool calls (used when a request offers tools).
     """
@@ -74,6 +77,7 @@ class ServerConfig:
     max_in_flight_per_request: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    kv_block_size: int | None = None
     reasoning_parser: str | None = None
     reasoning_options: dict[str, Any] | None = None
     tool_call_parser: str | None = "hermes"
@@ -112,6 +116,7 @@ class Choice:
     handle: RequestHandle
     decoder: ChoiceDecoder
     first: dict[str, Any] | None = None
+    last_token_s: float | None = None  # when its latest tokens arrived (monotonic)
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         first, self.first = self.first, None
@@ -139,7 +144,7 @@ class OpenAIService:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.kv_block_size)
         self.created = R.now()
 
     def model_card(self) -> dict[str, Any]:
@@ -222,7 +227,8 @@ class OpenAIService:
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
     ) -> ChoiceSet:
         """The choices of a request, started (see :meth:`ChoiceSet.start`)."""
-        choices = ChoiceSet(self.client, request_id, prompts, params, n, self.config.max_in_flight_per_request)
+        window = self.config.max_in_flight_per_request
+        choices = ChoiceSet(self.client, request_id, prompts, params, n, window, self.metrics)
         await choices.start()
         return choices
 
@@ -241,6 +247,10 @@ class ChoiceSet:
     A choice's first output tells whether the engine admitted it: :meth:`start` waits for those
     of the first window, so their admission errors become the HTTP status; a later choice that
     is refused ends with an error delta instead.
+
+    It times the request into ``metrics``: from its creation (the request's arrival) to each
+    submission (queue time), to the first output (time to first token) and to the end of the
+    last choice (end-to-end latency), and the gaps between a choice's tokens (inter-token latency).
     """
 
     def __init__(
@@ -251,9 +261,13 @@ class ChoiceSet:
         params: SamplingParams,
         n: int,
         window: int,
+        metrics: ServerMetrics,
     ):
         self._client = client
         self._window = window
+        self._metrics = metrics
+        self._arrived_s = time.monotonic()
+        self._first_token_s: float | None = None
         self._request_id = request_id
         self._unsubmitted = deque(
             (prompt_index * n + i, prompt, _choice_params(params, i))
@@ -265,6 +279,7 @@ class ChoiceSet:
 
     async def _submit_next(self) -> Choice:
         index, prompt, params = self._unsubmitted.popleft()
+        self._metrics.queue_time.observe(time.monotonic() - self._arrived_s)
         handle = await self._client.submit(prompt, params, request_id=f"{self._request_id}-{index}")
         choice = Choice(index, prompt, handle, ChoiceDecoder())
         self.choices.append(choice)
@@ -279,6 +294,7 @@ class ChoiceSet:
                 choice.first = await choice.handle.next_output()
                 if choice.first["finish_reason"] == "error":
                     raise error_from_output(choice.first["error"])
+                self._time_tokens(choice, len(choice.first["new_token_ids"]))
         except BaseException:
             self.abort()
             raise
@@ -291,7 +307,11 @@ class ChoiceSet:
 
         async def pump(choice: Choice) -> None:
             try:
+                first = choice.first
                 async for delta in choice.deltas():
+                    if first is None:
+                        self._time_tokens(choice, len(delta.token_ids))
+                    first = None
                     queue.put_nowait((choice, delta))
             finally:
                 queue.put_nowait((choice, None))
@@ -308,10 +328,25 @@ class ChoiceSet:
                 if self._unsubmitted:
                     tasks.append(asyncio.ensure_future(pump(await self._submit_next())))
                     running += 1
+            self._metrics.e2e_latency.observe(time.monotonic() - self._arrived_s)
         finally:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    def _time_tokens(self, choice: Choice, count: int) -> None:
+        """Time ``count`` tokens of ``choice`` that arrived now: the request's first token, or
+        the gap since the choice's previous ones (spread over the tokens that came together)."""
+        if not count:
+            return
+        now = time.monotonic()
+        if self._first_token_s is None:
+            self._first_token_s = now
+            self._metrics.time_to_first_token.observe(now - self._arrived_s)
+        if choice.last_token_s is not None:
+            for _ in range(count):
+                self._metrics.inter_token_latency.observe((now - choice.last_token_s) / count)
+        choice.last_token_s = now
 
     def abort(self) -> None:
         """Abort every submitted choice that has not finished; submit no more."""
