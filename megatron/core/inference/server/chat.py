@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 from megatron.core.inference.parsers import ToolCallEvent, build_output_parser, collect
 from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
-from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.inference.server.errors import bad_request
 from megatron.core.inference.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from megatron.core.inference.server.service import OpenAIService, error_from_output
@@ -81,7 +80,7 @@ def chat_prompt(
     """The prompt token ids of a chat: what the model sees."""
     dumped = [message.model_dump(exclude_none=True) for message in messages]
     try:
-        prompt_text = render_chat(service.tokenizer, dumped, tools, add_generation_prompt, chat_template_kwargs)
+        prompt_text = service.chat_template.render(dumped, tools, add_generation_prompt, chat_template_kwargs)
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from exc
     return tokenize_prompt(service.tokenizer, prompt_text)

@@ -39,6 +39,7 @@ from megatron.core.inference.checkpoint_loading import default_device, load_infe
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from megatron.core.inference.server.chat_template import ChatTemplateError
 from megatron.core.inference.server.serve import ServerThread, bind_socket
 from megatron.core.inference.server.service import ServerConfig, ServerConfigError
 from megatron.core.models.model_record import read_model_record
@@ -92,6 +93,11 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     server.add_argument(
         "--http-body-timeout", type=float, default=defaults.body_timeout_s, help="seconds for a request body"
     )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or 'plain' (the built-in template), instead of the tokenizer's own",
+    )
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None)
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes")
     return parser
@@ -118,6 +124,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         header_timeout_s=args.http_header_timeout,
         body_timeout_s=args.http_body_timeout,
         kv_block_size=args.kv_block_size,
+        chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )
@@ -227,7 +234,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return serve_checkpoint(args)
-    except (ServerConfigError, ParallelConfigError, CheckpointingError) as error:
+    except (ServerConfigError, ChatTemplateError, ParallelConfigError, CheckpointingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -15,6 +15,7 @@ from megatron.core.inference.coordinator.client import InferenceClient, RequestH
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.server import responses as R
+from megatron.core.inference.server.chat_template import ChatTemplate, check_chat_template
 from megatron.core.inference.server.errors import APIError, bad_request
 from megatron.core.inference.server.generation import (
     ENGINE_WITHOUT_TOKENIZER,
@@ -62,6 +63,8 @@ class ServerConfig:
         body_timeout_s: a request body not complete this long after its head gets 408.
         kv_block_size: tokens per KV block of the engines (for the prefix-cache hit rate in
             /metrics); None: no hit rate.
+        chat_template: a Jinja file or ``"plain"`` (our template) instead of the tokenizer's own
+            (see :class:`~megatron.core.inference.server.chat_template.ChatTemplate`).
         reasoning_parser, reasoning_options: split chat output into reasoning_content and content.
         tool_call_parser: how chat output encodes tool calls (used when a request offers tools).
     """
@@ -78,6 +81,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     kv_block_size: int | None = None
+    chat_template: str | None = None
     reasoning_parser: str | None = None
     reasoning_options: dict[str, Any] | None = None
     tool_call_parser: str | None = "hermes"
@@ -99,6 +103,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ServerConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        check_chat_template(self.chat_template)
         for value, registry, what in (
             (self.reasoning_parser, REASONING_PARSERS, "reasoning_parser"),
             (self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser"),
@@ -145,6 +150,7 @@ class OpenAIService:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = ServerMetrics(config.kv_block_size)
+        self.chat_template = ChatTemplate(tokenizer, config.chat_template)
         self.created = R.now()
 
     def model_card(self) -> dict[str, Any]:
