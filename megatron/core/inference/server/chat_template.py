@@ -162,4 +162,3 @@ class _EmptyVocabulary:
         from tokenizers.models import WordLevel
 
         return Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-
