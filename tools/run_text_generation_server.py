@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The ``megatron-serve`` command as a script, Megatron's name for it: serve a checkpoint over
-the OpenAI-compatible HTTP API, under torchrun for TP/PP/DP replicas (see
-:mod:`megatron.core.inference.server.launcher` for the flags):
+the OpenAI-compatible HTTP API, one TP/PP replica under torchrun, or data-parallel replicas that
+it starts and supervises (see :mod:`megatron.core.inference.server.launcher` for the flags):
 
-    torchrun --standalone --nproc-per-node 4 tools/run_text_generation_server.py --load runs/quickstart \\
+    torchrun --standalone --nproc-per-node 2 tools/run_text_generation_server.py --load runs/quickstart \\
+        --tensor-model-parallel-size 2 --port 8000
+    python tools/run_text_generation_server.py --load runs/quickstart --data-parallel-size 2 \\
         --tensor-model-parallel-size 2 --port 8000
 """
 

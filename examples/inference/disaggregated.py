@@ -11,7 +11,7 @@ decode engine pulled and the transfer rate. The prefill process prefills each pr
 first token and pins its KV blocks (and Mamba state); the decode process pulls them over NIXL
 (UCX; on CPU hosts ``UCX_NET_DEVICES=lo`` is used), admits the request straight into decode
 and tells the prefill process to release the pin. This process runs the coordinator and the
-client.
+client; the two engine processes die with it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.inference import offline_inference
 from megatron.core.inference.checkpoint_loading import record_tokenizer
-from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
+from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator, Role
+from megatron.core.inference.coordinator.lifetime import die_with_parent
 from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import read_model_record
@@ -64,6 +65,7 @@ def prefill_process(args, num_blocks: int, num_requests: int, addresses) -> None
     from megatron.core.inference.handoff.serving import HandoffChannel, PrefillWorker
     from megatron.core.inference.handoff.transport import NixlTransport
 
+    die_with_parent(mp.parent_process().pid)
     engine = _engine(args, "prefill", num_blocks, num_requests)
     channel = HandoffChannel("tcp://127.0.0.1:0", bind=True)
     worker = PrefillWorker(PrefillSide(engine, NixlTransport(f"prefill-{os.getpid()}")), channel)
@@ -72,16 +74,17 @@ def prefill_process(args, num_blocks: int, num_requests: int, addresses) -> None
     channel.close()
 
 
-def decode_process(args, num_blocks: int, num_requests: int, prefill_address: str, coordinator: str, results) -> None:
+def decode_process(args, num_blocks: int, num_requests: int, prefill_address: str, coordinator: str, keys, results):
     from megatron.core.inference.coordinator import EngineEndpoint
     from megatron.core.inference.handoff.decode_side import DecodeSide
     from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel
     from megatron.core.inference.handoff.transport import NixlTransport
 
+    die_with_parent(mp.parent_process().pid)
     engine = _engine(args, "decode", num_blocks, num_requests)
     channel = HandoffChannel(prefill_address, bind=False)
     disaggregated = DisaggregatedEngine(DecodeSide(engine, NixlTransport(f"decode-{os.getpid()}")), channel)
-    EngineEndpoint(disaggregated, coordinator, engine_id="decode").run()
+    EngineEndpoint(disaggregated, coordinator, engine_id="decode", keys=keys).run()
     channel.send("stop")
     results.put(disaggregated.stats)
     channel.close()
@@ -139,12 +142,20 @@ def main(argv=None) -> int:
     ]
     spawn = mp.get_context("spawn")
     addresses, results = spawn.Queue(), spawn.Queue()
-    with InferenceCoordinator(engine_timeout_s=None) as coordinator:
+    with InferenceCoordinator(heartbeat_timeout_s=None) as coordinator:
         prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), addresses))
         prefill.start()
         decode = spawn.Process(
             target=decode_process,
-            args=(args, num_blocks, len(prompts), addresses.get(timeout=300), coordinator.address, results),
+            args=(
+                args,
+                num_blocks,
+                len(prompts),
+                addresses.get(timeout=300),
+                coordinator.address,
+                coordinator.keys.for_role(Role.ENGINE),  # over the spawn pipe, to this child only
+                results,
+            ),
         )
         decode.start()
         started = time.perf_counter()

@@ -9,7 +9,6 @@ given to it.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -28,15 +27,22 @@ _COLLECTION: ProcessGroupCollection | None = None
 
 
 def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
-    """Join torchrun's world (or a world of one without torchrun); a no-op when joined."""
+    """Join torchrun's world (or a world of one without torchrun); a no-op when joined.
+
+    A world of one keeps its rendezvous store in this process: nothing listens on the network."""
     if dist.is_initialized():
         return
+    store = None
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        store = dist.HashStore()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
 def destroy_distributed(timeout_s: float = 60.0) -> None:
@@ -54,12 +60,6 @@ def destroy_distributed(timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add("megatron/left", 0) < world_size and time.monotonic() < deadline:
         time.sleep(0.001)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def initialize_model_parallel(

@@ -73,6 +73,8 @@ GPU_ONLY = {
     "python -m benchmarks.mamba_kernels_gpu": "python -m benchmarks.mamba_kernels_gpu --help",
     "python -m benchmarks.inference_kernels_gpu": "python -m benchmarks.inference_kernels_gpu --help",
     "python benchmarks/gpu_train.py --config all": "python benchmarks/gpu_train.py --help",
+    "python -m benchmarks.cp_attention_gpu": "python -m benchmarks.cp_attention_gpu --help",
+    "python benchmarks/gpu_decode.py --output-json": "python benchmarks/gpu_decode.py --help",
     "python tools/run_test_bucket.py gpu2": "python tools/run_test_bucket.py --help",
     "bash tools/gpu_checks.sh all": "bash tools/gpu_checks.sh --help",
 }
@@ -85,6 +87,7 @@ RUN_ELSEWHERE = {
         "README_CURL_COMPLETIONS": "test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text",
         "README_CURL_CHAT": "test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_text",
         "README_SERVE_TORCHRUN": "test_launcher_with_tensor_parallelism_gives_the_single_rank_greedy_text",
+        "README_SERVE_REPLICAS": "test_launcher_with_two_data_parallel_replicas_serves_concurrent_requests",
         "README_OFFLINE": "test_disaggregated_load_reports_what_offline_load_reports",
         "README_DISAGGREGATED": "test_disaggregated_load_reports_what_offline_load_reports",
     }.items()

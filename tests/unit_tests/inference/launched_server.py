@@ -66,8 +66,9 @@ class LaunchedServer:
             self.lines.put(line)
         self.lines.put(None)
 
-    def wait_for_url(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def wait_for(self, pattern: str, timeout_s: float = STARTUP_TIMEOUT_S) -> re.Match:
+        """The match of the next output line that matches ``pattern`` in full (lines before it are skipped)."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 line = self.lines.get(timeout=1)
@@ -75,10 +76,13 @@ class LaunchedServer:
                 continue
             if line is None:
                 break
-            match = re.fullmatch(r"Serving on (http://127\.0\.0\.1:\d+)\n", line)
+            match = re.fullmatch(pattern, line.rstrip("\n"))
             if match:
-                return match.group(1)
-        raise AssertionError(f"no 'Serving on' line; output:\n{''.join(self.output)}")
+                return match
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.output)}")
+
+    def wait_for_url(self) -> str:
+        return self.wait_for(r"Serving on (http://127\.0\.0\.1:\d+)").group(1)
 
     def stop(self, signum: int, timeout_s: float = 30) -> int:
         """Send ``signum`` to the command; its exit code once it and its workers are gone."""

@@ -1,7 +1,7 @@
 """The serving launchers end to end on a checkpoint trained here (2 steps of pretraining):
 the README's ``megatron-serve`` command (one process; its curl commands too) and its torchrun
-form (TP2), and the script wrappers (``tools/run_text_generation_server.py`` under torchrun as
-two data-parallel replicas, ``examples/inference/serve.py``) answer the `openai` client with
+form (TP2) and its form with two supervised data-parallel replicas, and the script wrapper
+``examples/inference/serve.py`` answer the `openai` client with
 the greedy text of an offline LLM run of the same checkpoint and shut down cleanly on a
 signal; the README's ``disaggregated.py --load`` command reports what its
 ``offline_inference.py --load`` command reports; the shared loader builds inference models."""
@@ -44,11 +44,11 @@ from tests.readme import ROOT, command_env, needs_a_device_per_rank, readme_comm
 from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.inference.launched_server import kill_tree, serving
 
-SERVE = str(ROOT / "examples" / "inference" / "serve.py")  # the script wrappers of megatron-serve
-LAUNCHER = str(ROOT / "tools" / "run_text_generation_server.py")
+SERVE = str(ROOT / "examples" / "inference" / "serve.py")  # a script wrapper of megatron-serve
 # The README commands these tests run (on their checkpoint, on a free port).
 README_SERVE = "megatron-serve --load runs/quickstart"
 README_SERVE_TORCHRUN = "torchrun --standalone --nproc-per-node 2 --no-python megatron-serve"
+README_SERVE_REPLICAS = "megatron-serve --data-parallel-size 2"
 README_CURL_HEALTH = "curl http://127.0.0.1:8000/health"
 README_CURL_COMPLETIONS = "curl http://127.0.0.1:8000/v1/completions"
 README_CURL_CHAT = "curl -N http://127.0.0.1:8000/v1/chat/completions"
@@ -102,11 +102,18 @@ def _pretrain(save_dir):
     pretrain(args)
 
 
+def trained_checkpoint(tmp_path_factory) -> str:
+    """The checkpoint serving tests serve (2 steps of pretraining), made once per test session
+    (the fault tests of tests/unit_tests/inference/faults serve it too; nothing writes to it)."""
+    path = tmp_path_factory.getbasetemp() / "serve_ckpt"
+    if not (path / "latest_checkpointed_iteration.txt").exists():
+        run_distributed(_pretrain, 1, str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    save_dir = str(tmp_path_factory.mktemp("serve_ckpt"))
-    run_distributed(_pretrain, 1, save_dir)
-    return save_dir
+    return trained_checkpoint(tmp_path_factory)
 
 
 def _offline_greedy(checkpoint_dir, token_prompts):
@@ -133,12 +140,6 @@ def reference(checkpoint):
         text: (TOKENIZER.detokenize(tokens), log_probs)
         for text, (tokens, log_probs) in zip(texts, outputs, strict=True)
     }
-
-
-def _serving(command: list[str]):
-    return serving(
-        subprocess.Popen(command, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    )
 
 
 def _serving_readme_command(prefix: str, checkpoint: str):
@@ -222,23 +223,9 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
         assert server.stop(signal.SIGINT) == 0  # Ctrl-C
 
 
-def test_launcher_under_torchrun_as_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
+def test_launcher_with_two_data_parallel_replicas_serves_concurrent_requests(checkpoint, reference):
     needs_a_device_per_rank(2)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        LAUNCHER,
-        "--load",
-        checkpoint,
-        "--port",
-        "0",
-        *ENGINE_FLAGS,
-    ]
-    with _serving(command) as (server, url):
+    with _serving_readme_command(README_SERVE_REPLICAS, checkpoint) as (server, url):
         api = _client(url)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             outputs = list(pool.map(lambda prompt: _complete(api, prompt)[0], PROMPTS))

@@ -6,6 +6,20 @@ same batch by broadcast (msgpack bytes in a uint8 tensor), applies it in the sam
 (add_request / abort / pause / resume / stop) and, when there is work, every rank steps the
 engine. The leader alone sends the outputs back. Since all ranks see the same commands at
 the same step, their engines stay in lockstep.
+
+The leader's socket is authenticated with the engine key pair of this launch (see
+:mod:`~megatron.core.inference.coordinator.auth`). Its stats, sent every
+``stats_interval_s``, are the engine's heartbeat; the coordinator sends one back as often. When
+the coordinator stays silent for ``heartbeat_timeout_s`` the leader aborts every in-flight
+request (no reply could reach its client) and registers again every heartbeat interval, so a
+coordinator that comes back (or a new one at the same address) finds the engine. A message
+that is not one well-formed frame is dropped and counted (``protocol_errors``).
+
+The loop blocks, never spins: with no work the leader waits up to ``idle_wait_s`` for a
+message. An engine whose requests wait on peers (a disaggregated decode engine waiting for its
+prefill worker or a transfer) may say so with two optional members: ``step_wait_s()``, how
+long a step can wait (0: step now), and ``wake_sockets``, ZeroMQ sockets whose messages are
+worth stepping for; the leader then waits on its own socket and those together.
 """
 
 from __future__ import annotations
@@ -21,7 +35,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, launch_keys
 from megatron.core.inference.coordinator.messages import (
+    HEARTBEAT_INTERVAL_S,
     ControlSignal,
     MessageKind,
     ProtocolError,
@@ -35,6 +51,8 @@ from megatron.core.inference.coordinator.messages import (
 logger = logging.getLogger(__name__)
 
 Command = list  # [MessageKind value, payload]
+# What an engine accepts from the coordinator (heartbeats are taken by the leader, not commands).
+COMMAND_KINDS = frozenset({MessageKind.SUBMIT, MessageKind.ABORT, MessageKind.CONTROL})
 
 
 class EngineEndpoint:
@@ -45,9 +63,11 @@ class EngineEndpoint:
         coordinator_address: the coordinator's ``tcp://host:port`` (used by the leader only).
         engine_id: name reported to the coordinator; a random one by default.
         group: this engine's model-parallel process group, or None for a single-rank engine.
+        keys: control-plane keys holding the engine key pair (leader only); None: :func:`launch_keys`.
         idle_wait_s: longest the leader waits for a message while the engine has no work;
             the group also exchanges an (empty) batch this often.
-        stats_interval_s: how often the leader reports ``engine.stats`` (also a heartbeat).
+        stats_interval_s: how often the leader reports ``engine.stats`` (its heartbeat).
+        heartbeat_timeout_s: a coordinator silent this long is lost (see the module doc); None: never.
     """
 
     def __init__(
@@ -57,8 +77,10 @@ class EngineEndpoint:
         *,
         engine_id: str | None = None,
         group: dist.ProcessGroup | None = None,
+        keys: ControlPlaneKeys | None = None,
         idle_wait_s: float = 0.02,
-        stats_interval_s: float = 0.25,
+        stats_interval_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float | None = 30.0,
     ):
         self.engine = engine
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
@@ -66,6 +88,9 @@ class EngineEndpoint:
         self.is_leader = group is None or dist.get_rank(group) == 0
         self.idle_wait_s = idle_wait_s
         self.stats_interval_s = stats_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.protocol_errors = 0
+        self.coordinator_lost = False
         self.in_flight: set[str] = set()
         self.paused = False
         self.stopping = False
@@ -73,15 +98,23 @@ class EngineEndpoint:
         self._local_stop = threading.Event()
         self._replies: list[dict[str, Any]] = []
         self._socket = None
+        self._poller = zmq.Poller()
         if self.is_leader:
             if coordinator_address is None:
                 raise ValueError("the leader rank of an engine endpoint needs the coordinator address")
             self._socket = zmq.Context.instance().socket(zmq.DEALER)
             for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 2000)):
                 self._socket.setsockopt(option, value)
+            # One identity for this endpoint's life, kept across reconnects.
+            self._socket.setsockopt(zmq.ROUTING_ID, f"{self.engine_id}/{uuid.uuid4().hex}".encode())
+            (keys if keys is not None else launch_keys()).secure_peer(self._socket, Role.ENGINE)
             self._socket.connect(coordinator_address)
+            for socket in (self._socket, *getattr(engine, "wake_sockets", ())):
+                self._poller.register(socket, zmq.POLLIN)
             self._send(MessageKind.REGISTER, engine_id=self.engine_id)
         self._last_stats = 0.0
+        self._last_heard = time.monotonic()  # from the coordinator
+        self._last_register = 0.0
 
     def request_stop(self) -> None:
         """Ask the loop (from any thread of the leader) to stop as if the coordinator said ``stop``."""
@@ -110,20 +143,64 @@ class EngineEndpoint:
         # While paused the engine is stepped only to deliver the terminal outputs of aborts.
         return self.engine.has_unfinished_requests() and (not self.paused or self._abort_since_step)
 
+    def _wait_s(self) -> float:
+        """How long the leader may wait for a message before the next step (see the module doc)."""
+        if not self._has_work():
+            return self.idle_wait_s
+        step_wait_s = getattr(self.engine, "step_wait_s", None)
+        return 0.0 if step_wait_s is None else min(self.idle_wait_s, step_wait_s())
+
     def _receive(self) -> list[Command]:
         commands: list[Command] = []
         if self._local_stop.is_set():
             commands.append([MessageKind.CONTROL.value, {"signal": ControlSignal.STOP.value}])
-        wait_ms = 0 if self._has_work() or commands else int(self.idle_wait_s * 1000)
-        while self._socket.poll(wait_ms, zmq.POLLIN):
+        wait_ms = 0 if commands else int(self._wait_s() * 1000)
+        while self._socket in dict(self._poller.poll(wait_ms)):
             wait_ms = 0
+            frames = self._socket.recv_multipart(zmq.NOBLOCK)
             try:
-                kind, payload = decode(self._socket.recv(zmq.NOBLOCK))
+                if len(frames) != 1:
+                    raise ProtocolError(f"a message is one frame, got {len(frames)}")
+                kind, payload = decode(frames[0])
             except ProtocolError as exc:
+                self.protocol_errors += 1
                 logger.warning("engine %s dropped a malformed message: %s", self.engine_id, exc)
                 continue
-            commands.append([kind.value, payload])
-        return commands
+            self._heard_coordinator()
+            if kind in COMMAND_KINDS:
+                commands.append([kind.value, payload])
+            elif kind is not MessageKind.HEARTBEAT:
+                self.protocol_errors += 1
+                logger.warning("engine %s dropped a %s message (not a command)", self.engine_id, kind.value)
+        return commands + self._check_coordinator()
+
+    def _heard_coordinator(self) -> None:
+        self._last_heard = time.monotonic()
+        if self.coordinator_lost:
+            logger.warning("engine %s hears the coordinator again", self.engine_id)
+            self.coordinator_lost = False
+
+    def _check_coordinator(self) -> list[Command]:
+        """When the coordinator is lost: abort every in-flight request (the commands for the
+        whole group) and register again every heartbeat interval."""
+        if self.heartbeat_timeout_s is None:
+            return []
+        now = time.monotonic()
+        if self.coordinator_lost:
+            if now - self._last_register >= HEARTBEAT_INTERVAL_S:
+                self._last_register = now
+                self._send(MessageKind.REGISTER, engine_id=self.engine_id)
+            return []
+        if now - self._last_heard <= self.heartbeat_timeout_s:
+            return []
+        logger.warning(
+            "engine %s: the coordinator was silent for %.1fs; aborting %d requests",
+            self.engine_id,
+            self.heartbeat_timeout_s,
+            len(self.in_flight),
+        )
+        self.coordinator_lost = True
+        return [[MessageKind.ABORT.value, {"request_id": request_id}] for request_id in sorted(self.in_flight)]
 
     def _exchange(self, commands: list[Command]) -> list[Command]:
         """Give every rank of the group the leader's batch of commands."""
@@ -193,7 +270,8 @@ class EngineEndpoint:
         now = time.monotonic()
         if now - self._last_stats >= self.stats_interval_s:
             self._last_stats = now
-            self._send(MessageKind.ENGINE_STATS, stats=_plain_stats(getattr(self.engine, "stats", {})))
+            stats = _plain_stats(getattr(self.engine, "stats", {}))
+            self._send(MessageKind.ENGINE_STATS, engine_id=self.engine_id, stats=stats)
 
     def _send(self, kind: MessageKind, **payload: Any) -> None:
         self._socket.send(encode(kind, **payload))

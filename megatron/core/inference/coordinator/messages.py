@@ -1,8 +1,8 @@
 """The msgpack wire protocol between clients, the coordinator and engine endpoints.
 
-Every message is one msgpack array ``[kind, payload]`` where ``kind`` is a
-:class:`MessageKind` value and ``payload`` a map whose required keys depend on the kind
-(:data:`REQUIRED_KEYS`). Only msgpack is used (never pickle): a peer can send nothing but
+Every message is one ZeroMQ frame holding one msgpack array ``[kind, payload]`` where
+``kind`` is a :class:`MessageKind` value and ``payload`` a map whose required keys and their
+types depend on the kind (:data:`PAYLOAD_TYPES`). Only msgpack is used (never pickle): a peer can send nothing but
 plain data, and anything that does not decode to a well-formed message raises
 :class:`ProtocolError` naming what was wrong.
 
@@ -40,9 +40,12 @@ class MessageKind(enum.StrEnum):
     # engine -> coordinator
     REGISTER = "register"  # {engine_id}
     DEREGISTER = "deregister"  # {engine_id}
-    ENGINE_STATS = "engine_stats"  # {stats}
+    ENGINE_STATS = "engine_stats"  # {engine_id, stats}
     # engine -> coordinator -> client
     OUTPUTS = "outputs"  # {outputs: [RequestOutput dict, ...]}
+    # liveness, both ways: client -> coordinator {} is answered with {engines: [engine_id, ...]};
+    # coordinator -> engine {} (an engine's engine_stats are its heartbeat)
+    HEARTBEAT = "heartbeat"
 
 
 class ControlSignal(enum.StrEnum):
@@ -53,16 +56,21 @@ class ControlSignal(enum.StrEnum):
     STOP = "stop"
 
 
-REQUIRED_KEYS: dict[MessageKind, tuple[str, ...]] = {
-    MessageKind.SUBMIT: ("request_id", "prompt_tokens", "sampling_params"),
-    MessageKind.ABORT: ("request_id",),
-    MessageKind.CONTROL: ("signal",),
-    MessageKind.STATS: ("query_id",),
-    MessageKind.REGISTER: ("engine_id",),
-    MessageKind.DEREGISTER: ("engine_id",),
-    MessageKind.ENGINE_STATS: ("stats",),
-    MessageKind.OUTPUTS: ("outputs",),
+# The keys every message of a kind must have, and their types (more keys are allowed); None: the
+# receiver checks the value (a submit's prompt is a request's value: the coordinator answers a
+# bad one with a PromptTypeError, see megatron.core.inference.prompts).
+PAYLOAD_TYPES: dict[MessageKind, dict[str, tuple[type, ...] | None]] = {
+    MessageKind.SUBMIT: {"request_id": (str,), "prompt_tokens": None, "sampling_params": (dict,)},
+    MessageKind.ABORT: {"request_id": (str,)},
+    MessageKind.CONTROL: {"signal": (str,)},
+    MessageKind.STATS: {"query_id": (int,)},
+    MessageKind.REGISTER: {"engine_id": (str,)},
+    MessageKind.DEREGISTER: {"engine_id": (str,)},
+    MessageKind.ENGINE_STATS: {"engine_id": (str,), "stats": (dict,)},
+    MessageKind.OUTPUTS: {"outputs": (list,)},
+    MessageKind.HEARTBEAT: {},
 }
+REQUIRED_KEYS: dict[MessageKind, tuple[str, ...]] = {kind: tuple(types) for kind, types in PAYLOAD_TYPES.items()}
 
 # The fields of RequestOutput.to_dict() that serving reads, and their types.
 OUTPUT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -77,6 +85,8 @@ OUTPUT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "generated_tokens": (int,),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# How often peers send heartbeats (and engines their stats); liveness timeouts are several of these.
+HEARTBEAT_INTERVAL_S = 0.25
 
 
 def encode(kind: MessageKind, **payload: Any) -> bytes:
@@ -107,7 +117,26 @@ def decode(data: bytes) -> tuple[MessageKind, dict[str, Any]]:
     missing = [key for key in REQUIRED_KEYS[kind] if key not in payload]
     if missing:
         raise ProtocolError(f"{kind.value} message needs keys {list(REQUIRED_KEYS[kind])}; missing {missing}")
+    for key, types in PAYLOAD_TYPES[kind].items():
+        if types is not None and (not isinstance(payload[key], types) or isinstance(payload[key], bool)):
+            raise ProtocolError(f"{kind.value} message field {key!r} has type {type(payload[key]).__name__}")
+    if kind is MessageKind.CONTROL and payload["signal"] not in {s.value for s in ControlSignal}:
+        accepted = ", ".join(s.value for s in ControlSignal)
+        raise ProtocolError(f"unknown control signal {payload['signal']!r}; accepted: {accepted}")
     return kind, payload
+
+
+def submitted_request_id(data: bytes) -> str | None:
+    """The request id of a malformed ``submit`` message when it has a usable one (so that the
+    request still gets its one reply), else None."""
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # noqa: BLE001 - garbage has no request id
+        return None
+    if isinstance(message, list) and len(message) == 2 and message[0] == MessageKind.SUBMIT.value:
+        if isinstance(message[1], dict) and isinstance(message[1].get("request_id"), str):
+            return message[1]["request_id"]
+    return None
 
 
 def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -135,6 +164,10 @@ def check_output(output: Any) -> dict[str, Any]:
             raise ProtocolError(f"request output lacks {key!r}; needs {list(OUTPUT_FIELD_TYPES)}")
         if not isinstance(output[key], types):
             raise ProtocolError(f"request output field {key!r} has type {type(output[key]).__name__}")
+    if not all(type(t) is int for t in output["new_token_ids"]):
+        raise ProtocolError("request output field 'new_token_ids' must hold integer token ids")
+    if not all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in output["new_log_probs"]):
+        raise ProtocolError("request output field 'new_log_probs' must hold numbers")
     if output["finished"] != (output["finish_reason"] is not None):
         raise ProtocolError("a request output has a finish_reason exactly when it is finished")
     if output["finish_reason"] is not None and output["finish_reason"] not in FINISH_REASONS:

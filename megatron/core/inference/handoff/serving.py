@@ -27,6 +27,7 @@ so is a message whose fields its receiver cannot use: neither end stops serving 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ MESSAGE_FIELDS = {
     "record": ("record",),
     "finished": ("output",),
 }
+TRANSFER_POLL_S = 0.005  # how often a decode engine with nothing else to do checks its pulls
 
 
 class HandoffChannel:
@@ -111,6 +113,11 @@ class HandoffChannel:
         """Count (and log) a message that is dropped instead of served."""
         self.num_dropped += 1
         logger.warning("handoff channel %s dropped %s", self.address, what)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The underlying socket, for polling it together with others (it stays this channel's)."""
+        return self._socket
 
     def close(self) -> None:
         self._socket.close()
@@ -258,6 +265,23 @@ class DisaggregatedEngine:
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or quarantined storage the decode side still has to reclaim."""
         return bool(self._prefilling or self._outputs or self.decode.has_work())
+
+    @property
+    def wake_sockets(self) -> list[zmq.Socket]:
+        """Sockets whose messages are worth a step: the prefill worker's channel."""
+        return [self.channel.socket]
+
+    def step_wait_s(self) -> float:
+        """How long a caller may wait for a message on :attr:`wake_sockets` before the next step:
+        0 while the decode engine computes or outputs are due, ``TRANSFER_POLL_S`` while only
+        pulls are in flight, imports wait for room or quarantined storage waits to be reclaimed
+        (transfers end without a message), else
+        unbounded (only prefill records are awaited, and they arrive on the channel)."""
+        if self._outputs or self.engine.has_unfinished_requests():
+            return 0.0
+        if self.decode.has_work():
+            return TRANSFER_POLL_S
+        return math.inf
 
     def pause(self) -> None:
         self.engine.pause()

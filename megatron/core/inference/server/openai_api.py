@@ -66,8 +66,9 @@ def build_app(client: InferenceClient, tokenizer=None, config: ServerConfig | No
 def _add_routes(app: FastAPI, service: OpenAIService) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not service.client.started:
-            return APIError(503, "the engine client is not running", type="server_error", code="unavailable").response()
+        state = service.client.health()  # 503 when the coordinator or every engine is gone
+        if not state.ok:
+            return APIError(503, state.problem, type="server_error", code="unavailable").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

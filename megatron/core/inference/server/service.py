@@ -33,7 +33,16 @@ _TOO_LARGE = {
     "MaxSequenceLengthOverflowError",
 }
 # Errors that mean serving went away, not that the request was wrong.
-_UNAVAILABLE = {"EngineLostError", "CoordinatorStoppedError", "ClientClosedError"}
+_UNAVAILABLE = {
+    "EngineLostError",
+    "CoordinatorStoppedError",
+    "CoordinatorLostError",
+    "NoEngineAvailableError",
+    "ClientClosedError",
+}
+_OVERLOADED = {"WaitingQueueFullError"}  # too many requests wait for an engine
+_TIMED_OUT = {"RequestTimeoutError"}  # past the coordinator's request deadline
+_SERVER_FAULTS = {"MalformedOutputError"}  # an engine answered nonsense
 
 
 class ServerConfigError(MegatronConfigError):
@@ -136,6 +145,12 @@ def error_from_output(error: dict[str, Any] | None) -> APIError:
         return bad_request(message, code="context_length_exceeded")
     if kind in _UNAVAILABLE:
         return APIError(503, message, type="server_error", code="unavailable")
+    if kind in _OVERLOADED:
+        return APIError(429, message, type="server_error", code="overloaded")
+    if kind in _TIMED_OUT:
+        return APIError(504, message, type="server_error", code="timeout")
+    if kind in _SERVER_FAULTS:
+        return APIError(500, message, type="server_error", code="engine_error")
     if kind == ENGINE_WITHOUT_TOKENIZER["type"]:
         return APIError(500, message, type="server_error", code="engine_without_tokenizer")
     # Anything else the engine refused was about this request (admission, sampling values).

@@ -8,7 +8,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+import zmq
+
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
+from megatron.core.inference.coordinator.messages import MessageKind, decode
 
 
 @contextlib.contextmanager
@@ -41,6 +44,25 @@ def serving(coordinator: InferenceCoordinator, engines) -> Iterator[list[EngineE
         for thread in threads:
             thread.join(10)
         assert not any(thread.is_alive() for thread in threads), "an endpoint did not stop"
+
+
+def peer_socket(coordinator: InferenceCoordinator, role: str) -> zmq.Socket:
+    """A DEALER socket connected to ``coordinator`` with the key pair of ``role`` ("engine" or "client")."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    coordinator.keys.secure_peer(socket, role)
+    socket.connect(coordinator.address)
+    return socket
+
+
+def receive_command(socket: zmq.Socket, timeout_s: float = 10.0) -> tuple:
+    """The next message other than a heartbeat that the coordinator sent to ``socket``: ``(kind, payload)``."""
+    deadline = time.monotonic() + timeout_s
+    while socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        kind, payload = decode(socket.recv())
+        if kind is not MessageKind.HEARTBEAT:
+            return kind, payload
+    raise AssertionError(f"no message from the coordinator within {timeout_s}s")
 
 
 def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:

@@ -1,23 +1,33 @@
 """Coordinator + engine endpoints (threads) + asyncio client, against the deterministic engine double."""
 
 import asyncio
+import re
 
 import pytest
-import zmq
 
 from megatron.core.inference.contexts.errors import PromptTooLongError
 from megatron.core.inference.coordinator import (
     ClientStateError,
+    CoordinatorConfigError,
     DuplicateRequestIdError,
     EngineLostError,
     InferenceClient,
     InferenceCoordinator,
 )
-from megatron.core.inference.coordinator.messages import MessageKind, encode
+from megatron.core.inference.coordinator.messages import MessageKind, encode, error_output
 from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.server import launcher
 
-from .cluster import async_wait_until, run_with_client, running_cluster, serving, wait_until
+from .cluster import (
+    async_wait_until,
+    peer_socket,
+    receive_command,
+    run_with_client,
+    running_cluster,
+    serving,
+    wait_until,
+)
 from .engine_double import HashEngine, expected_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -198,30 +208,37 @@ def test_closing_the_client_resolves_every_handle_and_aborts_in_the_engine():
         assert_no_routing_state(coordinator)
 
 
-def test_a_silent_engine_is_dropped_and_its_requests_get_an_error():
-    coordinator = InferenceCoordinator(engine_timeout_s=0.3).start()
-    silent = zmq.Context.instance().socket(zmq.DEALER)
-    silent.connect(coordinator.address)
-    silent.send(encode(MessageKind.REGISTER, engine_id="mute"))
+def test_a_silent_engine_is_dropped_its_streamed_request_fails_and_the_other_runs_again_elsewhere():
+    coordinator = InferenceCoordinator(heartbeat_timeout_s=1.0).start()
+    mute = peer_socket(coordinator, "engine")
+    mute.send(encode(MessageKind.REGISTER, engine_id="mute"))
     try:
-        wait_until(lambda: coordinator.router.engines, "the engine to register")
+        wait_until(lambda: coordinator.engine_ids == ("mute",), "the engine to register")
 
         async def scenario(client):
-            return await (await client.submit([1], GREEDY)).result()
+            streamed = await client.submit([1], GREEDY, request_id="streamed")
+            fresh = await client.submit([2], GREEDY, request_id="fresh")
+            for _ in range(2):  # both reach the mute engine, which streams one token of the first
+                assert (await asyncio.to_thread(receive_command, mute))[0] is MessageKind.SUBMIT
+            first = {**error_output("streamed", None), "finished": False, "finish_reason": None}
+            mute.send(encode(MessageKind.OUTPUTS, outputs=[{**first, "new_token_ids": [7], "new_log_probs": [0.0]}]))
+            assert (await streamed.next_output())["new_token_ids"] == [7]
+            with serving(coordinator, [HashEngine()]):  # then it falls silent; another engine is there
+                return await streamed.result(), await collect(fresh)
 
-        result = run_with_client(coordinator, scenario)
-        assert result["finish_reason"] == "error" and result["error"]["type"] == EngineLostError.__name__
-        assert "engine mute went silent" in result["error"]["message"]
-        assert coordinator.router.routes == {} and not coordinator.router.engines
+        streamed, fresh = run_with_client(coordinator, scenario)
+        assert streamed["finish_reason"] == "error" and streamed["error"]["type"] == EngineLostError.__name__
+        assert "engine mute went silent" in streamed["error"]["message"]
+        assert [t for out in fresh for t in out["new_token_ids"]] == expected_tokens([2], 6)
+        assert coordinator.router.routes == {} and coordinator.engine_ids == ()
     finally:
-        silent.close(linger=0)
+        mute.close(linger=0)
         coordinator.stop()
 
 
 def test_malformed_messages_are_counted_and_do_not_stop_the_coordinator():
     with running_cluster([HashEngine()]) as coordinator:
-        rogue = zmq.Context.instance().socket(zmq.DEALER)
-        rogue.connect(coordinator.address)
+        rogue = peer_socket(coordinator, "client")
         rogue.send(b"\x80\x04not msgpack")
         rogue.send(encode(MessageKind.CONTROL, signal="explode"))
         wait_until(lambda: coordinator.protocol_errors == 2, "both messages to be rejected")
@@ -233,3 +250,23 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_coordinator():
         result, stats = run_with_client(coordinator, scenario)
         assert result["finish_reason"] == "length"
         assert stats["protocol_errors"] == 2 and stats["engines"][0]["engine_id"] == "engine-0"
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(heartbeat_timeout_s=0.5), "heartbeat_timeout_s must be at least 1.0s (4 heartbeats) or None, got 0.5"),
+        (dict(route_timeout_s=0), "route_timeout_s must be > 0 (or None) and max_waiting_requests >= 0; got 0, 1024"),
+        (dict(max_waiting_requests=-1), "max_waiting_requests >= 0; got 30.0, -1"),
+        (dict(request_timeout_s=-2.0), "request_timeout_s must be > 0 (or None), got -2.0"),
+    ],
+)
+def test_liveness_settings_out_of_range_are_refused_before_anything_binds(settings, message):
+    with pytest.raises(CoordinatorConfigError, match=re.escape(message)):
+        InferenceCoordinator(**settings)
+
+
+def test_megatron_serve_refuses_a_bad_deadline_in_one_line_before_reading_the_checkpoint(capsys, tmp_path):
+    status = launcher.main(["--load", str(tmp_path / "absent"), "--request-timeout-s", "0"])
+    assert status == 2
+    assert capsys.readouterr().err == "error: request_timeout_s must be > 0 (or None), got 0.0\n"

@@ -14,6 +14,7 @@ from megatron.core.inference.coordinator.messages import (
     error_output,
     sampling_params_from_dict,
     sampling_params_to_dict,
+    submitted_request_id,
 )
 from megatron.core.inference.engines.requests import RequestOutput
 from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
@@ -77,3 +78,18 @@ def test_engine_outputs_carry_their_text_through_msgpack():
     with pytest.raises(ProtocolError, match="request output field 'new_text' has type int"):
         check_output({**arrived, "new_text": 5})
     assert check_output(error_output("r", None))["new_text"] == ""
+
+
+def test_field_types_are_checked_on_arrival_and_a_bad_submit_keeps_its_request_id():
+    bad_params = msgpack.packb(["submit", {"request_id": "r", "prompt_tokens": [1], "sampling_params": "greedy"}])
+    with pytest.raises(ProtocolError, match="submit message field 'sampling_params' has type str"):
+        decode(bad_params)
+    assert submitted_request_id(bad_params) == "r"  # so that the submit is still answered
+    text = msgpack.packb(["submit", {"request_id": "r", "prompt_tokens": "123", "sampling_params": {}}])
+    assert decode(text)[1]["prompt_tokens"] == "123"  # a prompt is the coordinator's to refuse (PromptTypeError)
+    with pytest.raises(ProtocolError, match="unknown control signal 'explode'; accepted: pause, resume, stop"):
+        decode(msgpack.packb(["control", {"signal": "explode"}]))
+    with pytest.raises(ProtocolError, match="stats message field 'query_id' has type bool"):
+        decode(msgpack.packb(["stats", {"query_id": True}]))
+    assert submitted_request_id(b"\xc1") is None
+    assert submitted_request_id(msgpack.packb(["abort", {"request_id": "r"}])) is None

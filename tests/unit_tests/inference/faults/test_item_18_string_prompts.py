@@ -9,7 +9,6 @@ import asyncio
 import httpx
 import msgpack
 import pytest
-import zmq
 
 from megatron.core.inference.coordinator import InferenceClient
 from megatron.core.inference.engines import DynamicInferenceEngine
@@ -25,7 +24,7 @@ from tests.unit_tests.inference.handoff.common import build_engine, nixl
 from tests.unit_tests.tokenizers.tiny_hf_tokenizer import BOS, EOS, train_tiny_tokenizer
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
-from ..coordinator.cluster import running_cluster
+from ..coordinator.cluster import peer_socket, running_cluster
 from ..coordinator.engine_double import HashEngine, expected_tokens
 from ..server.harness import openai_server
 
@@ -142,9 +141,7 @@ def test_the_coordinator_client_refuses_text_and_the_coordinator_answers_it_once
         assert asyncio.run(scenario())["generated_tokens"] == 4
 
         # A peer that sends text anyway gets exactly one reply: the typed error.
-        raw = zmq.Context.instance().socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(coordinator.address)
+        raw = peer_socket(coordinator, "client")  # a client of this launch (its key pair)
         params = {"temperature": 0.0, "max_tokens": 2}
         replies = []
         with raw:
