@@ -28,7 +28,7 @@ from megatron.core.inference.checkpoint_loading import load_inference_model
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.server import ServerConfigError, bind_socket, launcher
-from megatron.core.inference.server.chat_template import render_chat
+from megatron.core.inference.server.chat_template import ChatTemplate
 from megatron.core.models.model_record import (
     MODEL_RECORD_FILENAME,
     load_model_weights,
@@ -133,7 +133,7 @@ def reference(checkpoint):
 
     Log-probs as well as text: the byte-level text of a barely trained model is full of
     invalid UTF-8, where different tokens can decode to the same replacement character."""
-    texts = PROMPTS + [render_chat(TOKENIZER, CHAT)]
+    texts = PROMPTS + [ChatTemplate(TOKENIZER).render(CHAT)]
     outputs = run_distributed(_offline_greedy, 1, checkpoint, [TOKENIZER.tokenize(t) for t in texts])[0]
     assert len({tuple(tokens) for tokens, _ in outputs}) == len(texts), "every prompt should give its own output"
     return {
@@ -219,7 +219,7 @@ def test_serve_answers_openai_completions_and_streamed_chat_with_offline_greedy_
         ]
         streamed = "".join(choice.delta.content or "" for choice in chunks)
         log_probs = [entry.logprob for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
-        _assert_generations([(streamed, log_probs)], [render_chat(TOKENIZER, CHAT)], reference, exact=ON_CPU)
+        _assert_generations([(streamed, log_probs)], [ChatTemplate(TOKENIZER).render(CHAT)], reference, exact=ON_CPU)
         assert server.stop(signal.SIGINT) == 0  # Ctrl-C
 
 

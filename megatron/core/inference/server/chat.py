@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -13,17 +12,21 @@ from fastapi.responses import JSONResponse, Response
 from megatron.core.inference.parsers import ToolCallEvent, build_output_parser, collect
 from megatron.core.inference.prompts import tokenize_prompt
 from megatron.core.inference.server import responses as R
-from megatron.core.inference.server.chat_template import render_chat
 from megatron.core.inference.server.errors import bad_request
-from megatron.core.inference.server.protocol import ChatCompletionRequest, NamedToolChoice
+from megatron.core.inference.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from megatron.core.inference.server.service import OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
 from megatron.core.tokenizers import TokenizerError
 
 
+def offered_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools of a request as OpenAI tool dicts (None when there are none)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[dict] | None, list[dict] | None]:
     """(tools shown to the model, tools whose calls are parsed out of the output)."""
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    tools = offered_tools(body.tools)
     choice = body.tool_choice
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice needs a non-empty tools list", param="tool_choice")
@@ -67,16 +70,29 @@ class _ChatChoice:
         return None if reason is None else R.chat_finish_reason(reason, self.made_tool_calls)
 
 
+def chat_prompt(
+    service: OpenAIService,
+    messages: list[ChatMessage],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt token ids of a chat: what the model sees."""
+    dumped = [message.model_dump(exclude_none=True) for message in messages]
+    try:
+        prompt_text = service.chat_template.render(dumped, tools, add_generation_prompt, chat_template_kwargs)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    return tokenize_prompt(service.tokenizer, prompt_text)
+
+
 async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) -> Response:
     service.check_model(body.model)
     service.check_fan_out(1, body.n)
     tools, parsed_tools = _tools(service, body)
-    messages = [message.model_dump(exclude_none=True) for message in body.messages]
-    try:
-        prompt_text = render_chat(service.tokenizer, messages, tools)
-    except TokenizerError as exc:
-        raise bad_request(str(exc), param="messages") from exc
-    prompt = service.check_prompt(tokenize_prompt(service.tokenizer, prompt_text), "messages")
+    prompt = service.check_prompt(
+        chat_prompt(service, body.messages, tools, chat_template_kwargs=body.chat_template_kwargs), "messages"
+    )
     params = service.sampling_params(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -85,9 +101,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
         echo_logprobs=False,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    started = time.monotonic()
     choices = await service.start_choices(request_id, [prompt], params, body.n)
-    service.metrics.observe_ttft(time.monotonic() - started)
     states = {index: _ChatChoice(service, body, parsed_tools) for index in range(choices.size)}
     created = R.now()
     if body.stream:
@@ -98,7 +112,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
     events: dict[int, list] = {index: [] for index in states}
     logprobs: dict[int, list] = {index: [] for index in states}
     reasons: dict[int, str] = {}
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         async with aclosing(choices.deltas()) as deltas:
             async for choice, delta in deltas:
@@ -110,7 +124,7 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
                 if delta.finish_reason is not None:
                     reasons[choice.index] = state.finish_reason(delta.finish_reason)
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()
     result = [
         _whole_choice(
             service, index, events[index], logprobs[index] if states[index].want_logprobs else None, reasons[index]
@@ -140,7 +154,7 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
     def chunk(choice_dicts: list, **extra) -> str:
         return R.sse(R.envelope("chat.completion.chunk", request_id, body.model, created, choice_dicts, **extra))
 
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         for index in states:
             opening = {
@@ -170,4 +184,4 @@ async def _stream(service, body, request_id, created, prompt, choices, states, i
             yield chunk([], usage=usage)
         yield R.SSE_DONE
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -70,9 +69,7 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
         echo_logprobs=body.echo and want_logprobs,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    started = time.monotonic()
     choices = await service.start_choices(request_id, prompts, params, body.n)
-    service.metrics.observe_ttft(time.monotonic() - started)
     renderers = _Renderers(service, body)
     created = R.now()
     if body.stream:
@@ -81,7 +78,7 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
             _stream(service, body, request_id, created, prompts, choices, renderers, include_usage),
             on_close=choices.abort,
         )
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         rendered: dict[int, list[dict[str, Any]]] = {index: [] for index in range(choices.size)}
         async with aclosing(choices.deltas()) as deltas:
@@ -90,7 +87,7 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
                     raise error_from_output(delta.error)
                 rendered[choice.index].append(renderers.render(choice, delta))
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()
     result = [_join(parts) for _, parts in sorted(rendered.items())]
     usage = service.account(choices.choices, prompts)
     return JSONResponse(R.envelope("text_completion", request_id, body.model, created, result, usage=usage))
@@ -121,7 +118,7 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _stream(service, body, request_id, created, prompts, choices, renderers, include_usage) -> AsyncIterator[str]:
-    service.metrics.running += 1
+    service.metrics.running.inc()
     try:
         async with aclosing(choices.deltas()) as deltas:
             async for choice, delta in deltas:
@@ -135,4 +132,4 @@ async def _stream(service, body, request_id, created, prompts, choices, renderer
             yield R.sse(R.envelope("text_completion", request_id, body.model, created, [], usage=usage))
         yield R.SSE_DONE
     finally:
-        service.metrics.running -= 1
+        service.metrics.running.dec()

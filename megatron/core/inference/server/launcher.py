@@ -37,6 +37,7 @@ coordinator; a second signal kills.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -64,6 +65,7 @@ from megatron.core.inference.coordinator.replicas import (
 )
 from megatron.core.inference.engines import DynamicInferenceEngine, add_cuda_graph_flag
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from megatron.core.inference.server.chat_template import ChatTemplateError
 from megatron.core.inference.server.serve import ServerThread, bind_socket
 from megatron.core.inference.server.service import ServerConfig, ServerConfigError
 from megatron.core.models.model_record import read_model_record
@@ -149,6 +151,11 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     server.add_argument(
         "--http-body-timeout", type=float, default=defaults.body_timeout_s, help="seconds for a request body"
     )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or 'plain' (the built-in template), instead of the tokenizer's own",
+    )
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None)
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes")
     return parser
@@ -180,6 +187,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         header_timeout_s=args.http_header_timeout,
         body_timeout_s=args.http_body_timeout,
+        kv_block_size=args.kv_block_size,
+        chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )
@@ -311,6 +320,7 @@ def serve_checkpoint(args: argparse.Namespace, argv: list[str] | None = None) ->
     config = server_config(args)  # bad server options and checkpoints fail before anything starts
     check_settings(args.heartbeat_timeout_s, args.route_timeout_s, args.max_waiting_requests, args.request_timeout_s)
     record = read_model_record(args.load)
+    config = dataclasses.replace(config, max_model_len=record.max_sequence_length)  # the engines' default
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.data_parallel_size < 1 or model_parallel < 1:
         raise ServingLayoutError(
@@ -433,6 +443,7 @@ def main(argv=None) -> int:
         return serve_checkpoint(args, argv)
     except (
         ServerConfigError,
+        ChatTemplateError,
         ParallelConfigError,
         CheckpointingError,
         ServingLayoutError,

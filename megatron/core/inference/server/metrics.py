@@ -1,25 +1,24 @@
-"""Prometheus text-format metrics of the server (no client library needed).
+"""Prometheus metrics of the server, through ``prometheus-client`` (one registry per app).
 
-Counters and a time-to-first-token histogram are kept here; queue depth, pending load and
-the engines' own stats (KV usage...) are read from the coordinator at scrape time.
+The HTTP layer counts requests (by endpoint and status, and whether the client left early) and
+tokens, and times each request: time to first token, inter-token latency, queue time (until each
+choice is handed to the engines) and end-to-end latency. At scrape time the coordinator's stats
+add the queue depth, each engine's pending load and its own stats (``megatron_engine_<key>``,
+among them ``kv_usage_fraction``), and the prefix-cache hit rate over all engines.
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import Any
 
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
 PREFIX = "megatron_"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{key}="{_escape(str(value))}"' for key, value in labels.items()) + "}"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.0, 2.5, 5.0)
 
 
 def metric_name(name: str) -> str:
@@ -28,86 +27,123 @@ def metric_name(name: str) -> str:
 
 
 class ServerMetrics:
-    """What the HTTP layer counts; :meth:`render` writes it with the coordinator's stats."""
+    """What the HTTP layer measures; :meth:`render` writes it with the coordinator's stats.
 
-    def __init__(self):
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
-        self.abandoned: dict[str, int] = defaultdict(int)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.running = 0
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS_S) + 1)
-        self.ttft_sum_s = 0.0
+    Args:
+        kv_block_size: tokens per KV block of the engines, which count prefix-cache hits in
+            blocks (for the hit rate in tokens); None: no hit rate.
+    """
+
+    def __init__(self, kv_block_size: int | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            PREFIX + "requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=registry
+        )
+        self.requests_by_status_class = Counter(
+            PREFIX + "requests_by_status_class",
+            "HTTP requests by endpoint and status class.",
+            ["endpoint", "status_class"],
+            registry=registry,
+        )
+        self.abandoned = Counter(
+            PREFIX + "requests_abandoned",
+            "HTTP requests whose client left before the whole response.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=registry)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests.", registry=registry
+        )
+        self.running = Gauge(PREFIX + "requests_running", "HTTP generation requests in progress.", registry=registry)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of a choice.",
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from a request's arrival until each of its choices was handed to the engines.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from a request's arrival until its last choice finished (requests served to the end).",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self._coordinator = _CoordinatorCollector(kv_block_size)
+        registry.register(self._coordinator)
 
     def count_request(self, endpoint: str, status: int, *, abandoned: bool = False) -> None:
         """One HTTP request answered ``status``; ``abandoned``: its client left before the whole response."""
-        self.requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.requests_by_status_class.labels(endpoint=endpoint, status_class=f"{status // 100}xx").inc()
         if abandoned:
-            self.abandoned[endpoint] += 1
+            self.abandoned.labels(endpoint=endpoint).inc()
 
     def count_tokens(self, prompt: int, generated: int) -> None:
-        self.prompt_tokens += prompt
-        self.generation_tokens += generated
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
 
-    def observe_ttft(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(TTFT_BUCKETS_S) if seconds <= bound), len(TTFT_BUCKETS_S))
-        self.ttft_counts[index] += 1
-        self.ttft_sum_s += seconds
+    def render(self, coordinator_stats: dict[str, Any] | None) -> bytes:
+        """The exposition text, with ``coordinator_stats`` (None: the coordinator did not answer)."""
+        self._coordinator.stats = coordinator_stats
+        return generate_latest(self.registry)
 
-    def render(self, coordinator_stats: dict[str, Any] | None) -> str:
-        lines: list[str] = []
 
-        def family(name: str, kind: str, help_text: str) -> str:
-            full = PREFIX + name
-            lines.extend([f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"])
-            return full
+class _CoordinatorCollector:
+    """Gauges read from the coordinator's stats of the current scrape."""
 
-        name = family("requests_total", "counter", "HTTP requests by endpoint and status code.")
-        by_class: dict[tuple[str, str], int] = defaultdict(int)
-        for (endpoint, status), count in sorted(self.requests.items()):
-            lines.append(f"{name}{_labels(endpoint=endpoint, status=str(status))} {count}")
-            by_class[(endpoint, f"{status // 100}xx")] += count
-        name = family("requests_by_status_class_total", "counter", "HTTP requests by endpoint and status class.")
-        for (endpoint, status_class), count in sorted(by_class.items()):
-            lines.append(f"{name}{_labels(endpoint=endpoint, status_class=status_class)} {count}")
-        name = family(
-            "requests_abandoned_total", "counter", "HTTP requests whose client left before the whole response."
+    def __init__(self, kv_block_size: int | None):
+        self.kv_block_size = kv_block_size
+        self.stats: dict[str, Any] | None = None
+
+    def describe(self) -> list:
+        return []  # the engine stats' names are known only at scrape time
+
+    def collect(self):
+        if self.stats is None:
+            return
+        engines = self.stats.get("engines", [])
+        queue = self.stats.get("unrouted", 0) + sum(engine["pending"] for engine in engines)
+        yield GaugeMetricFamily(PREFIX + "queue_depth", "Requests in flight in the coordinator.", value=queue)
+        pending = GaugeMetricFamily(
+            PREFIX + "engine_pending_requests", "Requests routed to each engine and not finished.", labels=["engine"]
         )
-        for endpoint, count in sorted(self.abandoned.items()):
-            lines.append(f"{name}{_labels(endpoint=endpoint)} {count}")
-        lines.append(
-            f"{family('prompt_tokens_total', 'counter', 'Prompt tokens of finished requests.')} {self.prompt_tokens}"
-        )
-        lines.append(
-            f"{family('generation_tokens_total', 'counter', 'Generated tokens of finished requests.')} "
-            f"{self.generation_tokens}"
-        )
-        lines.append(f"{family('requests_running', 'gauge', 'HTTP generation requests in progress.')} {self.running}")
-        name = family("time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.")
-        cumulative = 0
-        for bound, count in zip((*map(str, TTFT_BUCKETS_S), "+Inf"), self.ttft_counts, strict=True):
-            cumulative += count
-            lines.append(f"{name}_bucket{_labels(le=bound)} {cumulative}")
-        lines.append(f"{name}_sum {self.ttft_sum_s}")
-        lines.append(f"{name}_count {cumulative}")
-        if coordinator_stats is not None:
-            self._render_coordinator(coordinator_stats, lines, family)
-        return "\n".join(lines) + "\n"
-
-    @staticmethod
-    def _render_coordinator(stats: dict[str, Any], lines: list[str], family) -> None:
-        engines = stats.get("engines", [])
-        queue = stats.get("unrouted", 0) + sum(engine["pending"] for engine in engines)
-        lines.append(f"{family('queue_depth', 'gauge', 'Requests in flight in the coordinator.')} {queue}")
-        name = family("engine_pending_requests", "gauge", "Requests routed to each engine and not finished.")
         for engine in engines:
-            lines.append(f"{name}{_labels(engine=engine['engine_id'])} {engine['pending']}")
-        by_key: dict[str, list[tuple[str, float]]] = defaultdict(list)
+            pending.add_metric([engine["engine_id"]], engine["pending"])
+        yield pending
+        families: dict[str, GaugeMetricFamily] = {}
         for engine in engines:
-            for key, value in engine.get("stats", {}).items():
-                if isinstance(value, (int, float)):
-                    by_key[key].append((engine["engine_id"], float(value)))
-        for key, values in sorted(by_key.items()):
-            name = metric_name("engine_" + key)
-            lines.extend([f"# HELP {name} Engine stat {key!r}.", f"# TYPE {name} gauge"])
-            lines.extend(f"{name}{_labels(engine=engine_id)} {value}" for engine_id, value in values)
+            for key, value in sorted(engine.get("stats", {}).items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    name = metric_name("engine_" + key)
+                    family = families.get(name) or GaugeMetricFamily(name, f"Engine stat {key!r}.", labels=["engine"])
+                    families[name] = family
+                    family.add_metric([engine["engine_id"]], float(value))
+        yield from families.values()
+        hit_rate = self._prefix_cache_hit_rate(engines)
+        if hit_rate is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "prefix_cache_hit_rate",
+                "Share of prompt tokens all engines found in their prefix caches instead of computing them.",
+                value=hit_rate,
+            )
+
+    def _prefix_cache_hit_rate(self, engines: list[dict[str, Any]]) -> float | None:
+        if self.kv_block_size is None:
+            return None
+        stats = [engine.get("stats", {}) for engine in engines]
+        cached = self.kv_block_size * sum(s.get("prefix_cache_hits", 0) for s in stats)
+        computed = sum(s.get("prefill_tokens_computed", 0) for s in stats)
+        return cached / (cached + computed) if cached + computed else 0.0

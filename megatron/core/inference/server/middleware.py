@@ -15,6 +15,9 @@ from megatron.core.inference.server.errors import APIError
 from megatron.core.inference.server.metrics import ServerMetrics
 from megatron.core.inference.server.streaming import CLIENT_CLOSED_REQUEST
 
+# Outside /v1/, the routes that read the tokenizer on the client's behalf need the key too.
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
 
 async def _send_error(send: Send, error: APIError, *, close: bool = False) -> None:
     """Send ``error`` as the whole response; ``close`` asks the server to close the connection after it."""
@@ -77,14 +80,14 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 to /v1/ requests without ``Authorization: Bearer <api_key>``."""
+    """Answers 401 to /v1/ requests and /tokenize, /detokenize without ``Authorization: Bearer <api_key>``."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in PROTECTED_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):
                 error = APIError(

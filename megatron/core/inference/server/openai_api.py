@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API on top of an :class:`InferenceClient`.
 
 ``build_app(client, tokenizer, config)`` returns a FastAPI app with /v1/completions,
-/v1/chat/completions, /v1/models, /health and /metrics. Each HTTP request becomes one
+/v1/chat/completions, /v1/models (and /v1/models/{id}), /tokenize, /detokenize, /version, /health
+and /metrics; /v1/embeddings answers 404 (no engine computes embeddings). Each HTTP request becomes one
 engine request per choice, at most ``config.max_in_flight_per_request`` of them at a time
 (see :class:`~megatron.core.inference.server.service.ChoiceSet`). A request is admitted only
 once the choices of that first window have their first output, so admission errors get a
@@ -14,16 +15,24 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
+import megatron
 from megatron.core.inference.coordinator.client import InferenceClient
 from megatron.core.inference.server.chat import chat_completions
 from megatron.core.inference.server.completions import completions
 from megatron.core.inference.server.errors import APIError, install_error_handlers
+from megatron.core.inference.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from megatron.core.inference.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestCounterMiddleware
-from megatron.core.inference.server.protocol import ChatCompletionRequest, CompletionRequest
+from megatron.core.inference.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from megatron.core.inference.server.service import OpenAIService, ServerConfig
 from megatron.core.inference.server.streaming import until_disconnected
+from megatron.core.inference.server.tokens import detokenize, tokenize
 from megatron.core.tokenizers import build_tokenizer
 
 
@@ -63,17 +72,41 @@ def _add_routes(app: FastAPI, service: OpenAIService) -> None:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics() -> Response:
         try:
             stats = await service.client.stats(timeout_s=1.0)
         except Exception:  # noqa: BLE001 - metrics stay available when the coordinator is not
             stats = None
-        return PlainTextResponse(service.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        model = {"id": service.config.model_name, "object": "model", "created": service.created, "owned_by": "megatron"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [service.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        service.check_model(model_id)
+        return JSONResponse(service.model_card())
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> JSONResponse:
+        raise APIError(
+            404,
+            "this server does not compute embeddings: /v1/embeddings is not supported (only generation is)",
+            code="unsupported_endpoint",
+        )
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": megatron.__version__})
+
+    @app.post("/tokenize")
+    async def _tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenize(service, body))
+
+    @app.post("/detokenize")
+    async def _detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(detokenize(service, body))
 
     @app.post("/v1/completions")
     async def _completions(body: CompletionRequest, request: Request) -> Response:

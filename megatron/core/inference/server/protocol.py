@@ -1,6 +1,9 @@
 """Request models of the OpenAI-compatible API (pydantic), with the ranges we accept.
 
-Unknown fields are ignored, as OpenAI clients send fields a server may not know. Every string
+Unknown fields are ignored, as OpenAI clients send fields a server may not know. Types are
+strict: an integer field takes only JSON integers (not ``"10"``, ``true`` or ``10.0``), a boolean
+field only ``true``/``false``, a number field integers or floats but no booleans, strings, NaN or
+infinities (Python's JSON reader lets ``NaN`` and ``Infinity`` through). Every string
 must be valid Unicode (JSON's ``"\\ud800"`` escapes a lone surrogate, which no text encoding
 can hold: 400 naming the field). Integers that reach the engine are bounded to int64.
 ``stop`` is one string or a list of at most :data:`MAX_STOP_SEQUENCES` strings, each at most
@@ -11,9 +14,9 @@ Responses are plain dicts built in ``responses.py``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 
 from megatron.core.inference.sampling import MAX_TOP_LOGPROBS
@@ -45,7 +48,7 @@ def lone_surrogate(value: Any) -> str | None:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod
@@ -104,12 +107,53 @@ class _GenerationRequest(_Model):
         return stop
 
 
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids (integers), or a list of token-id lists"
+
+
+def _prompt_error(where: str) -> PydanticCustomError:
+    return PydanticCustomError("prompt_shape", "{where}; send " + PROMPT_SHAPES, {"where": where})
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One message for a prompt of the wrong shape, naming the first element at fault (the
+        union's per-branch errors would name a branch instead)."""
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            return prompt
+        if not isinstance(prompt, list):
+            raise _prompt_error(f"is {_json_kind(prompt)}")
+        if not any(isinstance(p, (str, list)) for p in prompt):  # meant as token ids
+            index, item = next((i, t) for i, t in enumerate(prompt) if not _is_token_ids([t]))
+            raise _prompt_error(f"element {index} is {_json_kind(item)}, not a token id")
+        for index, item in enumerate(prompt):
+            if isinstance(item, list) and not _is_token_ids(item):
+                inner, bad = next((i, t) for i, t in enumerate(item) if not _is_token_ids([t]))
+                raise _prompt_error(f"element {index}.{inner} is {_json_kind(bad)}, not a token id")
+            if not isinstance(item, (str, list)):
+                raise _prompt_error(f"element {index} is {_json_kind(item)}")
+        if len({type(p) for p in prompt}) > 1:
+            raise _prompt_error("mixes strings and token-id lists")
+        return prompt
+
+
+def _json_kind(value: Any) -> str:
+    """How a JSON value reads to a client: "a boolean", "a number", "null"..."""
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 class FunctionDefinition(_Model):
@@ -175,3 +219,42 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="a BOS in front when the tokenizer asks for one")
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """POST /tokenize with chat messages (vLLM's shape): the ids the chat completion would see."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+# A body with ``messages`` is a chat request, any other a prompt request (so errors name one shape's fields).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]
+    | Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+    Discriminator(_tokenize_kind),
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from megatron.core.inference.coordinator.client import InferenceClient, RequestH
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.server import responses as R
+from megatron.core.inference.server.chat_template import ChatTemplate, check_chat_template
 from megatron.core.inference.server.errors import APIError, bad_request
 from megatron.core.inference.server.generation import (
     ENGINE_WITHOUT_TOKENIZER,
@@ -53,6 +55,8 @@ class ServerConfig:
 
     Args:
         model_name: the one model id served (``model`` of requests must equal it).
+        max_model_len: the engine's length limit (prompt plus generated tokens), reported by
+            /v1/models and /tokenize; None: unknown.
         api_key: when set, /v1/ requests need ``Authorization: Bearer <api_key>``.
         max_request_bytes: larger request bodies get 413.
         max_prompt_tokens: longer prompts get 400 (``context_length_exceeded``) before reaching an
@@ -66,11 +70,16 @@ class ServerConfig:
         header_timeout_s: a connection whose request head (request line and headers) is not
             complete this long after it opened, or after its previous response, is closed.
         body_timeout_s: a request body not complete this long after its head gets 408.
+        kv_block_size: tokens per KV block of the engines (for the prefix-cache hit rate in
+            /metrics); None: no hit rate.
+        chat_template: a Jinja file or ``"plain"`` (our template) instead of the tokenizer's own
+            (see :class:`~megatron.core.inference.server.chat_template.ChatTemplate`).
         reasoning_parser, reasoning_options: split chat output into reasoning_content and content.
         tool_call_parser: how chat output encodes tool calls (used when a request offers tools).
     """
 
     model_name: str = "megatron"
+    max_model_len: int | None = None
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
@@ -80,12 +89,21 @@ class ServerConfig:
     max_in_flight_per_request: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    kv_block_size: int | None = None
+    chat_template: str | None = None
     reasoning_parser: str | None = None
     reasoning_options: dict[str, Any] | None = None
     tool_call_parser: str | None = "hermes"
 
     def __post_init__(self):
-        counts = ("max_request_bytes", "max_prompt_tokens", "default_max_tokens", "max_prompts_per_request", "max_n")
+        counts = (
+            "max_model_len",
+            "max_request_bytes",
+            "max_prompt_tokens",
+            "default_max_tokens",
+            "max_prompts_per_request",
+            "max_n",
+        )
         for name in (*counts, "max_in_flight_per_request"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -94,6 +112,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ServerConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        check_chat_template(self.chat_template)
         for value, registry, what in (
             (self.reasoning_parser, REASONING_PARSERS, "reasoning_parser"),
             (self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser"),
@@ -111,6 +130,7 @@ class Choice:
     handle: RequestHandle
     decoder: ChoiceDecoder
     first: dict[str, Any] | None = None
+    last_token_s: float | None = None  # when its latest tokens arrived (monotonic)
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         first, self.first = self.first, None
@@ -144,8 +164,19 @@ class OpenAIService:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.kv_block_size)
+        self.chat_template = ChatTemplate(tokenizer, config.chat_template)
         self.created = R.now()
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model as /v1/models lists it (OpenAI's model object, with vLLM's max_model_len)."""
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "megatron",
+            "max_model_len": self.config.max_model_len,
+        }
 
     # -- validation ----------------------------------------------------------------------
 
@@ -217,7 +248,8 @@ class OpenAIService:
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
     ) -> ChoiceSet:
         """The choices of a request, started (see :meth:`ChoiceSet.start`)."""
-        choices = ChoiceSet(self.client, request_id, prompts, params, n, self.config.max_in_flight_per_request)
+        window = self.config.max_in_flight_per_request
+        choices = ChoiceSet(self.client, request_id, prompts, params, n, window, self.metrics)
         await choices.start()
         return choices
 
@@ -236,6 +268,10 @@ class ChoiceSet:
     A choice's first output tells whether the engine admitted it: :meth:`start` waits for those
     of the first window, so their admission errors become the HTTP status; a later choice that
     is refused ends with an error delta instead.
+
+    It times the request into ``metrics``: from its creation (the request's arrival) to each
+    submission (queue time), to the first output (time to first token) and to the end of the
+    last choice (end-to-end latency), and the gaps between a choice's tokens (inter-token latency).
     """
 
     def __init__(
@@ -246,9 +282,13 @@ class ChoiceSet:
         params: SamplingParams,
         n: int,
         window: int,
+        metrics: ServerMetrics,
     ):
         self._client = client
         self._window = window
+        self._metrics = metrics
+        self._arrived_s = time.monotonic()
+        self._first_token_s: float | None = None
         self._request_id = request_id
         self._unsubmitted = deque(
             (prompt_index * n + i, prompt, _choice_params(params, i))
@@ -260,6 +300,7 @@ class ChoiceSet:
 
     async def _submit_next(self) -> Choice:
         index, prompt, params = self._unsubmitted.popleft()
+        self._metrics.queue_time.observe(time.monotonic() - self._arrived_s)
         handle = await self._client.submit(prompt, params, request_id=f"{self._request_id}-{index}")
         choice = Choice(index, prompt, handle, ChoiceDecoder())
         self.choices.append(choice)
@@ -274,6 +315,7 @@ class ChoiceSet:
                 choice.first = await choice.handle.next_output()
                 if choice.first["finish_reason"] == "error":
                     raise error_from_output(choice.first["error"])
+                self._time_tokens(choice, len(choice.first["new_token_ids"]))
         except BaseException:
             self.abort()
             raise
@@ -286,7 +328,11 @@ class ChoiceSet:
 
         async def pump(choice: Choice) -> None:
             try:
+                first = choice.first
                 async for delta in choice.deltas():
+                    if first is None:
+                        self._time_tokens(choice, len(delta.token_ids))
+                    first = None
                     queue.put_nowait((choice, delta))
             finally:
                 queue.put_nowait((choice, None))
@@ -303,10 +349,25 @@ class ChoiceSet:
                 if self._unsubmitted:
                     tasks.append(asyncio.ensure_future(pump(await self._submit_next())))
                     running += 1
+            self._metrics.e2e_latency.observe(time.monotonic() - self._arrived_s)
         finally:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    def _time_tokens(self, choice: Choice, count: int) -> None:
+        """Time ``count`` tokens of ``choice`` that arrived now: the request's first token, or
+        the gap since the choice's previous ones (spread over the tokens that came together)."""
+        if not count:
+            return
+        now = time.monotonic()
+        if self._first_token_s is None:
+            self._first_token_s = now
+            self._metrics.time_to_first_token.observe(now - self._arrived_s)
+        if choice.last_token_s is not None:
+            for _ in range(count):
+                self._metrics.inter_token_latency.observe((now - choice.last_token_s) / count)
+        choice.last_token_s = now
 
     def abort(self) -> None:
         """Abort every submitted choice that has not finished; submit no more."""

@@ -6,12 +6,11 @@ import contextlib
 import logging
 import socket
 
-import httpx
 import pytest
 
 from ..coordinator.cluster import wait_until
 from ..coordinator.engine_double import HashEngine
-from ..server.harness import openai_server
+from ..server.harness import openai_server, sample, scrape
 
 
 @contextlib.contextmanager
@@ -51,10 +50,10 @@ def test_leaving_before_the_first_token_is_a_quiet_499_and_an_abort(stream):
             _send_and_leave(server.url, body.encode(), engine)
             wait_until(lambda: list(engine.finished.values()) == ["abort"], "the abort to reach the engine")
             wait_until(lambda: not coordinator.router.routes, "routing state to clear")
-            metrics = httpx.get(server.url + "/metrics").text.splitlines()
+            metrics = scrape(server.url)
         assert server.app.state.service.client.in_flight == 0
-    assert 'megatron_requests_total{endpoint="/v1/completions",status="499"} 1' in metrics
-    assert 'megatron_requests_abandoned_total{endpoint="/v1/completions"} 1' in metrics
-    assert not any('status_class="5xx"' in line for line in metrics)
+    assert sample(metrics, "megatron_requests_total", endpoint="/v1/completions", status="499") == 1
+    assert sample(metrics, "megatron_requests_abandoned_total", endpoint="/v1/completions") == 1
+    assert not any(("status_class", "5xx") in labels for _, labels in metrics)
     noisy = [record for record in records if record.levelno >= logging.WARNING]
     assert len(noisy) <= 1 and not any(record.exc_info for record in noisy), [r.getMessage() for r in noisy]

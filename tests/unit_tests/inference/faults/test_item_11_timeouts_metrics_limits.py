@@ -14,7 +14,7 @@ from megatron.core.inference.server import launcher
 
 from ..coordinator.cluster import wait_until
 from ..coordinator.engine_double import HashEngine, expected_tokens
-from ..server.harness import TOKENIZER, openai_server
+from ..server.harness import TOKENIZER, openai_server, sample, scrape
 
 HALF_SENT = 100  # of each kind
 
@@ -36,10 +36,6 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     while chunk := sock.recv(4096):
         received += chunk
     return received
-
-
-def _metrics(server) -> set[str]:
-    return set(httpx.get(server.url + "/metrics").text.splitlines())
 
 
 def test_half_sent_heads_and_bodies_are_cut_off():
@@ -80,7 +76,8 @@ def _cut_off_half_sent_requests(server) -> None:
             assert response.json()["choices"][0]["text"] == TOKENIZER.detokenize(
                 expected_tokens(TOKENIZER.tokenize("ok"), 2)
             )
-    assert f'megatron_requests_total{{endpoint="/v1/completions",status="408"}} {HALF_SENT}' in _metrics(server)
+    samples = scrape(server.url)
+    assert sample(samples, "megatron_requests_total", endpoint="/v1/completions", status="408") == HALF_SENT
 
 
 def test_metrics_count_5xx_and_abandoned_requests(served):
@@ -96,10 +93,10 @@ def test_metrics_count_5xx_and_abandoned_requests(served):
         assert next(response.iter_lines()).startswith("data: {")  # then leave mid-stream
     wait_until(lambda: "abort" in engine.finished.values(), "the abort to reach the engine")
     wait_until(lambda: not coordinator.router.routes, "routing state to clear")
-    lines = _metrics(server)
-    assert 'megatron_requests_total{endpoint="other",status="500"} 1' in lines
-    assert 'megatron_requests_by_status_class_total{endpoint="other",status_class="5xx"} 1' in lines
-    assert 'megatron_requests_abandoned_total{endpoint="/v1/completions"} 1' in lines
+    samples = scrape(server.url)
+    assert sample(samples, "megatron_requests_total", endpoint="other", status="500") == 1
+    assert sample(samples, "megatron_requests_by_status_class_total", endpoint="other", status_class="5xx") == 1
+    assert sample(samples, "megatron_requests_abandoned_total", endpoint="/v1/completions") == 1
 
 
 def test_stop_limits_count_strings_and_bound_each_string_separately(served):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from megatron.core.inference.coordinator import InferenceClient
 from megatron.core.inference.server import ServerConfig, ServerThread
 from megatron.core.tokenizers import ByteLevelTokenizer
@@ -43,3 +46,18 @@ def openai_server(engines=None, **config) -> Iterator[tuple[ServerThread, object
 def app_server(coordinator, **config) -> ServerThread:
     """Another server on the same coordinator (its own client and options)."""
     return ServerThread(InferenceClient(coordinator.address), tokenizer=TOKENIZER, config=ServerConfig(**config))
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """The samples of a server's /metrics, parsed by prometheus-client: (name, labels) -> value."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float | None:
+    """One sample's value (None when absent)."""
+    return samples.get((name, frozenset(labels.items())))

@@ -12,7 +12,7 @@ from megatron.core.inference.server import ServerThread, bind_socket, build_app
 
 from ..coordinator.cluster import running_cluster, wait_until
 from ..coordinator.engine_double import HashEngine, expected_tokens
-from .harness import TOKENIZER, openai_server
+from .harness import TOKENIZER, openai_server, sample, scrape
 
 
 def test_closing_a_stream_mid_generation_aborts_the_request_in_the_engine():
@@ -99,11 +99,13 @@ def test_metrics_count_requests_tokens_queue_and_kv_use():
     with openai_server() as (server, coordinator):
         httpx.post(server.url + "/v1/completions", json={"model": "megatron", "prompt": "abc", "max_tokens": 4})
         httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "abc"})
-        text = httpx.get(server.url + "/metrics").text
-    lines = set(text.splitlines())
-    assert 'megatron_requests_total{endpoint="/v1/completions",status="200"} 1' in lines
-    assert 'megatron_requests_total{endpoint="/v1/completions",status="404"} 1' in lines
-    assert "megatron_prompt_tokens_total 3" in lines and "megatron_generation_tokens_total 4" in lines
-    assert "megatron_queue_depth 0" in lines
-    assert "megatron_time_to_first_token_seconds_count 1" in lines
-    assert any(line.startswith('megatron_engine_kv_usage_fraction{engine="engine-0"}') for line in lines)
+        samples = scrape(server.url)
+    assert sample(samples, "megatron_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert sample(samples, "megatron_requests_total", endpoint="/v1/completions", status="404") == 1
+    assert (
+        sample(samples, "megatron_prompt_tokens_total") == 3
+        and sample(samples, "megatron_generation_tokens_total") == 4
+    )
+    assert sample(samples, "megatron_queue_depth") == 0
+    assert sample(samples, "megatron_time_to_first_token_seconds_count") == 1
+    assert sample(samples, "megatron_engine_kv_usage_fraction", engine="engine-0") is not None
