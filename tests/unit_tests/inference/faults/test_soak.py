@@ -185,6 +185,7 @@ def test_soak(pg, tmp_path):
             malformed = _malformed_frames(coordinator)
 
             at(0.2)
+            wait_until(lambda: _pending(coordinator, first_id) > 0, "requests in flight on the replica to kill")
             killed_at = time.monotonic()
             os.kill(first.process.pid, signal.SIGKILL)
             with _replica(coordinator.address, keys_file) as restarted:  # started again at once
@@ -219,6 +220,10 @@ def test_soak(pg, tmp_path):
     assert retired["blocks_back"] and retired["storage"]["idle"], retired
     assert retired["storage"]["quarantined_blocks"] == 0, retired
     _check_replies(outcomes, window)
+
+
+def _pending(coordinator: InferenceCoordinator, engine_id: str) -> int:
+    return sum(e["pending"] for e in coordinator.stats()["engines"] if e["engine_id"] == engine_id)
 
 
 def _idle(stats: dict) -> bool:
