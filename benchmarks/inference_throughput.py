@@ -1,26 +1,32 @@
 """Dynamic inference engine benchmarks, in one run:
 
-1. Output tokens/s of our engine vs HuggingFace ``generate`` (batched, left-padded, KV cache)
-   on the same Llama-style model (random weights converted with ``hf_mapping``) and prompts,
-   greedy, and the ratio ours / HF. Outputs are checked to agree.
+1. Output tokens/s of our engine vs HuggingFace ``generate`` (batched, left-padded, KV cache,
+   after a full-size warm-up call) on the same Llama-style model (random weights converted with
+   ``hf_mapping``) and prompts, greedy, median of ``--trials`` alternating trials, and the ratio
+   ours / HF. Outputs are checked to agree. Ours runs in its default (batch-invariant, padded to
+   step buckets) mode and unpadded (``batch_invariant=False``); the ratio default / unpadded is
+   printed. With ``--baseline-tree DIR`` (e.g. the main checkout before this change) the same
+   measurement also runs on that tree's package, in a subprocess alternating with ours, and the
+   ratio now / before is printed (and the tokens compared).
 2. The engine's CPU bookkeeping time per step (scheduling, batch building, sampling
    decisions, output assembly; not the forward) at 64 and 256 concurrent requests.
 3. Time to first token of a batch of long prompts with and without private page
    initialization (zeroing fresh KV pages).
 
-Measured on one H200 (hidden 512, 4 layers, 64 requests x 64 tokens): ours 6178 tokens/s vs HF
-11524 (0.54x, identical greedy outputs), bookkeeping 1.1 ms / 2.3 ms per step at 64 / 256
-requests, time to first token 34.9 ms with page init vs 33.7 ms without.
+On CPU both sides run with ``torch.set_num_threads(--threads)`` (2 by default).
 
-Usage: python benchmarks/inference_throughput.py [--requests 32] [--new-tokens 64]
-       [--hidden-size 256] [--num-layers 4] [--device cpu|cuda] [--output-json PATH]
+Usage: python benchmarks/inference_throughput.py [--requests 32] [--new-tokens 32]
+       [--hidden-size 256] [--num-layers 4] [--device cpu|cuda] [--baseline-tree /work/main]
+       [--output-json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -120,21 +126,78 @@ def hf_generate(hf, prompts, new_tokens, device):
     return out[:, longest:].tolist(), elapsed
 
 
+def measure_ours(ours, pg, args, prompts, params, batch_invariant: bool) -> tuple[list[list[int]], float]:
+    """Greedy tokens and seconds of one run of a fresh engine over ``prompts``."""
+    tokens, _, seconds = drive(make_engine(ours, pg, args, batch_invariant=batch_invariant), prompts, params)
+    return tokens, seconds
+
+
+def _baseline_run(args) -> tuple[list[list[int]], float]:
+    """``measure_ours`` of the default mode on ``--baseline-tree``'s package, in a subprocess."""
+    command = [sys.executable, os.path.abspath(__file__), "--measure-ours-only", *_shared_argv(args)]
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline_tree))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # its own world of one
+        env.pop(name, None)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the baseline run on {args.baseline_tree} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tokens"], result["seconds"]
+
+
+def _shared_argv(args) -> list[str]:
+    return [
+        f"--requests={args.requests}",
+        f"--new-tokens={args.new_tokens}",
+        f"--hidden-size={args.hidden_size}",
+        f"--num-layers={args.num_layers}",
+        f"--max-sequence-length={args.max_sequence_length}",
+        f"--threads={args.threads}",
+        f"--device={args.device}",
+    ]
+
+
 def throughput(hf, ours, pg, args, device) -> dict:
     prompts = make_prompts(args.requests, 16, 128)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
-    drive(make_engine(ours, pg, args), prompts[:2], params)  # warm-up
-    our_tokens, _, ours_s = drive(make_engine(ours, pg, args, batch_invariant=not args.unpadded), prompts, params)
-    hf_generate(hf, prompts[:2], 2, device)  # warm-up
-    hf_tokens, hf_s = hf_generate(hf, prompts, args.new_tokens, device)
+    seconds = {"default": [], "unpadded": [], "hf": [], "before": []}
+    tokens = {}
+    hf_generate(hf, prompts, args.new_tokens, device)  # full-size warm-ups
+    for batch_invariant in (True, False):
+        measure_ours(ours, pg, args, prompts, params, batch_invariant)
+    for _ in range(args.trials):  # alternating, so that load on the shared cores hits every side alike
+        tokens["default"], elapsed = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
+        seconds["default"].append(elapsed)
+        tokens["unpadded"], elapsed = measure_ours(ours, pg, args, prompts, params, batch_invariant=False)
+        seconds["unpadded"].append(elapsed)
+        tokens["hf"], elapsed = hf_generate(hf, prompts, args.new_tokens, device)
+        seconds["hf"].append(elapsed)
+        if args.baseline_tree:
+            tokens["before"], elapsed = _baseline_run(args)
+            seconds["before"].append(elapsed)
+    median = {name: statistics.median(values) for name, values in seconds.items() if values}
     total = args.requests * args.new_tokens
-    agree = sum(a == b for a, b in zip(our_tokens, hf_tokens, strict=True))
-    return dict(
-        ours_tokens_per_s=total / ours_s,
-        hf_tokens_per_s=total / hf_s,
-        ratio=hf_s / ours_s,
-        requests_with_identical_greedy_output=f"{agree}/{args.requests}",
+
+    def agree(name: str) -> str:
+        return f"{sum(a == b for a, b in zip(tokens['default'], tokens[name], strict=True))}/{args.requests}"
+
+    result = dict(
+        trials=args.trials,
+        ours_tokens_per_s=total / median["default"],
+        ours_unpadded_tokens_per_s=total / median["unpadded"],
+        hf_tokens_per_s=total / median["hf"],
+        ratio=median["hf"] / median["default"],
+        default_over_unpadded=median["unpadded"] / median["default"],
+        requests_with_identical_greedy_output=agree("hf"),
+        unpadded_identical_greedy_output=agree("unpadded"),
     )
+    if "before" in median:
+        result.update(
+            before_tokens_per_s=total / median["before"],
+            now_over_before=median["before"] / median["default"],
+            before_identical_greedy_output=agree("before"),
+        )
+    return result
 
 
 def bookkeeping(model, pg, args, concurrency: int) -> dict:
@@ -167,26 +230,51 @@ def time_to_first_token(model, pg, args, device) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--max-sequence-length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--unpadded", action="store_true", help="engine with batch_invariant=False")
+    parser.add_argument("--trials", type=int, default=3, help="alternating throughput trials (the median is kept)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU (both sides)")
+    parser.add_argument("--baseline-tree", default=None, help="a checkout whose engine is measured as 'before'")
+    parser.add_argument("--measure-ours-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     initialize_distributed("nccl" if device.type == "cuda" else "gloo")
     pg = parallel_state.initialize_model_parallel()
     hf, ours = build_models(args, pg, device)
+    if args.measure_ours_only:  # the --baseline-tree side: one line of JSON
+        prompts = make_prompts(args.requests, 16, 128)
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
+        measure_ours(ours, pg, args, prompts, params, batch_invariant=True)  # warm-up
+        tokens, seconds = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
+        print(json.dumps(dict(tokens=tokens, seconds=seconds)))
+        torch.distributed.destroy_process_group()
+        return 0
 
     report = {"throughput": throughput(hf, ours, pg, args, device)}
     t = report["throughput"]
     print(
-        f"output tokens/s: ours {t['ours_tokens_per_s']:.1f}, HF generate {t['hf_tokens_per_s']:.1f}, "
-        f"ratio ours/HF {t['ratio']:.2f} (identical greedy outputs: {t['requests_with_identical_greedy_output']})"
+        f"output tokens/s (median of {t['trials']}): ours {t['ours_tokens_per_s']:.1f}, "
+        f"HF generate {t['hf_tokens_per_s']:.1f}, ratio ours/HF {t['ratio']:.2f} "
+        f"(identical greedy outputs: {t['requests_with_identical_greedy_output']})"
     )
+    print(
+        f"default (batch-invariant) mode vs unpadded: {t['ours_tokens_per_s']:.1f} vs "
+        f"{t['ours_unpadded_tokens_per_s']:.1f} tokens/s, ratio default/unpadded {t['default_over_unpadded']:.2f} "
+        f"(identical greedy outputs: {t['unpadded_identical_greedy_output']})"
+    )
+    if "now_over_before" in t:
+        print(
+            f"this tree vs {args.baseline_tree}: {t['ours_tokens_per_s']:.1f} vs {t['before_tokens_per_s']:.1f} "
+            f"tokens/s, ratio now/before {t['now_over_before']:.2f} "
+            f"(identical greedy outputs: {t['before_identical_greedy_output']})"
+        )
     report["bookkeeping"] = [bookkeeping(ours, pg, args, n) for n in (64, 256)]
     for row in report["bookkeeping"]:
         print(

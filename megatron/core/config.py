@@ -46,6 +46,8 @@ class ModelParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    # How attention exchanges K/V under CP > 1: "p2p" (ring attention) or "all_gather".
+    cp_comm_type: str = "p2p"
     generalized_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
@@ -64,6 +66,8 @@ class ModelParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cp_comm_type not in ("p2p", "all_gather"):
+            raise ConfigError(f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}")
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both set; choose one")
         if self.bf16 and self.params_dtype == torch.float32:

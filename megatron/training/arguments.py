@@ -109,6 +109,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--cp-comm-type",
+        choices=("p2p", "all_gather"),
+        default="p2p",
+        help="how attention exchanges K/V under --context-parallel-size > 1: ring (p2p) or all-gather",
+    )
     g.add_argument("--generalized-tensor-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -249,6 +255,11 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in a background thread while training continues (one save in flight at a time)",
+    )
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -562,11 +573,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) x "
         f"--generalized-tensor-parallel-size ({gtp}) = {model_parallel}",
     )
-    _require(cp == 1, f"--context-parallel-size {cp} is not supported by the models yet; use 1")
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
-    # GTP peers read different micro-batches: they are part of the data-parallel width.
-    args.data_parallel_width = args.data_parallel_size * cp * gtp
+    # GTP peers read different micro-batches: they are part of the data-parallel width. CP peers
+    # share each micro-batch (each keeps its chunks of the sequences).
+    args.data_parallel_width = args.data_parallel_size * gtp
     if args.model_family == "hybrid" and args.num_layers is None and args.hybrid_layer_pattern is not None:
         try:  # Megatron's rule: the pattern gives the depth (and the MTP depth after '/')
             parsed = parse_hybrid_pattern(args.hybrid_layer_pattern)
@@ -595,7 +606,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.global_batch_size % per_step == 0,
         f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
         f"({args.micro_batch_size}) x data-parallel width ({args.data_parallel_width} = DP "
-        f"{args.data_parallel_size} x CP {cp} x GTP {gtp})",
+        f"{args.data_parallel_size} x GTP {gtp}; CP peers share micro-batches)",
     )
     args.num_microbatches = args.global_batch_size // per_step
     _check_schedule(args)
@@ -615,6 +626,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron's behaviour: nothing to split at TP=1
+    if cp > 1:
+        _require(
+            args.attention_dropout == 0,
+            f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no dropout), "
+            f"got {args.attention_dropout} (Megatron's default is 0.1)",
+        )
+        _require(
+            args.seq_length % (2 * cp) == 0,
+            f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp}): "
+            "each CP rank holds two load-balanced chunks of every sequence",
+        )
+        _require(
+            not args.sequence_parallel or (args.seq_length // cp) % tp == 0,
+            f"--sequence-parallel needs --seq-length / --context-parallel-size ({args.seq_length // cp}) "
+            f"divisible by --tensor-model-parallel-size ({tp})",
+        )
     if args.recompute_activations:
         _require(
             args.recompute_granularity in (None, "selective"),
@@ -710,6 +737,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
         generalized_tensor_parallel_size=args.generalized_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,

@@ -79,7 +79,9 @@ def train_state_object(data, main: bool) -> ShardedObject:
 
 def save_checkpoint(trainer) -> str:
     """Save the trainer's model, optimizer, scheduler, train state and RNG states under
-    ``--save`` as ``iter_<iteration>``; returns the directory."""
+    ``--save`` as ``iter_<iteration>``; returns the directory. With ``--async-save``
+    (``trainer.checkpoint_saver``) this takes a snapshot and the save completes in the
+    background (see :mod:`megatron.core.dist_checkpointing.async_save`)."""
     args, pg = trainer.args, trainer.pgc
     model = unwrap_model(trainer.model)
     params = checkpoint_params(model, "", vocab_rows(model))
@@ -91,9 +93,15 @@ def save_checkpoint(trainer) -> str:
         "scheduler": trainer.scheduler.state_dict(),
         "layout": _layout(pg),
     }
-    path = save_model_checkpoint(state_dict, args.save, trainer.state.iteration, trainer.record)
-    if dist.get_rank() == 0:
-        print(f"saved checkpoint {path} (iteration {trainer.state.iteration})", flush=True)
+    iteration, saver = trainer.state.iteration, trainer.checkpoint_saver
+    path = iteration_dir(args.save, iteration)
+
+    def report():
+        if dist.get_rank() == 0:
+            when = "" if saver is None else f", in the background; complete at iteration {trainer.state.iteration}"
+            print(f"saved checkpoint {path} (iteration {iteration}{when})", flush=True)
+
+    save_model_checkpoint(state_dict, args.save, iteration, trainer.record, async_saver=saver, on_saved=report)
     return path
 
 

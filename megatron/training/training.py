@@ -19,14 +19,15 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import CheckpointingError, read_latest_iteration
+from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError, read_latest_iteration
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.model_record import model_from_record
+from megatron.core.models.model_record import adopt_untracked_checkpoints, model_from_record
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.training import startup_summary as summary
 from megatron.training.arguments import model_record_from_args, tokenizer_record_from_args
 from megatron.training.data import build_datasets, microbatches
@@ -122,24 +123,50 @@ def save_due(args, state: TrainState) -> bool:
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+def loss_func(
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    per_token: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
+):
     """The micro-batch's loss over its unmasked tokens: their mean, or with ``per_token``
     (``--calculate-per-token-loss``) their sum and count, the gradients being divided by the
     global batch's token count after the reduction (Megatron's per-token loss). The metric is
-    the mean, or the (sum, count) pair."""
+    the mean, or the (sum, count) pair.
+
+    Under context parallelism (``cp_group``) each CP rank holds part of the micro-batch's tokens.
+    Sums and counts simply add up over ``dp_cp``; the mean divides this rank's sum by the token
+    count of the whole micro-batch (summed over ``cp``) and multiplies by the CP size, since
+    gradients and the reported loss are averaged over ``dp_cp``: the CP ranks' terms then add
+    up to the exact per-token mean."""
     total = (output_tensor.float() * loss_mask).sum()
     tokens = loss_mask.sum()
     if per_token:
         return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.detach()])}
-    loss = total / tokens.clamp(min=1)
+    if cp_group is None:
+        loss = total / tokens.clamp(min=1)
+    else:
+        dist.all_reduce(tokens, group=cp_group)
+        loss = total * dist.get_world_size(cp_group) / tokens.clamp(min=1)
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model, per_token: bool = False):
+def forward_step(data_iterator, model, per_token: bool = False, cp_group: dist.ProcessGroup | None = None):
     """One micro-batch through the model; the loss is computed on the last stage."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token, cp_group=cp_group)
+
+
+def data_shard_rank(pgc: ProcessGroupCollection) -> int:
+    """Which of the ``micro_batch_size``-sample slices of a step this rank reads: its index among
+    the data shards of its ``dp_cp_gtp`` group. CP peers share a shard (each keeps its chunks of
+    the sequences), so the index is that of the group's CP-rank-0 member with this rank's other
+    coordinates; without CP it is this rank's index in the group."""
+    layout, me = pgc.layout, dist.get_rank()
+    (members,) = [group for group in layout.group_ranks("dp_cp_gtp") if me in group]
+    readers = [rank for rank in members if layout.coordinates(rank)["cp"] == 0]
+    return readers.index(layout.rank_of(layout.coordinates(me) | {"cp": 0}))
 
 
 def logging_rank(pgc: ProcessGroupCollection) -> int:
@@ -255,19 +282,24 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == logging_rank(pgc)
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
         self.flops_per_token = count_flops_per_token(model, pgc, args.seq_length, args.hidden_size, self.device)
-        seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        self.cp_group = pgc.cp if args.context_parallel_size > 1 else None
+        seq = args.seq_length // args.context_parallel_size
+        seq //= args.tensor_model_parallel_size if args.sequence_parallel else 1
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
     def data_iterator(self, dataset, start_sample: int):
-        return microbatches(
+        """This rank's micro-batches; under CP, its load-balanced chunks of each sequence."""
+        batches = microbatches(
             dataset,
             start_sample=start_sample,
             micro_batch_size=self.args.micro_batch_size,
-            data_rank=dist.get_rank(self.pgc.dp_cp_gtp_or_dp_cp()),
+            data_rank=data_shard_rank(self.pgc),
             data_width=self.args.data_parallel_width,
             device=self.device,
         )
+        return (get_batch_on_this_cp_rank(batch, self.cp_group) for batch in batches)
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward (and backward) over one global batch. Returns the loss over it on every rank
@@ -276,7 +308,7 @@ class Trainer:
         count (None otherwise)."""
         per_token = self.args.calculate_per_token_loss
         metrics, num_tokens = self.forward_backward(
-            forward_step_func=partial(forward_step, per_token=per_token),
+            forward_step_func=partial(forward_step, per_token=per_token, cp_group=self.cp_group),
             data_iterator=data_iterator,
             model=[self.model],
             num_microbatches=self.args.num_microbatches,
@@ -341,6 +373,8 @@ class Trainer:
         profiler = IterationProfiler.from_args(args, self.device)
         exited = False
         while state.iteration < args.train_iters:
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.poll()  # a failed background save stops training here
             profiler.before_step(state.iteration + 1)
             loss, ok, grad_norm = self.train_step(iterator)
             profiler.after_step(state.iteration + 1)
@@ -363,6 +397,8 @@ class Trainer:
                 break
         profiler.close()
         self.model.finish_param_sync()  # the last step's overlapped gathers
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends
         if not exited and args.eval_iters:
             for dataset, label in ((self.valid_ds, "validation"), (self.test_ds, "test")):
                 if dataset is not None:
@@ -388,6 +424,8 @@ def pretrain(args) -> TrainState:
     pgc = initialize_megatron(args)
     summary.print_run(args, pgc)
     trainer = Trainer(args, pgc)
+    if args.save:  # a save interrupted before its tracker moved: adopt it if complete (before --load reads it)
+        adopt_untracked_checkpoints(args.save)
     if args.load and read_latest_iteration(args.load) is not None:
         trainer.load()
     elif args.load and dist.get_rank() == 0:

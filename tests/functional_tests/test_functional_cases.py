@@ -49,3 +49,9 @@ def test_cases_pin_the_defaults_their_goldens_rely_on():
         if "--fp16" in case["flags"]:
             needed.append("--initial-loss-scale")
         assert [flag for flag in needed if flag not in case["flags"]] == [], name
+
+
+@pytest.mark.parametrize("cp_case, twin", [("gpt_cp2_tp2", "gpt_tp2_pp2"), ("hybrid_cp2_gtp2", "hybrid_tp2_gtp2")])
+def test_context_parallel_goldens_equal_their_twins_without_cp(cp_case, twin):
+    """The same model and data at another layout: CP must not change the losses."""
+    assert CASES[cp_case]["golden_lm_loss"] == pytest.approx(CASES[twin]["golden_lm_loss"], rel=1e-5)

@@ -2,20 +2,52 @@
 tracker file ``<root>/latest_checkpointed_iteration.txt`` (Megatron's name).
 
 A checkpoint directory is complete or absent: it is written under ``<dir>.incomplete`` and
-renamed into place only once every file and the metadata are on disk; the tracker is
-replaced atomically afterwards. A save killed at any point leaves the previous checkpoint
-and tracker as they were.
+renamed into place only once every file (the shards, the files published with them such as
+``model_config.json`` and the tokenizer's, and last the metadata) is on disk; the tracker is
+replaced atomically afterwards. A save killed at any point leaves the previous checkpoint and
+tracker as they were; one killed between the rename and the tracker leaves a complete
+directory the tracker does not name yet (see ``recovery``).
+
+The named points of a save, in order, are :data:`SAVE_PHASES`; :func:`set_phase_hook` lets a
+test run code (e.g. kill the process) when a rank reaches one.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 
-from megatron.core.dist_checkpointing.errors import CheckpointingError
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CorruptCheckpointError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 STAGING_SUFFIX = ".incomplete"
+
+
+SAVE_PHASES = (
+    "staging_prepared",  # the coordinator created the empty staging directory
+    "item_written",  # a rank appended one item to its shard file (not yet fsynced)
+    "shards_written",  # a rank's shard file is complete and fsynced
+    "metadata_written",  # the coordinator wrote every other file and metadata.json into staging
+    "published",  # the coordinator renamed staging into place; the tracker has not moved
+    "tracker_written",  # the tracker names the new iteration
+)
+_phase_hook: Callable[[str, str], None] | None = None
+
+
+def set_phase_hook(hook: Callable[[str, str], None] | None) -> None:
+    """Call ``hook(phase, path)`` whenever this process reaches a phase of :data:`SAVE_PHASES`
+    (``path``: the directory being written); None removes it. A test seam for fault injection."""
+    global _phase_hook
+    _phase_hook = hook
+
+
+def reached(phase: str, path: str) -> None:
+    """Mark that this process reached ``phase`` of a save of ``path``."""
+    if phase not in SAVE_PHASES:
+        raise ValueError(f"unknown save phase {phase!r}; phases: {SAVE_PHASES}")
+    if _phase_hook is not None:
+        _phase_hook(phase, path)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -49,14 +81,18 @@ def write_file_atomically(path: str, data: bytes) -> None:
 
 
 def read_latest_iteration(root: str) -> int | None:
-    """The iteration named by the tracker in ``root``; None when there is no tracker."""
+    """The iteration named by the tracker in ``root``; None when there is no tracker.
+    CorruptCheckpointError when the tracker does not hold an iteration number."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointingError(f"{path} must hold an iteration number, found {text[:40]!r}")
+    with open(path, "rb") as f:
+        data = f.read()
+    text = data.strip()
+    if not text.isdigit() or not text.isascii():
+        raise CorruptCheckpointError(
+            f"{path} must hold an iteration number (decimal digits), found {data[:40]!r} ({len(data)} bytes)"
+        )
     return int(text)
 
 
@@ -67,6 +103,7 @@ def write_latest_iteration(root: str, iteration: int) -> None:
             f"cannot mark iteration {iteration} as latest: {iteration_dir(root, iteration)} does not exist"
         )
     write_file_atomically(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n".encode())
+    reached("tracker_written", iteration_dir(root, iteration))
 
 
 def prepare_staging(checkpoint_dir: str) -> str:
@@ -81,12 +118,28 @@ def prepare_staging(checkpoint_dir: str) -> str:
     if os.path.exists(staging):
         shutil.rmtree(staging)
     os.makedirs(staging)
+    reached("staging_prepared", staging)
     return staging
 
 
-def publish(staging: str, checkpoint_dir: str, metadata_filename: str, metadata_json: str) -> None:
-    """Write the metadata into the staging directory, then rename it to ``checkpoint_dir``."""
-    write_file_atomically(os.path.join(staging, metadata_filename), metadata_json.encode())
-    _fsync_dir(staging)
+def publish(
+    staging: str, checkpoint_dir: str, files: dict[str, bytes], metadata_filename: str, metadata: bytes
+) -> None:
+    """Write ``files`` (paths relative to the checkpoint) and then the metadata into the staging
+    directory, and rename it to ``checkpoint_dir``: all of them appear at once. (Inside staging
+    nothing needs to be atomic: every file is fsynced, then the directories, then the rename.)"""
+    directories = {staging}
+    for relative_path, data in [*files.items(), (metadata_filename, metadata)]:
+        path = os.path.join(staging, relative_path)
+        directories.add(os.path.dirname(path))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    for directory in sorted(directories, reverse=True):  # subdirectories before staging itself
+        _fsync_dir(directory)
+    reached("metadata_written", staging)
     os.rename(staging, checkpoint_dir)
     _fsync_dir(os.path.dirname(os.path.abspath(checkpoint_dir)))
+    reached("published", checkpoint_dir)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError
+
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -51,3 +53,20 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=group_ranks(group)[0], group=group)
     return box[0]
+
+
+def on_coordinator(fn, group: dist.ProcessGroup | None):
+    """Run ``fn`` on group rank 0 and return its result on every rank, or raise its failure on
+    every rank: a refused request as CheckpointingError, anything else (the file system) as
+    CheckpointIOError."""
+    outcome = None
+    if group_rank(group) == 0:
+        try:
+            outcome = (None, fn())
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            outcome = ((isinstance(exc, CheckpointingError), f"{type(exc).__name__}: {exc}"), None)
+    error, value = broadcast_object(outcome, group)
+    if error:
+        refused, message = error
+        raise (CheckpointingError if refused else CheckpointIOError)(f"checkpoint coordinator failed: {message}")
+    return value

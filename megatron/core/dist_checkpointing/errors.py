@@ -5,8 +5,10 @@
   checkpoint or already exists, a key or shape the checkpoint does not hold. A ``ValueError``.
 * :class:`CheckpointIOError` — writing or reading failed at run time (the file system, or a
   failure on another rank of the save). A ``RuntimeError``: nothing the caller passed was wrong.
-* :class:`CorruptCheckpointError` — the stored bytes are not what was saved (truncated, checksum
-  mismatch, malformed metadata). A fault of the data, not of the request: a ``RuntimeError``.
+* :class:`CorruptCheckpointError` — a file of the checkpoint is not what was saved: truncated, a
+  checksum mismatch, metadata, ``model_config.json`` or a tracker that does not parse (not
+  UTF-8, not JSON, malformed). The message names the file and what was wrong. A fault of the
+  data, not of the request: a ``RuntimeError``.
 """
 
 from megatron.core.errors import MegatronInputError, MegatronRuntimeError
@@ -24,4 +26,5 @@ class CheckpointIOError(MegatronRuntimeError):
 
 
 class CorruptCheckpointError(MegatronRuntimeError):
-    """A checkpoint file is truncated or its bytes do not match the checksum recorded at save."""
+    """A checkpoint file is truncated, does not parse, or its bytes do not match the checksum
+    recorded at save; the message names the file."""

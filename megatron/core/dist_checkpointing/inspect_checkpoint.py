@@ -16,7 +16,7 @@ import sys
 import torch
 
 from megatron.core.dist_checkpointing.core import iteration_dir, read_latest_iteration
-from megatron.core.dist_checkpointing.errors import CheckpointingError
+from megatron.core.dist_checkpointing.errors import CheckpointingError, CorruptCheckpointError
 from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_metadata
 
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         print(describe(args.checkpoint_dir))
-    except CheckpointingError as error:
+    except (CheckpointingError, CorruptCheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

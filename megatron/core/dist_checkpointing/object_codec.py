@@ -136,4 +136,9 @@ def decode(data: bytes, name: str = "object"):
             return np.frombuffer(bytes(raw), dtype=dtype).reshape(spec["shape"]).copy()
         raise CorruptCheckpointError(f"{name} holds an unknown tag {tag!r}")
 
-    return build(tree)
+    try:
+        return build(tree)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+        if isinstance(err, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{name} is malformed: {type(err).__name__}: {err}") from err

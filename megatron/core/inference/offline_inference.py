@@ -30,6 +30,7 @@ from tqdm import tqdm
 from megatron.core import parallel_state
 from megatron.core.config import TransformerConfig
 from megatron.core.inference.checkpoint_loading import default_device, load_inference_model
+from megatron.core.inference.engines import add_cuda_graph_flag
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord, model_from_record
@@ -71,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
     engine.add_argument("--num-speculative-tokens", type=int, default=0)
+    add_cuda_graph_flag(engine)
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-k", type=int, default=0)
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill,
         paused_block_budget=args.paused_block_budget,
         num_speculative_tokens=args.num_speculative_tokens,
+        enable_cuda_graphs=args.enable_cuda_graphs,
     )
     params = [
         SamplingParams(

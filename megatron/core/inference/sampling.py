@@ -1,20 +1,25 @@
 """Sampling parameters of a request, batched token sampling and log-probabilities.
 
-Each row of a batch is sampled from its own distribution with its own ``torch.Generator``:
-a non-greedy row consumes exactly one uniform number from its generator per call and
-nothing else, so a request with a seed produces the same tokens whatever else is in the
-batch, and whether or not it was paused or evicted in between.
+Each row of a batch is sampled from its own distribution with its own counter-based stream
+(:class:`CounterGenerator`): the number that picks a request's ``i``-th token is a hash of its
+seed and ``i``, so a request with a seed produces the same tokens whatever else is in the batch,
+and whether or not it was paused, evicted, speculated or handed over in between. Sampling runs
+batched on the logits' device (:func:`sample` with :class:`SamplingRows`) and reads nothing back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from megatron.core.errors import MegatronInputError
+from megatron.core.inference.host_copies import to_device
 from megatron.core.inference.stop_words import normalize_stop_sequences
 
 MAX_TOP_LOGPROBS = 20
@@ -26,7 +31,7 @@ class InvalidSamplingParamsError(MegatronInputError):
 
 
 class SamplingInputError(MegatronInputError):
-    """``sample`` got logits, parameters and generators that do not line up."""
+    """``sample`` / ``SamplingRows`` got logits, parameters, generators or draw indices that do not line up."""
 
 
 def _is_int(value) -> bool:
@@ -98,14 +103,127 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+class CounterGenerator:
+    """The random stream of one request, counter based.
+
+    Draw ``i`` (the one that picks the request's ``i``-th generated token) is a hash of the seed
+    and ``i`` (:func:`counter_uniforms`), so a request's tokens depend on nothing but its seed and
+    its own logits: not on its batch, its step, pauses, evictions, speculation, or the engine it
+    continues on. Nothing advances: a draw needs only the token index, which lets every row of a
+    step (and every speculative depth) draw at once on the device. ``get_state`` / ``set_state``
+    carry the seed, with the interface of ``torch.Generator`` that a state handoff uses.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.keys = self._keys(seed)
+
+    @staticmethod
+    def _keys(seed: int) -> tuple[int, int]:
+        """Two 32-bit keys of the seed, derived once on the host (BLAKE2b, never Python's hash)."""
+        if not _is_int(seed) or not 0 <= seed < _SEED_LIMIT:
+            raise InvalidSamplingParamsError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        digest = hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=8).digest()
+        return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+    def get_state(self) -> torch.Tensor:
+        """The seed as 8 bytes (uint8 CPU tensor)."""
+        return torch.frombuffer(bytearray(self.seed.to_bytes(8, "little")), dtype=torch.uint8)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Continue the stream whose :meth:`get_state` gave ``state``."""
+        seed = int.from_bytes(bytes(state.to(torch.uint8).tolist()), "little")
+        self.seed, self.keys = seed, self._keys(seed)
+
+
+def make_generator(seed: int | None) -> CounterGenerator:
     """The per-request generator: seeded from ``seed``, or from fresh entropy when it is None."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+    return CounterGenerator(secrets.randbits(64) if seed is None else seed)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for int64 ``x`` in [0, 2**32), never overflowing int64."""
+    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in int64 arithmetic."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(keys: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 numbers in [0, 1) [n], one per row: a hash of the row's generator keys
+    ``keys [n, 2]`` (:attr:`CounterGenerator.keys`) and its draw index ``draws [n]`` (< 2**32).
+    The same keys and index give the same number on every device and in every batch."""
+    h = _mix32((draws & _MASK32) ^ keys[:, 0])
+    high = _mix32(h ^ keys[:, 1])
+    low = _mix32(high ^ keys[:, 0] ^ 0x9E3779B9)
+    return (((high >> 6) << 27) | (low >> 5)).double() * 2.0**-53
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """The per-row parameters of a batch of logits rows ``[n, V]``, on the logits' device.
+
+    Only the rows that draw (temperature > 0) have parameters: ``drawing_rows [m]`` indexes
+    them, the other tensors are ``[m]`` (``keys [m, 2]``). Built on the host in one copy to the
+    device (:meth:`build`), without reading anything back.
+    """
+
+    num_rows: int
+    drawing_rows: torch.Tensor | None  # None: every row is greedy
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    keys: torch.Tensor | None
+    draws: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[CounterGenerator | None],
+        draws: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingRows:
+        """Rows ``i`` sample with ``params[i]``; the drawing ones use ``generators[i]`` at draw
+        index ``draws[i]`` (the index of the generated token the row picks)."""
+        if not len(params) == len(generators) == len(draws):
+            raise SamplingInputError(
+                f"SamplingRows needs one SamplingParams, generator and draw index per row; got {len(params)}, "
+                f"{len(generators)} and {len(draws)}"
+            )
+        drawing = [row for row, p in enumerate(params) if not p.greedy]
+        if not drawing:
+            return cls(len(params), None, None, None, None, None, None)
+        if any(generators[row] is None for row in drawing):
+            raise SamplingInputError("every row with temperature > 0 needs a generator")
+        # float64 holds every field exactly (keys < 2**32, indices and top_k are small integers).
+        packed = torch.tensor(
+            [
+                [row, params[row].temperature, params[row].top_k, params[row].top_p, *generators[row].keys, draws[row]]
+                for row in drawing
+            ],
+            dtype=torch.float64,
+        )
+        packed = to_device(packed, device)
+        ints = packed[:, [0, 2, 4, 5, 6]].long()
+        return cls(
+            len(params),
+            drawing_rows=ints[:, 0],
+            temperature=packed[:, 1].float(),
+            top_k=ints[:, 1],
+            top_p=packed[:, 3].float(),
+            keys=ints[:, 2:4],
+            draws=ints[:, 4],
+        )
 
 
 def filtered_probs(
@@ -132,43 +250,36 @@ def filtered_probs(
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [n, V] with that row's parameters and generator.
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [n, V] with the rows' parameters (:class:`SamplingRows`).
 
-    Greedy rows take the argmax (first on ties) and draw nothing. Other rows draw one uniform
-    number from their generator (the default generator when None) and invert the cumulative
-    distribution of :func:`filtered_probs`. Returns int64 token ids [n].
+    Greedy rows take the argmax (first on ties) and draw nothing. The others invert the
+    cumulative distribution of :func:`filtered_probs` at their :func:`counter_uniforms` number.
+    Runs on the logits' device without reading anything back. Returns int64 token ids [n].
     """
-    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+    if logits.dim() != 2 or logits.shape[0] != rows.num_rows:
         raise SamplingInputError(
-            f"sample needs logits [n, V] with one SamplingParams and one generator (or None) per row; got "
-            f"logits of shape {tuple(logits.shape)}, {len(params)} params and {len(generators)} generators"
+            f"sample needs logits [n, V] with one row of parameters per logits row; got logits of shape "
+            f"{tuple(logits.shape)} and {rows.num_rows} rows of parameters"
         )
     tokens = logits.argmax(dim=-1)
-    rows = [row for row, p in enumerate(params) if not p.greedy]
-    if not rows:
+    if rows.drawing_rows is None:
         return tokens
-    device = logits.device
-    chosen = [params[row] for row in rows]
-    probs = filtered_probs(
-        logits[torch.tensor(rows, device=device)],
-        torch.tensor([p.temperature for p in chosen], device=device),
-        torch.tensor([p.top_k for p in chosen], device=device),
-        torch.tensor([p.top_p for p in chosen], device=device),
-    )
-    uniforms = torch.stack([_uniform(generators[row], device) for row in rows])
+    probs = filtered_probs(logits.index_select(0, rows.drawing_rows), rows.temperature, rows.top_k, rows.top_p)
     cdf = probs.double().cumsum(dim=-1)
-    targets = (uniforms.double() * cdf[:, -1])[:, None]
+    targets = (counter_uniforms(rows.keys, rows.draws) * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
-    tokens[torch.tensor(rows, device=device)] = picked
-    return tokens
+    return tokens.index_copy(0, rows.drawing_rows, picked)
 
 
-def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    draw_device = generator.device if generator is not None else device
-    return torch.rand((), generator=generator, device=draw_device).to(device)
+class LogitsProcessor(Protocol):
+    """A per-request change of the logits before sampling (grammar masks, logit bias,
+    penalties, min_tokens): called with the sampling rows' fp32 logits ``[n, V]`` (a copy the
+    engine owns; change it in place, on its device, e.g. by adding a batched bias or mask
+    tensor, without reading values back to the host) and the request id of each row. Log-probs
+    are those of the model's logits, taken before processors run."""
+
+    def __call__(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None: ...
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -26,19 +26,24 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
+    AsyncSaver,
     CheckpointingError,
+    CorruptCheckpointError,
+    adopt_untracked,
     iteration_dir,
     load,
     read_latest_iteration,
-    save,
-    write_latest_iteration,
+    read_metadata,
+    save_iteration,
+    verify_files,
 )
-from megatron.core.dist_checkpointing.core import write_file_atomically
+from megatron.core.dist_checkpointing.dist_utils import on_coordinator
+from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_json
 from megatron.core.dist_checkpointing.model_state import load_model_pieces
+from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.hybrid import HybridModel
@@ -326,14 +331,36 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 def read_model_record(path: str) -> ModelRecord:
     """The record of the checkpoint at ``path`` (root or iteration directory); a plain JSON
-    read. Its tokenizer path is resolved to where the checkpoint is now."""
+    read. Its tokenizer path is resolved to where the checkpoint is now. A record that does not
+    parse, or tokenizer files that differ from those published with the checkpoint (which the
+    tokenizer library would fail on with errors of its own), raise CorruptCheckpointError naming
+    the file."""
     checkpoint_dir = resolve_checkpoint_dir(path)
-    with open(os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME), encoding="utf-8") as f:
-        data = json.load(f)
-    record = ModelRecord.from_dict(data)
+    record_path = os.path.join(checkpoint_dir, MODEL_RECORD_FILENAME)
+    data = read_json(record_path)
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{record_path} must hold a JSON object, found a {type(data).__name__}")
+    try:
+        record = ModelRecord.from_dict(data)
+    except MegatronError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptCheckpointError(f"{record_path} is malformed: {type(err).__name__}: {err}") from err
     if data["version"] > 1 and record.tokenizer is not None:
         record = record.replace(tokenizer=record.tokenizer.located(checkpoint_dir))
+    _verify_tokenizer_files(checkpoint_dir)
     return record
+
+
+def _verify_tokenizer_files(checkpoint_dir: str) -> None:
+    """Check the tokenizer's files against the lengths and checksums the metadata recorded when
+    they were published with the checkpoint (older checkpoints do not list them; a directory
+    without metadata is refused by the weight load). The record itself is only parsed: it is
+    plain JSON meant to be read, and its parse errors already name what is wrong."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME)):
+        return
+    metadata = read_metadata(checkpoint_dir)
+    verify_files(checkpoint_dir, metadata, [n for n in metadata.files if n.startswith(f"{TOKENIZER_DIRNAME}/")])
 
 
 def _stored_record(record: ModelRecord) -> ModelRecord:
@@ -343,29 +370,45 @@ def _stored_record(record: ModelRecord) -> ModelRecord:
     return record.replace(tokenizer=record.tokenizer.stored(TOKENIZER_DIRNAME))
 
 
-def save_model_checkpoint(sharded_state_dict: dict, root: str, iteration: int, record: ModelRecord) -> str:
+def save_model_checkpoint(
+    sharded_state_dict: dict,
+    root: str,
+    iteration: int,
+    record: ModelRecord,
+    *,
+    async_saver: AsyncSaver | None = None,
+    on_saved: Callable[[], None] | None = None,
+) -> str:
     """Collectively save ``sharded_state_dict`` as iteration ``iteration`` of ``root`` with the
     model ``record``: the record in the common state and as ``model_config.json``, the
-    tokenizer's files copied into ``tokenizer/``; then move the tracker (so it only ever
-    names directories that are complete). Returns the iteration directory."""
+    tokenizer's files in ``tokenizer/``, all published at once with the shards; then move the
+    tracker (so it only ever names directories that are complete). An earlier save of this
+    iteration interrupted before the tracker moved is adopted or replaced (see
+    :func:`megatron.core.dist_checkpointing.save_iteration`, which also explains
+    ``async_saver`` and ``on_saved``). Returns the iteration directory."""
     tokenizer_files = record.tokenizer.files() if record.tokenizer is not None else []  # every rank: fail alike
     stored = _stored_record(record)
-    path = iteration_dir(root, iteration)
-    save({**sharded_state_dict, "model_config": stored.to_dict()}, path)
-    if dist.get_rank() == 0:
-        if tokenizer_files:
-            os.makedirs(os.path.join(path, TOKENIZER_DIRNAME))
-        for source in tokenizer_files:
-            with open(source, "rb") as f:
-                write_file_atomically(os.path.join(path, TOKENIZER_DIRNAME, os.path.basename(source)), f.read())
-        write_file_atomically(
-            os.path.join(path, MODEL_RECORD_FILENAME), json.dumps(stored.to_dict(), indent=1).encode()
-        )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_latest_iteration(root, iteration)
-    dist.barrier()
-    return path
+    files = {MODEL_RECORD_FILENAME: json.dumps(stored.to_dict(), indent=1).encode()}
+    for source in tokenizer_files:
+        with open(source, "rb") as f:
+            files[f"{TOKENIZER_DIRNAME}/{os.path.basename(source)}"] = f.read()
+    return save_iteration(
+        {**sharded_state_dict, "model_config": stored.to_dict()},
+        root,
+        iteration,
+        files=files,
+        required_files=(MODEL_RECORD_FILENAME,),
+        async_saver=async_saver,
+        on_saved=on_saved,
+    )
+
+
+def adopt_untracked_checkpoints(root: str) -> int | None:
+    """Before saving into ``root``: verify every iteration newer than its tracker and move the
+    tracker to the newest complete one (see :func:`megatron.core.dist_checkpointing.adopt_untracked`;
+    a complete one holds ``model_config.json``). Collective over the world; returns the
+    tracker's iteration."""
+    return on_coordinator(lambda: adopt_untracked(root, required_files=(MODEL_RECORD_FILENAME,)), None)
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> str:

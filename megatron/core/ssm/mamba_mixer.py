@@ -6,7 +6,8 @@ RMSNorm normalizes per group, and ``out_proj`` (row parallel) reduces over TP. W
 the two projections is picked by the backend switch (:mod:`backends`): the torch reference, or
 on CUDA one fused Triton path for training (:mod:`mixer_triton`). GTP sharding of the two
 projections comes from the parallel linears; ``A_log``, ``D``, ``dt_bias``, the conv and the
-norm weight are whole on every GTP peer (``gtp_sharded = False``).
+norm weight are whole on every GTP peer (``gtp_sharded = False``). Under context parallelism
+the sequence path runs on whole sequences of ``1/cp`` of the heads (:mod:`mamba_heads`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from megatron.core.ssm.backends import MixerWeights, get_ssm_backend
 from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.sharding import create_parallel_parameter
+from megatron.core.transformer.context_parallel import ContextParallelConfigError, cp_size_of
+from megatron.core.transformer.context_parallel.mamba_heads import MambaContextParallel
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 
 # Initialization of the time step (Mamba-2's defaults): dt ~ log-uniform in [DT_MIN, DT_MAX],
@@ -202,6 +205,7 @@ class MambaMixer(nn.Module):
         self.dims = dims = MambaDims.from_config(config, self.pg_collection.size("tp"))
         self.ssm_backend = ssm_backend
         pg = self.pg_collection
+        self.context_parallel = MambaContextParallel(dims, pg.cp) if cp_size_of(pg) > 1 else None
 
         self.in_proj = ColumnParallelLinear(
             dims.hidden_size,
@@ -248,8 +252,14 @@ class MambaMixer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, inference_context: MambaInferenceContext | None = None):
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, local z|x|B|C|dt]
         backend = get_ssm_backend(hidden_states.device, self.ssm_backend)
-        if inference_context is None:
-            y = backend.mix(zxbcdt, self.weights(), self.dims, self.config.mamba_chunk_size, self.norm.eps)
+        cp, chunk_size, eps = self.context_parallel, self.config.mamba_chunk_size, self.norm.eps
+        if inference_context is None and cp is not None:
+            heads = cp.sequence_to_heads(zxbcdt)
+            y = cp.heads_to_sequence(backend.mix(heads, cp.weights(self.weights()), cp.head_dims, chunk_size, eps))
+        elif inference_context is None:
+            y = backend.mix(zxbcdt, self.weights(), self.dims, chunk_size, eps)
+        elif cp is not None:
+            raise ContextParallelConfigError("Mamba inference runs at context_parallel_size=1")
         else:
             y = self._inference(backend, zxbcdt, inference_context)
         return self.out_proj(y)

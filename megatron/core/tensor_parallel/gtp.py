@@ -87,24 +87,38 @@ class _GatherGTPWeight(torch.autograd.Function):
 
 
 class _LinearWithGTPWeight(torch.autograd.Function):
-    """``x @ W.T`` where W is gathered from GTP shards; backward re-gathers W instead of saving it."""
+    """``x @ W.T`` where W is gathered from GTP shards; backward re-gathers W instead of saving it.
+    With a ``compute_dtype`` the GEMMs run on operands cast to it (gradients returned in the
+    operands' dtypes)."""
 
     @staticmethod
-    def forward(ctx, x, shard, group, rows, grad_scale):
+    def forward(ctx, x, shard, group, rows, grad_scale, compute_dtype):
         ctx.save_for_backward(x, shard)
-        ctx.group, ctx.rows, ctx.grad_scale = group, rows, grad_scale
-        return torch.matmul(x, gather_weight(shard, group, rows).t())
+        ctx.group, ctx.rows, ctx.grad_scale, ctx.compute_dtype = group, rows, grad_scale, compute_dtype
+        weight = gather_weight(shard, group, rows)
+        if compute_dtype is not None:
+            x, weight = x.to(compute_dtype), weight.to(compute_dtype)
+        return torch.matmul(x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_out):
         x, shard = ctx.saved_tensors
+        dtype = ctx.compute_dtype
         grad_x = grad_shard = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad_out, gather_weight(shard, ctx.group, ctx.rows))
+            weight = gather_weight(shard, ctx.group, ctx.rows)
+            if dtype is None:
+                grad_x = torch.matmul(grad_out, weight)
+            else:
+                grad_x = torch.matmul(grad_out.to(dtype), weight.to(dtype)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.matmul(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            grad_rows, rows = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+            if dtype is None:
+                grad_w = torch.matmul(grad_rows.t(), rows)
+            else:
+                grad_w = torch.matmul(grad_rows.to(dtype).t(), rows.to(dtype)).to(shard.dtype)
             grad_shard = reduce_scatter_grad(grad_w, ctx.group, ctx.grad_scale)
-        return grad_x, grad_shard, None, None, None
+        return grad_x, grad_shard, None, None, None, None
 
 
 def gather_gtp_weight(shard: torch.Tensor, group, rows: int, grad_scale: float) -> torch.Tensor:
@@ -116,6 +130,9 @@ def gather_gtp_weight(shard: torch.Tensor, group, rows: int, grad_scale: float) 
     return _GatherGTPWeight.apply(shard, group, rows, grad_scale)
 
 
-def linear_with_gtp_weight(x: torch.Tensor, shard: torch.Tensor, group, rows: int, grad_scale: float) -> torch.Tensor:
-    """``x @ W.T`` (no bias) with W the gathered GTP weight of ``rows`` true rows."""
-    return _LinearWithGTPWeight.apply(x, shard, group, rows, grad_scale)
+def linear_with_gtp_weight(
+    x: torch.Tensor, shard: torch.Tensor, group, rows: int, grad_scale: float, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x @ W.T`` (no bias) with W the gathered GTP weight of ``rows`` true rows, computed in
+    ``compute_dtype`` when given (e.g. fp32 from bf16 operands)."""
+    return _LinearWithGTPWeight.apply(x, shard, group, rows, grad_scale, compute_dtype)

@@ -45,13 +45,57 @@ def _gtp_gather_args(weight: torch.Tensor, pg_collection, config) -> dict | None
     return dict(group=pg_collection.gtp, rows=weight.gtp_rows, grad_scale=scale)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, pg_collection, config) -> torch.Tensor:
-    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded);
-    in the inference forward's batch-invariant mode, rows independent of the row count."""
+def widens(output_dtype: torch.dtype | None, input_dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``input_dtype`` operands must compute in ``output_dtype`` (wider)."""
+    return output_dtype is not None and torch.finfo(output_dtype).bits > torch.finfo(input_dtype).bits
+
+
+class _LinearInDtype(torch.autograd.Function):
+    """``x @ W.T`` of low-precision operands computed in a wider ``dtype``: the products and the
+    sum are formed in it and the result is written in it, never rounded to the operands' dtype
+    (on CUDA one GEMM with a wide output; elsewhere a GEMM of the operands cast up). The
+    operands are saved in their own dtype; the gradients are computed in ``dtype`` and returned
+    in the operands' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        rows = x.reshape(-1, x.shape[-1])
+        if x.is_cuda and x.dtype == weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
+            out = torch.mm(rows, weight.t(), out_dtype=dtype)  # cuBLAS: fp32 accumulation and output
+        else:
+            out = torch.mm(rows.to(dtype), weight.to(dtype).t())
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad, weight.to(ctx.dtype)).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad.t(), x.reshape(-1, x.shape[-1]).to(ctx.dtype)).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, pg_collection, config, output_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded),
+    in ``output_dtype`` when given: computed in it when it is wider than the operands, cast to
+    it otherwise; in the inference forward's batch-invariant mode, rows independent of the row
+    count."""
     gtp_args = _gtp_gather_args(weight, pg_collection, config)
-    if gtp_args is None:
-        return invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
-    return gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args)
+    compute_dtype = output_dtype if widens(output_dtype, x.dtype) else None
+    if gtp_args is not None:
+        out = gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args, compute_dtype=compute_dtype)
+    elif compute_dtype is not None:
+        out = _LinearInDtype.apply(x, weight, compute_dtype)
+    else:
+        out = invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
+    return out if output_dtype is None else out.to(output_dtype)
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -66,7 +110,9 @@ class ColumnParallelLinear(torch.nn.Module):
     ``output_partition_sizes``: global sizes of packed parts of the output (Q,K,V; Mamba
     z,x,B,C,dt); each part is split over TP on its own, so each rank's output is the
     concatenation of its slice of every part. With ``config.sequence_parallel`` the input is
-    ``[s/tp, b, h]`` and is all-gathered on dim 0. ``forward(x) -> (output, output_bias)``, where
+    ``[s/tp, b, h]`` and is all-gathered on dim 0. ``output_dtype`` (Megatron's): the dtype the
+    GEMM writes, e.g. fp32 logits from bf16 weights and activations, accumulated in fp32 and
+    never rounded to bf16 (None: the input's). ``forward(x) -> (output, output_bias)``, where
     ``output_bias`` is the (TP-local) bias when ``skip_bias_add`` and None otherwise.
     """
 
@@ -82,11 +128,13 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_bias_add: bool = False,
         output_partition_sizes: Sequence[int] | None = None,
         pg_collection=None,
+        output_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         _check_sizes(input_size=input_size, output_size=output_size)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
+        self.output_dtype = output_dtype
         self.tp_group = self.pg_collection.tp  # read once: forward passes stay traceable by torch.compile
         tp = self.pg_collection.size("tp")
         if output_partition_sizes is not None:
@@ -133,12 +181,13 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, tp_group)
         add_bias = self.bias is not None and not self.skip_bias_add
-        fuse_bias = add_bias and not self.weight.gtp_sharded and fused_backend("linear_bias", x.device) == "triton"
-        if fuse_bias:  # the bias is added in the GEMM's epilogue (the batch-invariant GEMM's in that mode)
+        fuse_bias = add_bias and self.output_dtype is None and not self.weight.gtp_sharded
+        if fuse_bias and fused_backend("linear_bias", x.device) == "triton":
+            # the bias is added in the GEMM's epilogue (the batch-invariant GEMM's in that mode)
             linear = invariant_linear if is_batch_invariant() else F.linear
             out = linear(x, self.weight, self.bias)
         else:
-            out = _linear(x, self.weight, self.pg_collection, self.config)
+            out = _linear(x, self.weight, self.pg_collection, self.config, self.output_dtype)
             if add_bias:
                 out = out + self.bias
         if self.gather_output:

@@ -2,11 +2,11 @@
 
 from megatron.core.transformer.attention import (
     AttentionInferenceContext,
-    ContextParallelNotSupportedError,
     DotProductAttention,
     SelfAttention,
     SelfAttentionSubmodules,
 )
+from megatron.core.transformer.context_parallel import ContextParallelConfigError
 from megatron.core.transformer.mlp import MLP, MLPSubmodules, gelu_tanh
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 __all__ = [
     "AttentionInferenceContext",
-    "ContextParallelNotSupportedError",
+    "ContextParallelConfigError",
     "DotProductAttention",
     "SelfAttention",
     "SelfAttentionSubmodules",

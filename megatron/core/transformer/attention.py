@@ -22,14 +22,13 @@ from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.context_parallel import ContextParallelConfigError, cp_size_of
+from megatron.core.transformer.context_parallel.block_attention import get_block_attention
+from megatron.core.transformer.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 from megatron.core.transformer.spec import build_module
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
-
-
-class ContextParallelNotSupportedError(ConfigError):
-    """Context parallelism (CP > 1) was requested; attention does not split sequences yet."""
 
 
 @runtime_checkable
@@ -46,20 +45,16 @@ class AttentionInferenceContext(Protocol):
     ) -> torch.Tensor: ...
 
 
-def check_no_context_parallel(config: TransformerConfig, pg_collection: ProcessGroupCollection) -> None:
-    """Raise ContextParallelNotSupportedError when the config or the collection has CP > 1."""
-    cp_groups = pg_collection.size("cp") if pg_collection.has("cp") else 1
-    if config.context_parallel_size > 1 or cp_groups > 1:
-        raise ContextParallelNotSupportedError(
-            f"context parallelism is not supported yet (context_parallel_size={config.context_parallel_size}, "
-            f"cp group size={cp_groups}); use context_parallel_size=1"
-        )
-
-
 class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [s, b, heads, d] inputs with torch SDPA; GQA by sharing
     each key/value group among ``heads / groups`` consecutive query heads (SDPA's
-    ``enable_gqa``: the kernels read the shared heads, nothing is repeated in memory)."""
+    ``enable_gqa``: the kernels read the shared heads, nothing is repeated in memory).
+
+    Under context parallelism (a ``cp`` group of size > 1 in ``pg_collection``) the inputs hold
+    this CP rank's load-balanced chunks of the sequence and attention runs over the whole
+    sequence with ``config.cp_comm_type`` (:mod:`context_parallel.ring_attention`); it must
+    be causal, without an explicit mask or attention dropout.
+    """
 
     def __init__(
         self,
@@ -67,12 +62,20 @@ class DotProductAttention(nn.Module):
         layer_number: int,
         attn_mask_type: str = "causal",
         softmax_scale: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
+        self.cp_group = None
+        if pg_collection is not None and cp_size_of(pg_collection) > 1:
+            if attn_mask_type != "causal":
+                raise ContextParallelConfigError(
+                    f"context parallelism needs causal attention, got attn_mask_type={attn_mask_type!r}"
+                )
+            self.cp_group = pg_collection.cp
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -81,6 +84,8 @@ class DotProductAttention(nn.Module):
         to [b, heads, s_q, s_k]) replaces the causal mask when given."""
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if self.cp_group is not None:
+            return self._context_parallel(q, k, v, attention_mask).permute(2, 0, 1, 3).reshape(s, b, heads * d)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         causal = attention_mask is None and self.attn_mask_type == "causal"
@@ -97,6 +102,15 @@ class DotProductAttention(nn.Module):
                 enable_gqa=k.shape[1] != heads,
             )
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def _context_parallel(self, q, k, v, attention_mask):
+        if attention_mask is not None:
+            raise ContextParallelConfigError(
+                "context parallelism takes no explicit attention_mask (causal attention over the sharded sequence)"
+            )
+        scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        kernel = get_block_attention(q.device, q.dtype)
+        return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale, kernel)
 
 
 @dataclass
@@ -121,7 +135,6 @@ class SelfAttention(nn.Module):
     ):
         super().__init__()
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_context_parallel(config, pg_collection)
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ConfigError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
         tp = pg_collection.size("tp")
@@ -143,7 +156,9 @@ class SelfAttention(nn.Module):
             output_partition_sizes=[q_size, kv_size, kv_size],
             pg_collection=pg_collection,
         )
-        self.core_attention = build_module(submodules.core_attention, config, layer_number, attn_mask_type)
+        self.core_attention = build_module(
+            submodules.core_attention, config, layer_number, attn_mask_type, pg_collection=pg_collection
+        )
         self.linear_proj = build_module(
             submodules.linear_proj,
             q_size,

@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (
     init_rng_scope,
     scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.context_parallel.sharding import cp_size_of, on_whole_sequence
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
@@ -51,19 +52,30 @@ def get_mtp_block_spec(transformer_layer_spec: Any) -> ModuleSpec:
     )
 
 
-def roll_left(tokens: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
-    """``out[:, t] = tokens[:, t + shift]``; the last ``shift`` positions get ``fill``."""
-    out = torch.full_like(tokens, fill)
-    if shift < tokens.shape[1]:
-        out[:, : tokens.shape[1] - shift] = tokens[:, shift:]
-    return out
+def roll_left(tokens: torch.Tensor, shift: int, fill: int = 0, cp_group=None) -> torch.Tensor:
+    """``out[:, t] = tokens[:, t + shift]``; the last ``shift`` positions get ``fill``. Under
+    context parallelism (``cp_group``) ``tokens`` is this rank's part of the sequence and
+    ``t`` a global position (see :func:`~megatron.core.transformer.context_parallel.sharding.on_whole_sequence`)."""
+
+    def roll(whole):
+        out = torch.full_like(whole, fill)
+        if shift < whole.shape[1]:
+            out[:, : whole.shape[1] - shift] = whole[:, shift:]
+        return out
+
+    return on_whole_sequence(roll, tokens, cp_group)
 
 
-def shifted_target_mask(labels: torch.Tensor, shift: int) -> torch.Tensor:
-    """[b, s] float mask: 1 where position t has a depth-``shift`` target (t + shift < s)."""
-    mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
-    mask[:, max(labels.shape[1] - shift, 0) :] = 0.0
-    return mask
+def shifted_target_mask(labels: torch.Tensor, shift: int, cp_group=None) -> torch.Tensor:
+    """[b, s] float mask: 1 where position t has a depth-``shift`` target (t + shift < s); under
+    context parallelism this rank's part of it."""
+
+    def mask_of(whole):
+        mask = torch.ones(whole.shape, dtype=torch.float32, device=whole.device)
+        mask[:, max(whole.shape[1] - shift, 0) :] = 0.0
+        return mask
+
+    return on_whole_sequence(mask_of, labels, cp_group)
 
 
 def combine_mtp_losses(
@@ -146,6 +158,8 @@ class MultiTokenPredictionBlock(nn.Module):
             with init_rng_scope(config, f"mtp{depth}"):
                 layers.append(MultiTokenPredictionLayer(config, submodules, depth, pg_collection))
         self.layers = nn.ModuleList(layers)
+        pg = resolve_pg_collection(pg_collection)
+        self.cp_group = pg.cp if cp_size_of(pg) > 1 else None
 
     def forward(
         self,
@@ -161,7 +175,7 @@ class MultiTokenPredictionBlock(nn.Module):
         slot t of every depth keeps position t."""
         outputs = []
         for depth, layer in enumerate(self.layers, start=1):
-            embedded = embedding(roll_left(input_ids, depth), position_ids)
+            embedded = embedding(roll_left(input_ids, depth, cp_group=self.cp_group), position_ids)
             hidden_states = layer(embedded, hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
             outputs.append(hidden_states)
         return outputs

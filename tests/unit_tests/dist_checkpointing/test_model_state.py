@@ -83,6 +83,7 @@ def _check_one_main_writer_per_chunk(records_by_rank):
         ("TP2xGTP2xDP2", 8, dict(tp=2, gtp=2)),
         ("TP2xPP2xDP2", 8, dict(tp=2, pp=2)),
         ("TP2xGTP2", 4, dict(tp=2, gtp=2)),
+        ("CP2xGTP2xDP2", 8, dict(cp=2, gtp=2)),
     ],
 )
 def test_every_chunk_of_gpt_hybrid_and_optimizer_has_one_main_writer(single_rank_keys, name, world, sizes):

@@ -173,7 +173,7 @@ def _fail_after_writing_on_rank1(root):
         }  # noqa: E731
 
     save_iteration(state(1.0), root, 1)
-    original = torch_dcp.ChecksummingFileSystemWriter.write_data
+    original = torch_dcp.HashingFileSystemWriter.write_data
 
     def write_then_die(self, plan, planner):
         future = original(self, plan, planner)
@@ -181,12 +181,12 @@ def _fail_after_writing_on_rank1(root):
             raise RuntimeError("disk full (simulated)")
         return future
 
-    torch_dcp.ChecksummingFileSystemWriter.write_data = write_then_die
+    torch_dcp.HashingFileSystemWriter.write_data = write_then_die
     try:
         with pytest.raises(CheckpointIOError) as err:  # a runtime fault, not a bad request
             save_iteration(state(2.0), root, 2)
     finally:
-        torch_dcp.ChecksummingFileSystemWriter.write_data = original
+        torch_dcp.HashingFileSystemWriter.write_data = original
     dist.barrier()
     survived = load_latest({"w": ShardedTensor("w", None, torch.float32, (4, 3), (4, 3), (0, 0), None)}, root)
     staging_left = os.path.isdir(iteration_dir(root, 2) + ".incomplete")
@@ -218,7 +218,8 @@ def test_corrupted_or_truncated_shard_fails_with_a_clear_error(tmp_path):
     open(shard, "wb").write(bytes(blob))
     with pytest.raises(
         CorruptCheckpointError,
-        match=rf"{shard} is corrupted: item 'w' \({chunk['length']} bytes at offset {chunk['offset']}\) has CRC32",
+        match=rf"{shard} is corrupted: item 'w' \({chunk['length']} bytes at offset {chunk['offset']}\) has XXH3_64 "
+        r"[0-9a-f]{16}, the checkpoint recorded XXH3_64 [0-9a-f]{16}$",
     ):
         load(request, path)
     open(shard, "wb").write(bytes(blob[: chunk["offset"] + 10]))

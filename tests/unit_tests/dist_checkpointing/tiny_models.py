@@ -17,10 +17,13 @@ VOCAB, SEQ, BATCH, HIDDEN = 100, 8, 2, 32
 HYBRID_PATTERN = "M*|M-"
 
 
-def layout(tp=1, pp=1, gtp=1):
+def layout(tp=1, pp=1, gtp=1, cp=1):
     """The world's collection for these sizes (DP fills the rest)."""
     return parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, generalized_tensor_parallel_size=gtp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        generalized_tensor_parallel_size=gtp,
+        context_parallel_size=cp,
     )
 
 
@@ -38,6 +41,7 @@ def gpt_config(pg, seed=1234, **extra) -> TransformerConfig:
         tensor_model_parallel_size=pg.size("tp"),
         pipeline_model_parallel_size=pg.size("pp"),
         generalized_tensor_parallel_size=pg.size("gtp"),
+        context_parallel_size=pg.size("cp"),
         init_seed=seed,
         **extra,
     )
@@ -73,6 +77,7 @@ def hybrid_config(pg, seed=1234) -> TransformerConfig:
         tensor_model_parallel_size=pg.size("tp"),
         pipeline_model_parallel_size=pg.size("pp"),
         generalized_tensor_parallel_size=pg.size("gtp"),
+        context_parallel_size=pg.size("cp"),
         init_seed=seed,
     )
 

@@ -1,5 +1,6 @@
 """Sampling: greedy is argmax, top-k/top-p masks on hand-made distributions, seeded rows are
-reproducible whatever their batch neighbours, frequencies match the softmax, bad params fail."""
+reproducible whatever their batch neighbours, frequencies match the softmax, the counter-based
+draws equal a pure-Python hash, bad params fail."""
 
 import math
 
@@ -7,9 +8,12 @@ import pytest
 import torch
 
 from megatron.core.inference.sampling import (
+    CounterGenerator,
     InvalidSamplingParamsError,
     SamplingInputError,
     SamplingParams,
+    SamplingRows,
+    counter_uniforms,
     filtered_probs,
     make_generator,
     prompt_logprobs,
@@ -28,13 +32,15 @@ def filtered(temperature=1.0, top_k=0, top_p=1.0, logits=LOGITS):
     return filtered_probs(logits[None], torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))[0]
 
 
+def rows(params, generators, draws):
+    return SamplingRows.build(params, generators, draws, "cpu")
+
+
 def test_greedy_is_argmax_and_draws_nothing():
     logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
-    generator = make_generator(3)
-    state = generator.get_state()
-    tokens = sample(logits, [SamplingParams(temperature=0, top_k=2, seed=3)] * 6, [generator] * 6)
-    assert torch.equal(tokens, logits.argmax(dim=-1))
-    assert torch.equal(generator.get_state(), state)
+    greedy = rows([SamplingParams(temperature=0, top_k=2, seed=3)] * 6, [None] * 6, range(6))
+    assert greedy.drawing_rows is None
+    assert torch.equal(sample(logits, greedy), logits.argmax(dim=-1))
 
 
 def test_top_k_keeps_the_k_most_likely_renormalized():
@@ -71,7 +77,7 @@ def test_tiny_temperature_is_finite():
 
 
 def draw_steps(logits_per_step, params, generator):
-    return [int(sample(step[None], [params], [generator])[0]) for step in logits_per_step]
+    return [int(sample(step[None], rows([params], [generator], [i]))[0]) for i, step in enumerate(logits_per_step)]
 
 
 def test_seeded_rows_are_reproducible_and_independent_of_batch_neighbours():
@@ -82,19 +88,53 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch_neighbours():
     neighbours = [SamplingParams(temperature=0), SamplingParams(seed=7), SamplingParams(top_p=0.5, seed=9)]
     for position in range(4):
         params = neighbours[:position] + [target] + neighbours[position:]
-        generators = [make_generator(p.seed) for p in params]
-        rows = (
+        generators = [make_generator(p.seed) if not p.greedy else None for p in params]
+        columns = (
             [steps[:, 1 + i] for i in range(position)] + [steps[:, 0]] + [steps[:, 1 + i] for i in range(position, 3)]
         )
-        batch = torch.stack(rows, dim=1)
-        in_batch = [int(sample(batch[s], params, generators)[position]) for s in range(len(steps))]
+        batch = torch.stack(columns, dim=1)
+        in_batch = []
+        for step_index in range(len(steps)):
+            draws = [step_index + 5 * (j + 1) for j in range(4)]  # neighbours generated other amounts so far
+            draws[position] = step_index
+            in_batch.append(int(sample(batch[step_index], rows(params, generators, draws))[position]))
         assert in_batch == alone
 
 
 def test_different_seeds_give_different_tokens():
     logits = torch.zeros(40, 1000)
-    tokens = {tuple(sample(logits, [SamplingParams(seed=s)] * 40, [make_generator(s)] * 40).tolist()) for s in (1, 2)}
+    tokens = {
+        tuple(sample(logits, rows([SamplingParams(seed=s)] * 40, [make_generator(s)] * 40, range(40))).tolist())
+        for s in (1, 2)
+    }
     assert len(tokens) == 2
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_counter_draws_are_the_documented_hash_and_the_state_is_the_seed():
+    generator = CounterGenerator(2**64 - 5)
+    draws = [0, 1, 7, 2**31 + 3]
+    keys = torch.tensor([generator.keys] * len(draws))
+    got = counter_uniforms(keys, torch.tensor(draws)).tolist()
+    k0, k1 = generator.keys
+    expected = []
+    for i in draws:  # pure-Python MurmurHash3 finalizer chain, 53 bits
+        high = _mix32(_mix32(i ^ k0) ^ k1)
+        low = _mix32(high ^ k0 ^ 0x9E3779B9)
+        expected.append(((high >> 6) * 2**27 + (low >> 5)) / 2**53)
+    assert got == expected and all(0 <= u < 1 for u in got)
+    copy = make_generator(None)
+    copy.set_state(generator.get_state())
+    assert (copy.seed, copy.keys) == (generator.seed, generator.keys)
+    many = counter_uniforms(keys[:1].expand(20_000, 2), torch.arange(20_000))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and many.unique().numel() == 20_000
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 0.9)])
@@ -102,7 +142,7 @@ def test_empirical_frequencies_match_the_filtered_softmax(temperature, top_k, to
     draws = 40_000
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     generator = make_generator(params.seed)
-    tokens = sample(LOGITS.expand(draws, -1), [params] * draws, [generator] * draws)
+    tokens = sample(LOGITS.expand(draws, -1), rows([params] * draws, [generator] * draws, range(draws)))
     frequencies = torch.bincount(tokens, minlength=5).float() / draws
     # Independent expectation from the hand-made probabilities.
     expected = PROBS ** (1 / temperature)
@@ -165,5 +205,9 @@ def test_stop_is_normalized_and_validated():
 
 
 def test_mismatched_inputs_are_refused():
-    with pytest.raises(SamplingInputError, match=r"got logits of shape \(2, 5\), 1 params and 1 generators"):
-        sample(torch.zeros(2, 5), [SamplingParams()], [None])
+    with pytest.raises(SamplingInputError, match=r"got logits of shape \(2, 5\) and 1 rows of parameters"):
+        sample(torch.zeros(2, 5), rows([SamplingParams(seed=1)], [make_generator(1)], [0]))
+    with pytest.raises(SamplingInputError, match="got 1, 1 and 2"):
+        rows([SamplingParams()], [None], [0, 1])
+    with pytest.raises(SamplingInputError, match="every row with temperature > 0 needs a generator"):
+        rows([SamplingParams()], [None], [0])

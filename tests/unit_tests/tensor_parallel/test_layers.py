@@ -294,6 +294,40 @@ def test_gather_output_with_packed_parts_skip_bias_add_and_row_input_scatter():
     assert run_distributed(_check_gather_output_skip_bias_and_full_input, 2) == [True, True]
 
 
+def _check_fp32_output_under_gtp():
+    pg = collection(gtp=2)
+    config = tp_config(bf16=True, params_dtype=torch.bfloat16)
+    with init_rng_scope(config, "col"):
+        layer = ColumnParallelLinear(
+            HIDDEN, 5, config=config, init_method=init_normal, bias=False, pg_collection=pg, output_dtype=torch.float32
+        )
+    layer.to(device())
+    assert layer.weight.gtp_sharded and layer.weight.dtype == torch.bfloat16
+    full = gather_full_parameter(layer.weight, pg).detach().cpu()  # the bf16 weight the GEMM sees
+    x, dout = make_data(data_seed(1), (SEQ, BATCH, HIDDEN), 5)
+    x = x.to(torch.bfloat16)
+    x_local = x.to(device()).requires_grad_(True)
+    out, _ = layer(x_local)
+    assert out.dtype == torch.float32
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference_w = full.clone().requires_grad_(True)
+    reference = torch.nn.functional.linear(reference_x.float(), reference_w.float())  # an fp32 GEMM of bf16 operands
+    close(out, reference.detach(), rtol=0, atol=0)
+    out.backward(dout.to(device()))
+    reference.backward(dout)
+    close(x_local.grad, reference_x.grad, rtol=0, atol=0)
+    peers = []
+    for seed in gtp_peer_seeds(pg, 1):
+        px, pd = make_data(seed, (SEQ, BATCH, HIDDEN), 5)
+        peers.append(pd.reshape(-1, 5).t() @ px.to(torch.bfloat16).float().reshape(-1, HIDDEN))
+    close(gather_full_grad(layer.weight, pg).float(), peer_reduce(peers, False), rtol=2e-2, atol=2e-2)
+    return True
+
+
+def test_fp32_output_dtype_under_gtp_is_an_fp32_gemm_of_the_gathered_bf16_weight():
+    assert run_distributed(_check_fp32_output_under_gtp, 2) == [True, True]
+
+
 def _check_bad_arguments():
     pg = collection(tp=2)
     config = tp_config(tensor_model_parallel_size=2)

@@ -76,7 +76,16 @@ def test_sequence_parallel_is_dropped_at_tp1():
         (["--lr-warmup-iters", "20"], 1, r"--lr-warmup-iters \(20\) must not exceed --lr-decay-iters \(10\)"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--finetune"], 1, "--finetune needs --load"),
-        (["--context-parallel-size", "2"], 2, "--context-parallel-size 2 is not supported"),
+        (
+            ["--context-parallel-size", "2"],
+            2,
+            r"--context-parallel-size 2 needs --attention-dropout 0 \(ring attention has no dropout\), got 0.1",
+        ),
+        (
+            ["--context-parallel-size", "3", "--attention-dropout", "0"],
+            3,
+            r"--seq-length \(16\) must be divisible by 2 x --context-parallel-size \(6\): each CP rank holds two",
+        ),
         (["--hybrid-layer-pattern", "M*"], 1, "--hybrid-layer-pattern is only valid for hybrid models"),
         (["--num-query-groups", "3"], 1, r"--num-attention-heads \(4\) must be divisible by --num-query-groups \(3\)"),
         (
@@ -96,6 +105,13 @@ def test_sequence_parallel_is_dropped_at_tp1():
 def test_invalid_combinations_fail_with_the_flags_named(extra, world, message):
     with pytest.raises(ArgumentError, match=message):
         parse_args(BASE + extra, world_size=world)
+
+
+def test_context_parallel_peers_share_micro_batches():
+    flags = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-dropout", "0"]
+    args = parse_args(BASE + flags, world_size=4)
+    assert (args.data_parallel_size, args.data_parallel_width) == (2, 2)  # DP 2 x GTP 1: CP peers share
+    assert parse_args(BASE, world_size=1).cp_comm_type == "p2p"
 
 
 def test_missing_required_flag_is_named():

@@ -2,13 +2,11 @@
 
 import math
 
-import pytest
 import torch
 
 from megatron.core.config import TransformerConfig
 from megatron.core.transformer.attention import (
     AttentionInferenceContext,
-    ContextParallelNotSupportedError,
     SelfAttention,
     SelfAttentionSubmodules,
 )
@@ -74,12 +72,6 @@ def test_inference_context_supplies_the_attention(pg):
     out, _ = attn(torch.randn(S, 1, H), inference_context=context)
     assert context.call == (7, (S, 1, HEADS, D), (S, 1, GROUPS, D), (S, 1, GROUPS, D))
     torch.testing.assert_close(out, torch.ones(S, 1, H) @ attn.linear_proj.weight.t())
-
-
-@on_single_rank
-def test_context_parallel_is_rejected(pg):
-    with pytest.raises(ContextParallelNotSupportedError, match="context_parallel_size=2"):
-        SelfAttention(config(context_parallel_size=2), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
 
 
 def test_gqa_through_enable_gqa_has_the_gradients_of_repeated_heads():

@@ -1,23 +1,30 @@
 """Writing and reading sharded pieces through torch.distributed.checkpoint (DCP).
 
 Save: every piece a rank writes becomes a DCP ``SHARD`` write item of the global tensor named
-by its key, with its global offset and shape as chunk metadata. DCP's ``FileSystemWriter``
-stores the bytes and its coordinator writes the ``.metadata`` that torch's own tooling
-(``format_utils.dcp_to_torch_save``, ``dcp.load`` with a plain state dict) understands.
-The writer below also records a CRC32 of every item it wrote.
+by its key, with its global offset and shape as chunk metadata; DCP plans the save and its
+coordinator writes the ``.metadata`` that torch's own tooling (``format_utils.dcp_to_torch_save``,
+``dcp.load`` with a plain state dict) understands. The storage writer below lays each item out
+as DCP's ``FileSystemWriter`` does, a ``torch.save`` archive of the tensor (so torch's readers
+still open it), but writes it in one pass: ``torch.save`` under ``skip_data`` writes the archive's
+records around a reserved gap, which the writer fills with the tensor's raw bytes in large
+sequential writes, hashing everything as it goes (never re-reading the file). It records where
+each item landed, where its raw bytes start and their checksum. (The zip CRC fields of the data
+records stay zero, as with ``skip_data``: the checksum in our metadata is the integrity check.)
 
 Load: a planner turns each requested box into DCP read items against the stored chunks
 (resharding to any layout); the reader below reads only byte ranges named in our JSON
-metadata, checks their length and CRC32, and decodes them with
-``torch.load(weights_only=True)``. DCP's pickled ``.metadata`` is never read.
+metadata, straight into the destination tensor when a read covers a whole stored chunk of the
+same dtype (else into one scratch tensor), verifying length and checksum on the way. Format 1
+items (no recorded data offset) are decoded with ``torch.load(weights_only=True)``. DCP's
+pickled ``.metadata`` is never read.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -36,14 +44,24 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
 from megatron.core.dist_checkpointing import dist_utils
+from megatron.core.dist_checkpointing.checksums import Checksum, new_hasher
+from megatron.core.dist_checkpointing.core import reached
 from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError, CorruptCheckpointError
 from megatron.core.dist_checkpointing.metadata import StoredSlice, StoredTensor
+from megatron.core.dist_checkpointing.strategies.stream_io import (
+    SequentialWriter,
+    StreamIO,
+    hash_range,
+    read_into,
+    read_small,
+)
 
 PieceIndex = tuple[str, tuple[int, ...]]  # (DCP fqn, global offset)
+FILE_SUFFIX = ".distcp"
 
 
 @dataclass
@@ -54,6 +72,15 @@ class PieceWrite:
     tensor: torch.Tensor
     global_offset: tuple[int, ...]
     global_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredPiece:
+    """A stored item as the reader needs it: where its bytes are, its dtype and chunk shape."""
+
+    slice: StoredSlice
+    dtype: str
+    shape: tuple[int, ...]
 
 
 class _PieceSavePlanner(DefaultSavePlanner):
@@ -87,40 +114,73 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
 
-def _crc32_of_file_range(stream, offset: int, length: int) -> int:
-    stream.seek(offset)
-    crc, remaining = 0, length
-    while remaining:
-        block = stream.read(min(remaining, 64 << 20))
-        if not block:
-            break
-        crc = zlib.crc32(block, crc)
-        remaining -= len(block)
-    return crc
+class _ItemStream:
+    """The file ``torch.save`` writes one item into: records go to the writer, and the gap that
+    ``skip_data`` reserves for the tensor's bytes (a relative seek) is filled with them."""
+
+    def __init__(self, writer: SequentialWriter, tensor: torch.Tensor, hasher):
+        self._writer, self._tensor, self._hasher = writer, tensor, hasher
+        self.data_position: int | None = None
+
+    def write(self, data) -> int:
+        self._writer.write_small(data, self._hasher)
+        return memoryview(data).nbytes
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        nbytes = self._tensor.numel() * self._tensor.element_size()
+        if whence != os.SEEK_CUR or offset != nbytes or self.data_position is not None:
+            raise CheckpointIOError(
+                f"torch.save reserved {offset} bytes (whence {whence}) for a tensor of {nbytes} bytes; this torch "
+                "version lays archives out differently than this writer expects"
+            )
+        self.data_position = self._writer.position
+        self._writer.write_tensor(self._tensor, self._hasher)
+        return self._writer.position
+
+    def flush(self) -> None:
+        pass
 
 
-class ChecksummingFileSystemWriter(FileSystemWriter):
-    """DCP's file writer that afterwards records a CRC32 of every item this rank wrote
-    (``self.written``: piece index -> StoredSlice)."""
+def write_item(writer: SequentialWriter, tensor: torch.Tensor) -> tuple[int, int, Checksum]:
+    """Append ``tensor`` to ``writer``'s file as a ``torch.save`` archive; returns the item's
+    length, where its raw bytes start inside it, and its checksum."""
+    source = tensor.detach()
+    if not source.is_contiguous():
+        source = source.contiguous()
+    start, hasher = writer.position, new_hasher()
+    stream = _ItemStream(writer, source, hasher)
+    with torch.serialization.skip_data():
+        torch.save(torch.empty(source.shape, dtype=source.dtype), stream)  # a CPU placeholder: never read
+    data_position = stream.data_position if stream.data_position is not None else writer.position
+    return writer.position - start, data_position - start, Checksum.of(hasher)
 
-    def __init__(self, path: str, thread_count: int = 1):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count, overwrite=True)
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """DCP's file writer with the one-pass item writes described in the module docstring: one
+    file per rank, fsynced; ``self.written`` maps piece index -> StoredSlice."""
+
+    def __init__(self, path: str):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.written: dict[PieceIndex, StoredSlice] = {}
 
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        results = future.wait()
-        by_file: dict[str, list] = {}
-        for result in results:
-            by_file.setdefault(result.storage_data.relative_path, []).append(result)
-        for relative_path, file_results in by_file.items():
-            with open(os.path.join(self.path, relative_path), "rb") as stream:
-                for result in file_results:
-                    info = result.storage_data
-                    crc = _crc32_of_file_range(stream, info.offset, info.length)
-                    self.written[(result.index.fqn, tuple(result.index.offset))] = StoredSlice(
-                        relative_path, info.offset, info.length, crc
-                    )
+    def write_data(self, plan: SavePlan, planner) -> Future:
+        relative_path = f"{plan.storage_data.prefix}0{FILE_SUFFIX}"
+        results = []
+        if plan.items:
+            with StreamIO() as stream_io:
+                writer = SequentialWriter(os.path.join(self.path, relative_path), stream_io)
+                try:
+                    for item in plan.items:
+                        start = writer.position
+                        length, data_offset, checksum = write_item(writer, planner.resolve_data(item))
+                        index = (item.index.fqn, tuple(item.index.offset))
+                        self.written[index] = StoredSlice(relative_path, start, length, checksum, data_offset)
+                        results.append(WriteResult(item.index, length, _StorageInfo(relative_path, start, length)))
+                        reached("item_written", str(self.path))
+                finally:
+                    writer.close(fsync=True)
+        future: Future = Future()
+        future.set_result(results)
         return future
 
 
@@ -161,13 +221,46 @@ class _PieceLoadPlanner(LoadPlanner):
         pass
 
 
-class VerifiedReader(StorageReader):
-    """Reads the byte ranges our JSON metadata names, checking length and CRC32 first."""
+def _torch_dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where} names an unknown dtype {name!r}")
+    return dtype
 
-    def __init__(self, checkpoint_dir: str, slices: dict[PieceIndex, StoredSlice]):
+
+def _check_checksum(hasher, stored: StoredSlice, path: str, what: str) -> None:
+    actual = Checksum.of(hasher, stored.checksum.algorithm)
+    if actual != stored.checksum:
+        raise CorruptCheckpointError(
+            f"{path} is corrupted: {what} ({stored.length} bytes at offset {stored.offset}) has {actual}, the "
+            f"checkpoint recorded {stored.checksum}"
+        )
+
+
+def _open_checkpoint_file(checkpoint_dir: str, relative_path: str) -> tuple[str, int]:
+    path = os.path.join(checkpoint_dir, relative_path)
+    try:
+        return path, os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing from the checkpoint") from None
+
+
+def _check_length(path: str, fd: int, stored: StoredSlice, what: str) -> None:
+    size = os.fstat(fd).st_size
+    if size < stored.offset + stored.length:
+        raise CorruptCheckpointError(
+            f"{path} is truncated: {what} needs {stored.length} bytes at offset {stored.offset}, found "
+            f"{max(0, size - stored.offset)}"
+        )
+
+
+class VerifiedReader(StorageReader):
+    """Reads the byte ranges our JSON metadata names (see the module docstring)."""
+
+    def __init__(self, checkpoint_dir: str, pieces: dict[PieceIndex, StoredPiece]):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
-        self._slices = slices
+        self._pieces = pieces
 
     def reset(self, checkpoint_id=None):
         pass
@@ -184,51 +277,100 @@ class VerifiedReader(StorageReader):
     def prepare_global_plan(self, plans):
         return plans
 
-    def _read_verified(self, stream, path: str, fqn: str, stored: StoredSlice) -> bytes:
-        stream.seek(stored.offset)
-        raw = stream.read(stored.length)
-        if len(raw) != stored.length:
-            raise CorruptCheckpointError(
-                f"{path} is truncated: item {fqn!r} needs {stored.length} bytes at offset {stored.offset}, "
-                f"found {len(raw)}"
-            )
-        crc = zlib.crc32(raw)
-        if crc != stored.crc32:
-            raise CorruptCheckpointError(
-                f"{path} is corrupted: item {fqn!r} ({stored.length} bytes at offset {stored.offset}) has CRC32 "
-                f"{crc:08x}, the checkpoint recorded {stored.crc32:08x}"
-            )
-        return raw
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         by_piece: dict[PieceIndex, list[ReadItem]] = {}
         for item in plan.items:
             by_piece.setdefault((item.storage_index.fqn, tuple(item.storage_index.offset)), []).append(item)
         by_file: dict[str, list[PieceIndex]] = {}
         for piece in by_piece:
-            by_file.setdefault(self._slices[piece].file, []).append(piece)
-        for relative_path, pieces in sorted(by_file.items()):
-            path = os.path.join(self.checkpoint_dir, relative_path)
-            try:
-                stream = open(path, "rb")
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{path} is missing from the checkpoint") from None
-            with stream:
-                for piece in sorted(pieces, key=lambda p: self._slices[p].offset):
-                    raw = self._read_verified(stream, path, piece[0], self._slices[piece])
-                    stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                    for item in by_piece[piece]:
-                        source = _narrow(stored, item.storage_offsets, item.lengths)
-                        target = planner.resolve_tensor(item).detach()
-                        target.copy_(source)
-                        planner.commit_tensor(item, target)
+            by_file.setdefault(self._pieces[piece].slice.file, []).append(piece)
+        with StreamIO() as stream_io:
+            for relative_path, pieces in sorted(by_file.items()):
+                path, fd = _open_checkpoint_file(self.checkpoint_dir, relative_path)
+                try:
+                    for piece in sorted(pieces, key=lambda p: self._pieces[p].slice.offset):
+                        stored = self._pieces[piece]
+                        what = f"item {piece[0]!r}"
+                        _check_length(path, fd, stored.slice, what)
+                        if stored.slice.data_offset is None:
+                            self._read_archive(fd, path, what, stored, by_piece[piece], planner)
+                        else:
+                            self._read_raw(stream_io, fd, path, what, stored, by_piece[piece], planner)
+                finally:
+                    os.close(fd)
         future: Future = Future()
         future.set_result(None)
         return future
 
+    @staticmethod
+    def _read_archive(fd, path, what, stored: StoredPiece, items, planner) -> None:
+        """Format 1: the whole item, verified, decoded by ``torch.load(weights_only=True)``."""
+        raw = read_small(fd, stored.slice.offset, stored.slice.length)
+        hasher = new_hasher(stored.slice.checksum.algorithm)
+        hasher.update(raw)
+        _check_checksum(hasher, stored.slice, path, what)
+        try:
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any decoding failure is a damaged item
+            raise CorruptCheckpointError(f"{path}: {what} does not decode: {type(err).__name__}: {err}") from None
+        for item in items:
+            planner.resolve_tensor(item).detach().copy_(_narrow(tensor, item.storage_offsets, item.lengths))
+
+    @staticmethod
+    def _read_raw(stream_io, fd, path, what, stored: StoredPiece, items, planner) -> None:
+        """Format 2: the archive's records are hashed, its raw tensor bytes are read into the
+        target itself when one read covers the whole chunk in its dtype, else into a scratch
+        tensor that the reads are copied from."""
+        stored_slice = stored.slice
+        dtype = _torch_dtype(stored.dtype, f"the metadata of {what}")
+        nbytes = math.prod(stored.shape) * dtype.itemsize
+        tail = stored_slice.length - stored_slice.data_offset - nbytes
+        if stored_slice.data_offset < 0 or tail < 0:
+            raise CorruptCheckpointError(
+                f"the metadata of {what} in {path} is inconsistent: {nbytes} data bytes at {stored_slice.data_offset} "
+                f"do not fit an item of {stored_slice.length} bytes"
+            )
+        target = planner.resolve_tensor(items[0]).detach() if len(items) == 1 else None
+        direct = (
+            target is not None
+            and target.dtype == dtype
+            and target.is_contiguous()
+            and tuple(target.shape) == tuple(stored.shape)
+            and not any(items[0].storage_offsets)
+        )
+        dest = target if direct else torch.empty(stored.shape, dtype=dtype)
+        hasher = new_hasher(stored_slice.checksum.algorithm)
+        start = stored_slice.offset
+        hasher.update(read_small(fd, start, stored_slice.data_offset))
+        read_into(stream_io, fd, start + stored_slice.data_offset, dest, hasher)
+        hasher.update(read_small(fd, start + stored_slice.data_offset + nbytes, tail))
+        _check_checksum(hasher, stored_slice, path, what)
+        if not direct:
+            for item in items:
+                planner.resolve_tensor(item).detach().copy_(_narrow(dest, item.storage_offsets, item.lengths))
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return os.path.isdir(checkpoint_id)
+
+
+def verify_slices(checkpoint_dir: str, slices: list[tuple[str, StoredSlice]]) -> None:
+    """Read every slice back and check its length and checksum (CorruptCheckpointError naming
+    the file and item at fault)."""
+    by_file: dict[str, list[tuple[str, StoredSlice]]] = {}
+    for what, stored in slices:
+        by_file.setdefault(stored.file, []).append((what, stored))
+    with StreamIO() as stream_io:
+        for relative_path, entries in sorted(by_file.items()):
+            path, fd = _open_checkpoint_file(checkpoint_dir, relative_path)
+            try:
+                for what, stored in sorted(entries, key=lambda e: e[1].offset):
+                    _check_length(path, fd, stored, what)
+                    hasher = new_hasher(stored.checksum.algorithm)
+                    hash_range(stream_io, fd, stored.offset, stored.length, hasher)
+                    _check_checksum(hasher, stored, path, what)
+            finally:
+                os.close(fd)
 
 
 def plan_box_reads(
@@ -267,12 +409,10 @@ def _failure_summary(exc: CheckpointException) -> tuple[str, BaseException | Non
     return "; ".join(parts), first
 
 
-def write_pieces(
-    checkpoint_dir: str, pieces: list[PieceWrite], process_group, thread_count: int = 1
-) -> dict[PieceIndex, StoredSlice]:
+def write_pieces(checkpoint_dir: str, pieces: list[PieceWrite], process_group) -> dict[PieceIndex, StoredSlice]:
     """Collectively write every rank's pieces into ``checkpoint_dir`` with DCP; return where
     this rank's pieces landed. A failure on any rank raises CheckpointIOError on every rank."""
-    writer = ChecksummingFileSystemWriter(checkpoint_dir, thread_count=thread_count)
+    writer = HashingFileSystemWriter(checkpoint_dir)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -290,7 +430,7 @@ def write_pieces(
 
 
 def read_pieces(
-    checkpoint_dir: str, items: list[ReadItem], targets: dict[str, torch.Tensor], slices: dict[PieceIndex, StoredSlice]
+    checkpoint_dir: str, items: list[ReadItem], targets: dict[str, torch.Tensor], pieces: dict[PieceIndex, StoredPiece]
 ) -> None:
     """Run ``items`` on this rank alone (no collectives), filling ``targets`` in place."""
     if not items:
@@ -300,7 +440,7 @@ def read_pieces(
         try:
             dcp.load(
                 {},
-                storage_reader=VerifiedReader(checkpoint_dir, slices),
+                storage_reader=VerifiedReader(checkpoint_dir, pieces),
                 planner=_PieceLoadPlanner(items, targets),
                 no_dist=True,
             )

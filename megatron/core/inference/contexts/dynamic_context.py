@@ -9,6 +9,11 @@ Request lifecycle (called by the engine; every call is all-or-nothing):
   allocates private blocks for the rest (reason ``admission``), and a Mamba slot, zeroed or
   restored from the snapshot of the last shared block.
 * :meth:`~DynamicInferenceContext.append_tokens` — record sampled tokens.
+* :meth:`~DynamicInferenceContext.append_pending_token` /
+  :meth:`~DynamicInferenceContext.resolve_pending_token` — overlapped steps: the next step is
+  built while the token it continues from is still being sampled on the device; a pending
+  token is read there from the previous step's sampled tokens, and is never hashed or cached
+  until resolved.
 * :meth:`~DynamicInferenceContext.append_draft_tokens` /
   :meth:`~DynamicInferenceContext.resolve_draft_tokens` — speculative drafts: computed like
   other tokens but never hashed or cached; after verification the rejected ones are dropped
@@ -26,7 +31,10 @@ Each step:
 1. ``batch = context.build_step([(request_id, num_new_tokens), ...], pad_to_tokens=None)``
    packs the requests' uncomputed tokens in order (prefill chunks and decode tokens mixed):
    ``batch.token_ids`` / ``batch.positions`` ``[padded_tokens]`` feed the model as ``[1, T]``,
-   so activations are ``[T, 1, h]``. Padding tokens write K/V to the dummy block.
+   so activations are ``[T, 1, h]``. Padding tokens write K/V to the dummy block. The batch's
+   tensors are views of preallocated buffers (:mod:`step_buffers`); ``pad_to_requests`` also
+   pads the request rows (decode steps of the static-buffer / CUDA-graph path: each padding
+   request has one token, attends the dummy block and uses the scratch Mamba slot).
 2. The model runs ``forward(..., inference_context=context)``. Two hooks:
 
    * **Attention**: ``context.store_kv_and_attend(layer_number, q, k, v)`` with this step's
@@ -68,8 +76,10 @@ from megatron.core.inference.contexts.errors import (
 )
 from megatron.core.inference.contexts.kv_cache import PagedKVCache
 from megatron.core.inference.contexts.mamba_slots import MambaSnapshotStore, MambaStateSlots
-from megatron.core.inference.contexts.paged_attention import paged_attention
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain
+from megatron.core.inference.contexts.step_attention import StepAttention
+from megatron.core.inference.contexts.step_buffers import StepBuffers
+from megatron.core.inference.host_copies import to_device
 from megatron.core.process_groups import ProcessGroupCollection
 
 
@@ -92,31 +102,51 @@ class RequestState:
     paused: bool = False
     # Trailing tokens that are speculative drafts (excluded from hashing and caching).
     num_draft_tokens: int = 0
+    # Row of this request in the context's block tables.
+    table_row: int = -1
+    # Overlapped steps: the last token is still being sampled (append_pending_token); its value
+    # is read on the device from row pending_source_row of the previous step's sampled tokens.
+    num_pending_tokens: int = 0
+    pending_source_row: int = -1
 
     @property
     def confirmed_tokens(self) -> list[int]:
-        return self.tokens[: len(self.tokens) - self.num_draft_tokens]
+        return self.tokens[: len(self.tokens) - self.num_draft_tokens - self.num_pending_tokens]
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    """The metadata of one forward step (``R`` requests, ``T`` padded tokens)."""
+    """The metadata of one forward step (``R`` request rows, ``T`` padded tokens).
 
-    request_ids: tuple
+    The tensors live on the context's device (views of its step buffers); the ``host_*`` fields
+    and ``decode_only`` are the same facts on the host, so nothing needs reading back. With
+    ``pad_to_requests`` the rows past the real requests are padding requests.
+    """
+
+    request_ids: tuple  # the real requests, in row order
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T], 0 for padding
     slot_mapping: torch.Tensor  # [T], cache slot of each token; padding -> dummy block
+    token_requests: torch.Tensor  # [T], request row of each token (padding tokens: row 0)
     query_lengths: torch.Tensor  # [R]
     cu_query_lengths: torch.Tensor  # [R + 1]
     kv_offsets: torch.Tensor  # [R], tokens already cached before this step
     kv_lengths: torch.Tensor  # [R], kv_offsets + query_lengths
     block_tables: torch.Tensor  # [R, max_blocks], padded with the dummy block
     mamba_slot_ids: torch.Tensor  # [R] on stages with Mamba layers, else empty
-    num_tokens: int  # real (unpadded) tokens
+    num_tokens: int  # tokens of request rows (real and padding requests); the rest is padding
+    host_query_lengths: tuple[int, ...]  # [R]
+    host_kv_offsets: tuple[int, ...]  # [R]
+    decode_only: bool  # every row has exactly one new token
 
     @property
     def num_padded_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """Request rows, padding requests included."""
+        return len(self.host_query_lengths)
 
 
 @dataclass(frozen=True)
@@ -197,8 +227,20 @@ class DynamicInferenceContext:
         self._mamba_index = {n: i for i, n in enumerate(spec.mamba_layer_numbers)}
         self._requests: dict[Hashable, RequestState] = {}
         self.step: StepBatch | None = None
+        self._step_attention: StepAttention | None = None
         self._step_mamba_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_deferred_registrations = 0
+        # Block tables: one row per request (its blocks, then the dummy block), kept on the host
+        # and updated as blocks come; the last row (all dummy) serves padding requests.
+        self.max_blocks_per_request = self.blocks_for_tokens(max_sequence_length)
+        rows = capacity.max_requests
+        self._host_tables = torch.full((rows + 1, self.max_blocks_per_request), self.pool.dummy_block_id)
+        self._padding_row = rows
+        self._free_rows = list(range(rows - 1, -1, -1))
+        # A step has at most max_tokens_per_step request rows (padding requests included).
+        self.step_buffers = StepBuffers(
+            max_tokens_per_step, max_tokens_per_step, self.max_blocks_per_request, self.device
+        )
 
     @classmethod
     def create(
@@ -250,6 +292,10 @@ class DynamicInferenceContext:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def find(self, request_id: Hashable) -> RequestState | None:
+        """The request's state, or None when it is not in the context."""
+        return self._requests.get(request_id)
 
     def request(self, request_id: Hashable) -> RequestState:
         state = self._requests.get(request_id)
@@ -369,15 +415,59 @@ class DynamicInferenceContext:
         block_ids = list(cached) + self.pool.allocate(num_new, reason)
         slot = self.mamba_slots.allocate() if self.mamba_slots is not None else None
         state = RequestState(
-            request_id, tokens, chain, block_ids, len(cached) * self.block_size, slot, num_registered_blocks=len(cached)
+            request_id,
+            tokens,
+            chain,
+            block_ids,
+            len(cached) * self.block_size,
+            slot,
+            num_registered_blocks=len(cached),
+            table_row=self._free_rows.pop(),
         )
+        self._host_tables[state.table_row] = self.pool.dummy_block_id
+        self._write_table(state, 0)
         self._requests[request_id] = state
         return state
+
+    def _write_table(self, state: RequestState, first: int) -> None:
+        """Copy the request's blocks from index ``first`` on into its block-table row."""
+        if len(state.block_ids) > first:
+            self._host_tables[state.table_row, first : len(state.block_ids)] = torch.tensor(state.block_ids[first:])
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a request from the context's books (its storage is the caller's)."""
+        del self._requests[state.request_id]
+        self._free_rows.append(state.table_row)
 
     # ---- growth and release ----------------------------------------------------------------
     def append_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> None:
         """Record tokens sampled for a request (their KV is computed by a later step)."""
         self.request(request_id).tokens.extend(tokens)
+
+    def append_pending_token(self, request_id: Hashable, source_row: int) -> None:
+        """Overlapped steps: the request's next token is being sampled by a step in flight, at row
+        ``source_row`` of its sampled tokens. It takes its place in the request (a step built now
+        reads it from there on the device, see ``build_step``) until :meth:`resolve_pending_token`."""
+        state = self.request(request_id)
+        if state.num_pending_tokens or state.num_draft_tokens:
+            raise StepError(f"request {request_id!r} already has a pending or draft token")
+        state.tokens.append(0)
+        state.num_pending_tokens = 1
+        state.pending_source_row = source_row
+
+    def resolve_pending_token(self, request_id: Hashable, token: int) -> None:
+        """The pending token of the request came back: record it; blocks it completes may now be
+        cached (and Mamba state snapshot at their end)."""
+        state = self.request(request_id)
+        if not state.num_pending_tokens:
+            raise StepError(f"request {request_id!r} has no pending token")
+        state.tokens[-1] = token
+        state.num_pending_tokens = 0
+        state.pending_source_row = -1
+        if self.enable_prefix_caching:
+            state.hash_chain.extend(state.confirmed_tokens)
+            self._register_computed_blocks(state)
+            self._snapshot_mamba_state(state)
 
     def append_draft_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> None:
         """Record speculative draft tokens after the request's tokens (computed by the next
@@ -414,6 +504,7 @@ class DynamicInferenceContext:
             return []
         new = self.pool.allocate(needed, reason)
         state.block_ids.extend(new)
+        self._write_table(state, len(state.block_ids) - len(new))
         return new
 
     def pause_request(self, request_id: Hashable) -> None:
@@ -437,7 +528,7 @@ class DynamicInferenceContext:
         self.pool.free(state.block_ids)
         if state.mamba_slot is not None:
             self.mamba_slots.free(state.mamba_slot)
-        del self._requests[request_id]
+        self._forget(state)
         return state.hash_chain
 
     def detach_request(self, request_id: Hashable) -> RequestState:
@@ -448,7 +539,7 @@ class DynamicInferenceContext:
         if self.step is not None and request_id in self.step.request_ids:
             raise StepError(f"request {request_id!r} is in the step being run; commit the step first")
         state = self.request(request_id)
-        del self._requests[request_id]
+        self._forget(state)
         return state
 
     def release_detached(self, state: RequestState) -> None:
@@ -458,14 +549,30 @@ class DynamicInferenceContext:
             self.mamba_slots.free(state.mamba_slot)
 
     # ---- step ------------------------------------------------------------------------------
-    def build_step(self, schedule: Sequence[tuple[Hashable, int]], *, pad_to_tokens: int | None = None) -> StepBatch:
+    def build_step(
+        self,
+        schedule: Sequence[tuple[Hashable, int]],
+        *,
+        pad_to_tokens: int | None = None,
+        pad_to_requests: int | None = None,
+        pending_tokens: torch.Tensor | None = None,
+    ) -> StepBatch:
         """Pack ``(request_id, num_new_tokens)`` entries into this step's :class:`StepBatch`
         (also kept as ``self.step`` for the hooks). Each request's next uncomputed tokens are
-        taken; its blocks must already cover them."""
+        taken; its blocks must already cover them.
+
+        Args:
+            pad_to_tokens: pad the packed tokens to this many (padding writes to the dummy block).
+            pad_to_requests: pad the request rows too, each padding request one token (the
+                static-buffer decode path: then ``pad_to_tokens`` must equal it).
+            pending_tokens: the device tensor a step in flight samples into; a request's pending
+                token (:meth:`append_pending_token`) is read from it on the device.
+        """
         if self.step is not None:
             raise StepError("the previous step was not committed; call commit_step() first")
         bs = self.block_size
-        ids, token_ids, positions, slots, q_lens, offsets, tables, mamba_slots = [], [], [], [], [], [], [], []
+        ids, token_ids, positions, slots, q_lens, offsets, rows, mamba_slots = [], [], [], [], [], [], [], []
+        pending_targets, pending_sources = [], []
         seen = set()
         for request_id, num_new in schedule:
             state = self.request(request_id)
@@ -487,51 +594,110 @@ class DynamicInferenceContext:
             ids.append(request_id)
             seen.add(request_id)
             blocks = state.block_ids
-            token_ids.extend(state.tokens[start : start + num_new])
-            positions.extend(range(start, start + num_new))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + num_new))
+            end = start + num_new
+            if state.num_pending_tokens and end == len(state.tokens):
+                if pending_tokens is None:
+                    raise StepError(f"request {request_id!r} has a pending token but no pending_tokens were given")
+                pending_targets.append(len(token_ids) + num_new - 1)
+                pending_sources.append(state.pending_source_row)
+            token_ids.extend(state.tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             q_lens.append(num_new)
             offsets.append(start)
-            tables.append(blocks[: self.blocks_for_tokens(start + num_new)])
+            rows.append(state.table_row)
             mamba_slots.append(state.mamba_slot)
         num_tokens = sum(q_lens)
         if num_tokens > self.max_tokens_per_step:
             raise StepError(f"step has {num_tokens} tokens, more than max_tokens_per_step={self.max_tokens_per_step}")
+        dummy = self.pool.dummy_block_id
+        num_real = len(ids)
+        if pad_to_requests is not None:
+            if pad_to_tokens != pad_to_requests or num_tokens != num_real or pad_to_requests < num_real:
+                raise StepError(
+                    f"pad_to_requests={pad_to_requests} pads a decode-only step of at most that many requests to as "
+                    f"many tokens (pad_to_tokens={pad_to_tokens}, {num_real} requests, {num_tokens} tokens)"
+                )
+            if pad_to_requests > self.step_buffers.max_requests:
+                raise StepError(f"pad_to_requests={pad_to_requests} exceeds {self.step_buffers.max_requests} step rows")
+            extra = pad_to_requests - num_real
+            scratch = self.mamba_slots.scratch_slot if self.mamba_slots is not None else None
+            token_ids += [0] * extra
+            positions += [0] * extra
+            slots += [dummy * bs + i % bs for i in range(extra)]
+            q_lens += [1] * extra
+            offsets += [0] * extra
+            rows += [self._padding_row] * extra
+            mamba_slots += [scratch] * extra
+            num_tokens += extra
         padded = num_tokens if pad_to_tokens is None else pad_to_tokens
         if padded < num_tokens:
             raise StepError(f"pad_to_tokens={pad_to_tokens} is less than the step's {num_tokens} tokens")
-        dummy = self.pool.dummy_block_id
         pad = padded - num_tokens
-        width = max((len(t) for t in tables), default=0)
-        table = torch.tensor([t + [dummy] * (width - len(t)) for t in tables], dtype=torch.long).reshape(
-            len(ids), width
+        num_rows = len(q_lens)
+        buffers = self.step_buffers
+        staging = buffers.host_staging()
+        cu = [0]
+        for length in q_lens:
+            cu.append(cu[-1] + length)
+        token_requests = [row for row, length in enumerate(q_lens) for _ in range(length)]
+        fields = dict(
+            token_ids=token_ids + [0] * pad,
+            positions=positions + [0] * pad,
+            slot_mapping=slots + [dummy * bs + i % bs for i in range(pad)],
+            token_requests=token_requests + [0] * pad,
+            query_lengths=q_lens,
+            kv_offsets=offsets,
+            kv_lengths=[o + n for o, n in zip(offsets, q_lens, strict=True)],
+            cu_query_lengths=cu,
+            mamba_slot_ids=mamba_slots if self.mamba_slots is not None else [],
         )
-        q_len_tensor = torch.tensor(q_lens, dtype=torch.long)
-        offset_tensor = torch.tensor(offsets, dtype=torch.long)
-        device = self.device
+        for name, values in fields.items():
+            if values:
+                buffers.field(staging, name, len(values)).copy_(torch.tensor(values, dtype=torch.long))
+        # Full rows: a CUDA graph reads [rows, max_blocks]; entries past a request's blocks are the dummy.
+        host_tables = buffers.block_tables(staging, num_rows, buffers.max_blocks)
+        torch.index_select(self._host_tables, 0, torch.tensor(rows, dtype=torch.long), out=host_tables)
+        buffers.upload(staging, num_rows)
+        device = buffers.buffer
+        width = (
+            buffers.max_blocks
+            if pad_to_requests is not None
+            else max((self.blocks_for_tokens(o + n) for o, n in zip(offsets, q_lens, strict=True)), default=0)
+        )
+        token_ids_view = buffers.field(device, "token_ids", padded)
+        if pending_targets:
+            targets = to_device(torch.tensor(pending_targets), self.device)
+            token_ids_view.index_copy_(
+                0, targets, pending_tokens.index_select(0, to_device(torch.tensor(pending_sources), self.device))
+            )
         self.step = StepBatch(
             request_ids=tuple(ids),
-            token_ids=torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(
-                slots + [dummy * bs + i % bs for i in range(pad)], dtype=torch.long, device=device
-            ),
-            query_lengths=q_len_tensor.to(device),
-            cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.long), q_len_tensor.cumsum(0)]).to(device),
-            kv_offsets=offset_tensor.to(device),
-            kv_lengths=(offset_tensor + q_len_tensor).to(device),
-            block_tables=table.to(device),
-            mamba_slot_ids=torch.tensor(
-                mamba_slots if self.mamba_slots is not None else [], dtype=torch.long, device=device
-            ),
+            token_ids=token_ids_view,
+            positions=buffers.field(device, "positions", padded),
+            slot_mapping=buffers.field(device, "slot_mapping", padded),
+            token_requests=buffers.field(device, "token_requests", padded),
+            query_lengths=buffers.field(device, "query_lengths", num_rows),
+            cu_query_lengths=buffers.field(device, "cu_query_lengths", num_rows + 1),
+            kv_offsets=buffers.field(device, "kv_offsets", num_rows),
+            kv_lengths=buffers.field(device, "kv_lengths", num_rows),
+            block_tables=buffers.block_tables(device, num_rows, width),
+            mamba_slot_ids=buffers.field(device, "mamba_slot_ids", num_rows if self.mamba_slots is not None else 0),
             num_tokens=num_tokens,
+            host_query_lengths=tuple(q_lens),
+            host_kv_offsets=tuple(offsets),
+            decode_only=all(n == 1 for n in q_lens),
         )
+        if self.spec.attention_layer_numbers:
+            self._step_attention = StepAttention.plan(
+                self.step, host_tables, bs, self.device, softmax_scale=self.softmax_scale
+            )
         return self.step
 
     def store_kv_and_attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention hook (see module doc): store this step's ``k, v [T, 1, kv_heads, d]`` of
         global layer ``layer_number`` in the paged cache, return the paged attention of
-        ``q [T, 1, q_heads, d]`` as ``[T, 1, q_heads, d]``."""
+        ``q [T, 1, q_heads, d]`` as ``[T, 1, q_heads, d]`` (zero for padding tokens)."""
         step = self._require_step()
         layer_index = self._layer_index(self._attention_index, layer_number, "attention")
         expected = (step.num_padded_tokens, 1)
@@ -542,26 +708,15 @@ class DynamicInferenceContext:
             )
         self.kv_cache.store(layer_index, step.slot_mapping, k[:, 0], v[:, 0])
         key_cache, value_cache = self.kv_cache.layer(layer_index)
-        out = torch.zeros_like(q)
-        out[: step.num_tokens, 0] = paged_attention(
-            q[: step.num_tokens, 0],
-            key_cache,
-            value_cache,
-            step.block_tables,
-            step.query_lengths,
-            step.kv_lengths,
-            self.softmax_scale,
-            validate=False,  # build_step made the lengths consistent; checking reads them on the host
-        )
-        return out
+        return self._step_attention.attend(q[:, 0], key_cache, value_cache)[:, None]
 
     def is_decode_only(self) -> bool:
-        """Whether every request of the current step has exactly one new token."""
-        return bool((self._require_step().query_lengths == 1).all())
+        """Whether every request of the current step has exactly one new token (host-side)."""
+        return self._require_step().decode_only
 
     def mamba_states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mamba hook (see module doc): this layer's ``(conv [R, ...], ssm [R, ...])`` for the
-        step's requests in batch order, to update in place; written back at commit_step."""
+        step's request rows in batch order, to update in place; written back at commit_step."""
         step = self._require_step()
         layer_index = self._layer_index(self._mamba_index, layer_number, "Mamba")
         if layer_index not in self._step_mamba_states:
@@ -579,15 +734,24 @@ class DynamicInferenceContext:
             raise StepError(f"layer {layer_number} already took copies of its Mamba states in this step")
         return self.mamba_slots.conv[layer_index], self.mamba_slots.ssm[layer_index], step.mamba_slot_ids
 
-    def commit_step(self) -> None:
-        """The step's forward finished: write Mamba states back, mark its tokens computed,
-        register newly full blocks in the prefix cache and snapshot Mamba state at block ends."""
+    def write_back_step_states(self) -> None:
+        """Write the Mamba states the step's layers updated back to their slots (device work only;
+        ``commit_step`` does it when it was not done already, a captured CUDA graph does it
+        inside the graph)."""
         step = self._require_step()
         for layer_index, (conv, ssm) in self._step_mamba_states.items():
             self.mamba_slots.scatter(layer_index, step.mamba_slot_ids, conv, ssm)
         self._step_mamba_states.clear()
+
+    def commit_step(self) -> None:
+        """The step's forward was run (its device work is queued): write Mamba states back, mark
+        its tokens computed, register newly full blocks in the prefix cache and snapshot Mamba
+        state at block ends (pending tokens are neither hashed nor cached yet)."""
+        self.write_back_step_states()
+        step = self.step
         self.step = None
-        for request_id, num_new in zip(step.request_ids, step.query_lengths.tolist(), strict=True):
+        self._step_attention = None
+        for request_id, num_new in zip(step.request_ids, step.host_query_lengths[: len(step.request_ids)], strict=True):
             state = self._requests[request_id]
             state.num_computed_tokens += num_new
             if self.enable_prefix_caching:

@@ -49,7 +49,11 @@ def _state_tensors(num_layers: int, rows: int, shapes: MambaStateShapes, device)
 
 
 class MambaStateSlots:
-    """Conv/SSM state slots of this stage's Mamba layers, handed out from a free list."""
+    """Conv/SSM state slots of this stage's Mamba layers, handed out from a free list.
+
+    One more row than ``num_slots``, ``scratch_slot``, is never handed out: padding requests
+    of a padded step read and write it.
+    """
 
     def __init__(self, num_layers: int, num_slots: int, shapes: MambaStateShapes, device=None):
         if num_layers < 1 or num_slots < 1:
@@ -57,18 +61,24 @@ class MambaStateSlots:
                 f"Mamba state slots need >= 1 layer and >= 1 slot, got {num_layers} layers, {num_slots} slots"
             )
         self.shapes = shapes
-        self.conv, self.ssm = _state_tensors(num_layers, num_slots, shapes, device)
+        self.conv, self.ssm = _state_tensors(num_layers, num_slots + 1, shapes, device)
+        self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def num_slots(self) -> int:
+        """Slots requests can hold (the scratch slot of padding rows not counted)."""
+        return self.scratch_slot
+
     def allocate(self) -> int:
         """Hand out a slot with zeroed conv and SSM state in every layer (raises
         MambaSlotsExhaustedError when none is free)."""
         if not self._free:
-            raise MambaSlotsExhaustedError(f"all {self.conv.shape[1]} Mamba state slots are in use")
+            raise MambaSlotsExhaustedError(f"all {self.scratch_slot} Mamba state slots are in use")
         slot = self._free.pop()
         self.conv[:, slot] = 0
         self.ssm[:, slot] = 0

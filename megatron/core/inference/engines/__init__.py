@@ -1,6 +1,7 @@
 """The dynamic inference engine (continuous batching over the paged context), its requests,
 scheduler, speculative decoding and typed errors."""
 
+from megatron.core.inference.engines.cuda_graphs import add_cuda_graph_flag
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
@@ -20,4 +21,5 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "StopSequencesNeedTokenizerError",
+    "add_cuda_graph_flag",
 ]

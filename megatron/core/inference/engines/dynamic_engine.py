@@ -2,9 +2,10 @@
 
 ``add_request`` validates and queues; each ``step`` schedules (see :mod:`scheduler`: growth,
 pausing, eviction, admission, chunked prefill), runs the model over the packed step
-(:mod:`model_runner`, any TP/PP layout), samples on the last pipeline stage (greedy,
-temperature, top-k, top-p, per-request seeds; speculative drafts verified, see
-:mod:`speculative`), shares those decisions with every stage as one tensor (see
+(:mod:`model_runner`, any TP/PP layout; decode-only steps from CUDA graphs, see
+:mod:`cuda_graphs`), samples on the last pipeline stage, on the device (greedy, temperature,
+top-k, top-p, counter-based per-request seeds; log-probs and top-k log-probs; speculative drafts
+verified, see :mod:`speculative`), shares those decisions with every stage as one tensor (see
 :mod:`step_decisions`), and returns streaming outputs. Every stage then derives each request's
 finish from the shared tokens by the same code: EOS, the length budget, or a stop sequence
 completed in the request's text (each request's :class:`~megatron.core.inference.text_stream.TextStream`
@@ -12,16 +13,35 @@ detokenizes incrementally on every stage; outputs carry its text deltas). Every 
 model-parallel group runs its own engine with the same calls in the same order; all stay in
 lockstep.
 
-Steps are padded to ``max_tokens_per_step`` tokens (``batch_invariant``, the default) and the
-reference kernels are batch invariant, so a request's tokens and log-probs do not depend on what else ran with it: a
-tight pool (pauses, evictions), chunked prefill, prefix caching and speculation give exactly
-the outputs of a roomy pool.
+One step, in this order::
+
+    schedule N+1 -> build its inputs -> launch its forward (device) -> commit it (host books)
+    -> read back the decisions of step N, apply them (tokens, finishes, outputs)
+    -> sample N+1 (device; logits processors first) and start reading its decisions back
+
+With overlapped steps (``overlap_steps``, the default on one CUDA pipeline stage without
+speculation) step N is the previous call's, so the host prepares N+1 while the device still
+runs N: each request N is sampling is scheduled into N+1 with a *pending* token (read on the
+device from N's sampled tokens; never hashed or cached before it is known; its new page, if
+any, is a private page of the ``async_preparation`` path), except requests N ends by length.
+A request N ends otherwise (EOS, a stop sequence, an abort) has its storage released when its
+decision is applied, and its row of N+1 is not sampled; a row whose token is no longer the
+request's next one (it was evicted and re-admitted meanwhile) is not sampled either. Sampling
+of N+1 comes after N is applied, so per-request logits processors see every token so far.
+Without overlap, N is the step just launched, and the order is the plain one.
+
+Steps are padded to step buckets (``batch_invariant``, the default; see :mod:`step_buckets`):
+with the reference kernels (row-invariant at the bucket sizes kept), a request's tokens and
+log-probs do not depend on what else ran with it: a tight pool (pauses, evictions), chunked
+prefill, prefix caching, speculation, overlapped steps and CUDA graphs give exactly the outputs
+of a roomy pool.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +49,8 @@ from torch import nn
 
 from megatron.core.inference import kernels
 from megatron.core.inference.contexts.capacity import CapacityConfig
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState
+from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_blocker
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
@@ -39,16 +60,38 @@ from megatron.core.inference.engines.errors import (
 from megatron.core.inference.engines.requests import EngineRequest, RequestOutput, RequestStatus
 from megatron.core.inference.engines.scheduler import ScheduledRequest, Scheduler
 from megatron.core.inference.engines.speculative import MTPDrafter
+from megatron.core.inference.engines.step_buckets import StepBuckets, candidate_buckets, row_invariant_buckets
 from megatron.core.inference.engines.step_decisions import Decision, DecisionLayout
 from megatron.core.inference.errors import DuplicateRequestIdError
+from megatron.core.inference.host_copies import DeviceToHost, to_device
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.prompts import prompt_token_ids
-from megatron.core.inference.sampling import SamplingParams, make_generator, sample, token_logprobs
+from megatron.core.inference.sampling import LogitsProcessor, SamplingParams, SamplingRows, make_generator, sample
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class _Step:
+    """A launched step: its schedule and batch facts, its outputs on the device, and (once
+    sampled) the rows it samples and the read-back of its decisions."""
+
+    scheduled: list[ScheduledRequest]
+    starts: list[int]  # first packed row of each scheduled request
+    offsets: list[int]  # tokens cached before the step, per scheduled request
+    logits: torch.Tensor | None  # [T, V] fp32 (last stage)
+    hidden: torch.Tensor | None  # [T, h] (last stage)
+    positions: torch.Tensor | None  # [T] (for the MTP drafter)
+    # Filled by _sample: per scheduled request, its rows among the sampled ones, its prompt
+    # log-prob count, and its top log-prob width.
+    sample_rows: list[range] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    top_widths: list[int] = field(default_factory=list)
+    sampled_tokens: torch.Tensor | None = None  # [rows] on the device: the next step's pending tokens
+    readback: DeviceToHost | None = None
 
 
 class DynamicInferenceEngine:
@@ -60,7 +103,7 @@ class DynamicInferenceEngine:
             ``stop`` need it).
         block_size: tokens per KV block.
         num_blocks / buffer_size_bytes / max_requests: cache capacity (see ``CapacityConfig``).
-        max_tokens_per_step: tokens one step processes (every step is padded to this).
+        max_tokens_per_step: most tokens one step processes.
         max_sequence_length: longest prompt + generation (default: the model's).
         enable_prefix_caching / enable_chunked_prefill: features.
         paused_block_budget: blocks paused requests may hold before the newest is evicted
@@ -68,9 +111,18 @@ class DynamicInferenceEngine:
         num_speculative_tokens: MTP drafts per decode step (0: off).
         eos_token_id: stops generation unless ``ignore_eos`` (default: the tokenizer's).
         seed: base of the generators of requests without a seed.
-        batch_invariant: pad every step to ``max_tokens_per_step`` tokens so that outputs do
-            not depend on batch composition (see module doc); False runs each step at its real
-            size (faster when steps are small; outputs may then differ in the last bits).
+        batch_invariant: pad every step to a step bucket at which the linear layers were checked
+            row invariant (see :mod:`step_buckets`), so that outputs do not depend on batch
+            composition; False runs eager steps at their real size (outputs may then differ in
+            the last bits).
+        enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket (default:
+            True on CUDA when the stage can be captured; on a CPU device True runs the same
+            static-buffer steps eagerly). ``--no-cuda-graphs`` / ``--cuda-graphs`` on
+            ``megatron-serve`` and the offline example set it (see :func:`add_cuda_graph_flag`).
+        overlap_steps: prepare step N+1 on the host while the device runs step N (see module
+            doc; default: on CUDA with one pipeline stage and no speculation).
+        logits_processors: per-request logits changes applied on the device before sampling
+            (see :class:`~megatron.core.inference.sampling.LogitsProcessor`).
         pg_collection: the model's process groups.
     """
 
@@ -92,12 +144,21 @@ class DynamicInferenceEngine:
         eos_token_id: int | None = None,
         seed: int = 0,
         batch_invariant: bool = True,
+        enable_cuda_graphs: bool | None = None,
+        overlap_steps: bool | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
         pg_collection: ProcessGroupCollection | None = None,
     ):
         pg = resolve_pg_collection(pg_collection)
         if model.config.sequence_parallel:
             raise EngineConfigError(
                 "inference runs without sequence parallelism; build the model with sequence_parallel=False"
+            )
+        cp_size = max(model.config.context_parallel_size, pg.size("cp") if pg.has("cp") else 1)
+        if cp_size > 1:
+            raise EngineConfigError(
+                f"inference runs at context parallel size 1, got {cp_size}; build the model and its process groups "
+                "with context_parallel_size=1 (a checkpoint trained with CP loads at any CP)"
             )
         if max_tokens_per_step < 1 or num_speculative_tokens < 0:
             raise EngineConfigError(
@@ -110,7 +171,6 @@ class DynamicInferenceEngine:
         self.max_sequence_length = max_sequence_length or model.max_sequence_length
         self.max_tokens_per_step = max_tokens_per_step
         self.batch_invariant = batch_invariant
-        self.pad_steps_to = max_tokens_per_step if batch_invariant else None
         self.context = DynamicInferenceContext.create(
             stage_cache_spec(model, block_size, pg.size("tp")),
             CapacityConfig(buffer_size_bytes=buffer_size_bytes, num_blocks=num_blocks, max_requests=max_requests),
@@ -136,8 +196,22 @@ class DynamicInferenceEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
         self.seed = seed
+        self.logits_processors = list(logits_processors)
+        candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
+        if batch_invariant and model_is_hybrid(model):
+            # The Mamba recurrence batches a step's rows at its padded size, and its ops are not
+            # checked row invariant across sizes (only the linear layers are): one size keeps a
+            # hybrid model's outputs independent of batch composition.
+            candidates = [max_tokens_per_step]
+        # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
+        with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
+            self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
+        self.graphs = self._decode_graphs(enable_cuda_graphs, self.buckets or StepBuckets(candidates))
+        self.overlap_steps = self._overlap(overlap_steps)
         self._requests: dict[str, EngineRequest] = {}
         self._pending: list[RequestOutput] = []
+        self._in_flight: _Step | None = None
+        self._host_s = 0.0
         self._num_added = 0
         self._stepping_paused = False
         self.step_bookkeeping_s: list[float] = []
@@ -150,7 +224,46 @@ class DynamicInferenceEngine:
             tokens_generated=0,
             drafts_accepted=0,
             drafts_rejected=0,
+            graph_steps=0,
         )
+
+    def _decode_graphs(self, enable: bool | None, buckets: StepBuckets) -> DecodeGraphs | None:
+        blocker = graph_blocker(self.runner, self.context)
+        self.cuda_graphs_blocker = blocker
+        on_cpu = self.runner.device.type == "cpu"
+        if enable is False or (enable is None and blocker is not None):
+            return None
+        if blocker is not None and not on_cpu:
+            raise EngineConfigError(f"enable_cuda_graphs=True, but {blocker}")
+        graphs = DecodeGraphs(self.runner, self.context, buckets.sizes, capture=not on_cpu)
+        with kernels.batch_invariant(self.batch_invariant):
+            graphs.capture()
+        return graphs
+
+    def _overlap(self, overlap: bool | None) -> bool:
+        reasons = [
+            reason
+            for reason, applies in (
+                ("pipeline parallelism (every stage needs the previous tokens first)", self.runner.pp_size > 1),
+                ("speculative decoding (drafts depend on the previous step's tokens)", self.num_speculative_tokens),
+            )
+            if applies
+        ]
+        if overlap is None:
+            return self.runner.device.type == "cuda" and not reasons
+        if overlap and reasons:
+            raise EngineConfigError(f"overlap_steps=True does not work with {reasons[0]}; use overlap_steps=False")
+        return overlap
+
+    def set_overlap_steps(self, overlap: bool) -> None:
+        """Switch overlapped steps on or off between steps (a handoff prefill side needs them
+        off: a pinned request's state must stop at its prompt). Finishes any step in flight."""
+        if overlap:
+            self._overlap(True)  # raises where overlap cannot work
+        if self._in_flight is not None:
+            self._pending += self._complete(self._in_flight)
+            self._in_flight = None
+        self.overlap_steps = overlap
 
     # ---- public API -------------------------------------------------------------------------
     @property
@@ -182,7 +295,7 @@ class DynamicInferenceEngine:
         max_new = self.check_request(request_id, prompt, params, prefilled_import=prefilled_import)
         seed = params.seed if params.seed is not None else (self.seed * _SEED_MIX + self._num_added) % 2**63
         self._num_added += 1
-        generator = None if params.greedy else make_generator(seed, self.runner.device)
+        generator = None if params.greedy else make_generator(seed)
         request = EngineRequest(
             request_id, prompt, params, max_new, generator, prefilled_import=prefilled_import, text=self._text(params)
         )
@@ -235,17 +348,19 @@ class DynamicInferenceEngine:
         generated_log_probs: Sequence[float],
         prompt_log_probs: Sequence[float] | None = None,
         generator_state: torch.Tensor | None = None,
+        generated_top_log_probs: Sequence[Sequence[tuple[int, float]]] | None = None,
     ) -> None:
         """Enter a request straight into decode whose prompt KV (and Mamba state) a handoff
         already put into this context (``context.import_request``): its tokens so far are
         ``generated_tokens`` (not reported yet: the next output starts with them and their text,
-        as one engine's would); ``generator_state`` continues the sampler of the engine that
-        produced them. Checked like :meth:`add_request` except the per-step prompt limit."""
+        as one engine's would), with their log-probs (and top log-probs, when the request asks
+        for them); ``generator_state`` continues the sampler of the engine that produced them.
+        Checked like :meth:`add_request` except the per-step prompt limit."""
         prompt = [int(t) for t in prompt_tokens]
         max_new = self.check_request(request_id, prompt, sampling_params, prefilled_import=True)
         generator = None
         if not sampling_params.greedy:
-            generator = make_generator(sampling_params.seed or 0, self.runner.device)
+            generator = make_generator(sampling_params.seed or 0)
             if generator_state is not None:
                 generator.set_state(generator_state)
         request = EngineRequest(
@@ -258,6 +373,7 @@ class DynamicInferenceEngine:
             status=RequestStatus.ACTIVE,
             prefill_target=len(prompt),
             generated_log_probs=list(generated_log_probs),
+            generated_top_log_probs=[[(int(t), float(lp)) for t, lp in row] for row in generated_top_log_probs or []],
             prompt_log_probs=list(prompt_log_probs or []),
             text=self._text(sampling_params),
         )
@@ -282,7 +398,7 @@ class DynamicInferenceEngine:
         self._finish(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests or self._pending)
+        return bool(self._requests or self._pending or self._in_flight)
 
     def pause(self) -> None:
         """Stop stepping (requests are kept; ``step`` only reports pending outputs)."""
@@ -292,75 +408,182 @@ class DynamicInferenceEngine:
         self._stepping_paused = False
 
     def step(self) -> list[RequestOutput]:
-        """One schedule / forward / sample / bookkeeping step; returns the partial outputs of
-        requests that produced tokens and every terminal output."""
+        """One step (see module doc); returns the partial outputs of requests that produced
+        tokens and every terminal output. With overlapped steps a step's tokens are reported by
+        the next call (a call with nothing new to launch just finishes the step in flight)."""
         outputs, self._pending = self._pending, []
-        if self._stepping_paused or not self.scheduler.has_requests():
-            return outputs
+        self._host_s = 0.0
+        launched = None
+        if not self._stepping_paused and self.scheduler.has_requests():
+            launched = self._launch()
+        completed = self._in_flight is not None or (launched is not None and not self.overlap_steps)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            self._sample(launched)
+            if self.overlap_steps:
+                self._in_flight = launched
+            else:
+                outputs += self._complete(launched)
+        if completed:
+            self.step_bookkeeping_s.append(self._host_s)
+        return outputs + self._pending_and_clear()
+
+    # ---- launch (every stage) ---------------------------------------------------------------
+    def _launch(self) -> _Step | None:
+        """Schedule the next step (pending tokens for the step in flight), build its inputs, run
+        its forward (queued on the device) and commit it; None when nothing can run."""
         started = time.perf_counter()
+        in_flight = self._in_flight
+        if in_flight is not None:
+            self._add_pending_tokens(in_flight)
         scheduled, events = self.scheduler.schedule()
         self._stats["pauses"] += events.pauses
         self._stats["evictions"] += events.evictions
         self._stats["prefix_cache_hits"] += events.prefix_cache_hit_blocks
         if not scheduled:
-            return outputs
-        batch = self.context.build_step(
-            [(s.request.request_id, s.num_tokens) for s in scheduled], pad_to_tokens=self.pad_steps_to
-        )
-        bookkeeping = time.perf_counter() - started
-        with kernels.batch_invariant(self.batch_invariant):
-            result = self.runner.forward(self.context, batch)
+            return None
+        schedule = [(s.request.request_id, s.num_tokens) for s in scheduled]
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        pending = in_flight.sampled_tokens if in_flight is not None else None
+        bucket = self.graphs.bucket_for(len(scheduled)) if self.graphs is not None else None
+        if bucket is not None and num_tokens == len(scheduled):
+            batch = self.context.build_step(
+                schedule, pad_to_tokens=bucket, pad_to_requests=bucket, pending_tokens=pending
+            )
+            self._host_s += time.perf_counter() - started
+            with kernels.batch_invariant(self.batch_invariant):
+                result = self.graphs.run(batch)
+            self._stats["graph_steps"] += 1
+        else:
+            pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
+            batch = self.context.build_step(schedule, pad_to_tokens=pad, pending_tokens=pending)
+            self._host_s += time.perf_counter() - started
+            with kernels.batch_invariant(self.batch_invariant):
+                result = self.runner.forward(self.context, batch)
+        for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True):
+            prefill = min(entry.num_tokens, entry.request.prefill_target - offset)
+            self._stats["prefill_tokens_computed"] += max(prefill, 0)
         self.context.commit_step()
-        decisions = self._decide(scheduled, batch, *result) if result is not None else None
-        decisions = self._share(scheduled, decisions)
-        started = time.perf_counter()
-        outputs += self._apply(scheduled, decisions)
         self._stats["steps"] += 1
-        self.step_bookkeeping_s.append(bookkeeping + time.perf_counter() - started)
-        return outputs + self._pending_and_clear()
+        starts = [0]
+        for length in batch.host_query_lengths[: len(scheduled) - 1]:
+            starts.append(starts[-1] + length)
+        logits, hidden = result if result is not None else (None, None)
+        return _Step(scheduled, starts, list(batch.host_kv_offsets[: len(scheduled)]), logits, hidden, batch.positions)
+
+    def _add_pending_tokens(self, in_flight: _Step) -> None:
+        """Give every request the step in flight samples its next token as a pending one (read on
+        the device from the step's sampled tokens), unless that token ends it by length."""
+        for entry, rows in zip(in_flight.scheduled, in_flight.sample_rows, strict=True):
+            request = entry.request
+            # (Requests of the step in flight are still active unless aborted or handed off.)
+            if rows and request.status is not RequestStatus.FINISHED and request.remaining_budget > 1:
+                self.context.append_pending_token(request.request_id, rows.start)
 
     # ---- decisions (last pipeline stage) ----------------------------------------------------
-    def _decide(
-        self, scheduled: list[ScheduledRequest], batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor
-    ) -> list[Decision]:
-        starts, offsets = batch.cu_query_lengths.tolist(), batch.kv_offsets.tolist()
-        decisions = [Decision() for _ in scheduled]
-        verifying = []  # (index, first sampling row, drafts)
-        for index, (entry, start, offset) in enumerate(zip(scheduled, starts[:-1], offsets, strict=True)):
-            request, state = entry.request, self.context.request(entry.request.request_id)
-            if request.wants_prompt_log_probs:
-                decisions[index].prompt_log_probs = self._prompt_log_probs(
-                    request, logits, start, offset, entry.num_tokens
-                )
-            if offset + entry.num_tokens == len(state.tokens):
-                drafts = state.tokens[len(state.tokens) - state.num_draft_tokens :]
-                verifying.append((index, start + entry.num_tokens - 1 - len(drafts), drafts))
-        first_rows = {index: row for index, row, _ in verifying}
-        depth = 0
-        while verifying:
-            rows = torch.tensor([row + depth for _, row, _ in verifying], device=logits.device)
-            requests = [scheduled[index].request for index, _, _ in verifying]
-            tokens = sample(logits[rows], [r.sampling_params for r in requests], [r.generator for r in requests])
-            log_probs = token_logprobs(logits[rows], tokens).tolist()
-            still = []
-            for (index, row, drafts), request, token, log_prob in zip(
-                verifying, requests, tokens.tolist(), log_probs, strict=True
-            ):
-                decision = decisions[index]
+    def _sample(self, step: _Step) -> None:
+        """Pick the rows the step samples (every request whose step ends at its newest token;
+        one row per speculative depth), and queue on the device: their log-probs (and top-k),
+        the logits processors, sampling, the prompt log-probs asked for, and the read-back of
+        all of it in one copy. Every stage records which requests sample (no device work)."""
+        rows, requests, draws, prompt_rows, prompt_targets = [], [], [], [], []
+        for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
+            request = entry.request
+            first_row = len(rows)
+            prompt_count = 0
+            state = self.context.find(request.request_id) if request.status is not RequestStatus.FINISHED else None
+            if state is not None:
+                if request.wants_prompt_log_probs:
+                    # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
+                    first = max(offset, len(request.prompt_log_probs))
+                    last = min(offset + entry.num_tokens, len(request.prompt_tokens) - 1)
+                    prompt_rows += range(start + first - offset, start + last - offset)
+                    prompt_targets += request.prompt_tokens[first + 1 : last + 1]
+                    prompt_count = max(last - first, 0)
+                if offset + entry.num_tokens == len(state.tokens):
+                    num_drafts = state.num_draft_tokens
+                    base = start + entry.num_tokens - 1 - num_drafts
+                    for depth in range(num_drafts + 1):
+                        rows.append(base + depth)
+                        requests.append(request)
+                        draws.append(len(request.generated_tokens) + depth)
+            step.sample_rows.append(range(first_row, len(rows)))
+            step.prompt_counts.append(prompt_count)
+            step.top_widths.append(request.sampling_params.top_logprobs)
+        if not self.runner.is_last_stage or not (rows or prompt_rows):
+            return
+        device = step.logits.device
+        parts = []
+        if rows:
+            logits = step.logits.index_select(0, to_device(torch.tensor(rows), device))
+            log_probs = torch.log_softmax(logits, dim=-1)
+            for processor in self.logits_processors:
+                processor(logits, [r.request_id for r in requests])
+            params = [r.sampling_params for r in requests]
+            tokens = sample(logits, SamplingRows.build(params, [r.generator for r in requests], draws, device))
+            step.sampled_tokens = tokens
+            parts += [tokens.double(), log_probs.gather(1, tokens[:, None])[:, 0].double()]
+            width = max(step.top_widths)
+            if width:
+                top_values, top_ids = log_probs.topk(width, dim=-1)
+                parts += [top_ids.double().flatten(), top_values.double().flatten()]
+        if prompt_rows:
+            prompt_logits = step.logits.index_select(0, to_device(torch.tensor(prompt_rows), device))
+            targets = to_device(torch.tensor(prompt_targets), device)
+            parts.append(torch.log_softmax(prompt_logits, dim=-1).gather(1, targets[:, None])[:, 0].double())
+        step.readback = DeviceToHost(torch.cat(parts))
+
+    def _decisions(self, step: _Step) -> list[Decision]:
+        """The step's decisions from its read-back (waits for it): tokens per request in depth
+        order, accepted while they equal the drafts; then the next drafts (MTP)."""
+        (values,) = step.readback.wait() if step.readback is not None else (torch.empty(0, dtype=torch.float64),)
+        values = values.tolist()
+        num_rows = step.sample_rows[-1].stop if step.sample_rows else 0
+        width = max(step.top_widths, default=0) if num_rows else 0
+        tokens = [int(t) for t in values[:num_rows]]
+        log_probs = values[num_rows : 2 * num_rows]
+        top_ids = values[2 * num_rows : 2 * num_rows + num_rows * width]
+        top_values = values[2 * num_rows + num_rows * width : 2 * num_rows + 2 * num_rows * width]
+        prompt = values[2 * num_rows + 2 * num_rows * width :]
+        decisions, prompt_start = [], 0
+        for entry, rows, prompt_count, top_width in zip(
+            step.scheduled, step.sample_rows, step.prompt_counts, step.top_widths, strict=True
+        ):
+            decision = Decision(prompt_log_probs=prompt[prompt_start : prompt_start + prompt_count])
+            prompt_start += prompt_count
+            request = entry.request
+            drafts = self.context.find(request.request_id) if rows else None
+            drafts = drafts.tokens[len(drafts.tokens) - drafts.num_draft_tokens :] if drafts is not None else []
+            for depth, row in enumerate(rows):
+                token = tokens[row]
                 decision.tokens.append(token)
-                decision.log_probs.append(log_prob)
+                decision.log_probs.append(log_probs[row])
+                if top_width:
+                    ids = top_ids[row * width : row * width + top_width]
+                    lps = top_values[row * width : row * width + top_width]
+                    decision.top_log_probs.append([(int(t), lp) for t, lp in zip(ids, lps, strict=True)])
                 # A draft after EOS is not verified (nothing follows EOS). Tokens after a stop
                 # sequence may be: every stage drops them when it finds the stop (_accept).
-                if not self._is_eos(request, token) and depth < len(drafts) and token == drafts[depth]:
-                    decision.accepted_drafts += 1
-                    still.append((index, row, drafts))
-            verifying = still
-            depth += 1
+                if self._is_eos(request, token) or depth >= len(drafts) or token != drafts[depth]:
+                    break
+                decision.accepted_drafts += 1
+            decisions.append(decision)
         if self.drafter is not None:
-            self._propose_drafts(scheduled, decisions, first_rows, batch, hidden)
+            self._propose_drafts(step, decisions)
         return decisions
 
-    def _share(self, scheduled: list[ScheduledRequest], decisions: list[Decision] | None) -> list[Decision]:
+    def _complete(self, step: _Step) -> list[RequestOutput]:
+        """Read the step's decisions back (last stage), share them with every stage, apply them."""
+        decisions = self._decisions(step) if self.runner.is_last_stage else None
+        decisions = self._share(step, decisions)
+        started = time.perf_counter()
+        outputs = self._apply(step.scheduled, decisions)
+        self._host_s += time.perf_counter() - started
+        return outputs
+
+    def _share(self, step: _Step, decisions: list[Decision] | None) -> list[Decision]:
         """The last stage's decisions on every stage: one int64 tensor of a layout every stage
         knows from the schedule."""
         if self.runner.pp_size == 1:
@@ -368,43 +591,31 @@ class DynamicInferenceEngine:
         layout = DecisionLayout(
             max_tokens=1 + self.num_speculative_tokens,
             max_next_drafts=self.num_speculative_tokens,
-            prompt_log_prob_capacity=tuple(
-                entry.num_tokens if entry.request.wants_prompt_log_probs else 0 for entry in scheduled
-            ),
+            prompt_log_prob_capacity=tuple(step.prompt_counts),
+            top_log_prob_widths=tuple(step.top_widths),
         )
         shared = self.runner.share_from_last_stage(layout.pack(decisions) if decisions is not None else layout.empty())
         return decisions if decisions is not None else layout.unpack(shared)
 
-    def _prompt_log_probs(
-        self, request: EngineRequest, logits, start: int, offset: int, num_tokens: int
-    ) -> list[float]:
-        # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
-        first = max(offset, len(request.prompt_log_probs))
-        last = min(offset + num_tokens, len(request.prompt_tokens) - 1)
-        if last <= first:
-            return []
-        rows = torch.arange(start + first - offset, start + last - offset, device=logits.device)
-        targets = torch.tensor(request.prompt_tokens[first + 1 : last + 1], device=logits.device)
-        return token_logprobs(logits[rows], targets).tolist()
-
     def _is_eos(self, request: EngineRequest, token: int) -> bool:
         return token == self.eos_token_id and not request.sampling_params.ignore_eos
 
-    def _propose_drafts(
-        self, scheduled, decisions, first_rows: dict[int, int], batch: StepBatch, hidden: torch.Tensor
-    ) -> None:
+    def _propose_drafts(self, step: _Step, decisions: list[Decision]) -> None:
         wanted = []  # (decision, row its last token was sampled from, number of drafts)
-        for index, first_row in first_rows.items():
-            decision = decisions[index]
-            request = scheduled[index].request
+        for entry, start, rows, decision in zip(step.scheduled, step.starts, step.sample_rows, decisions, strict=True):
+            if not rows:
+                continue
+            request = entry.request
             count = min(self.num_speculative_tokens, request.remaining_budget - len(decision.tokens) - 1)
             if count > 0 and not self._is_eos(request, decision.tokens[-1]):
+                first_row = start + entry.num_tokens - len(rows)
                 wanted.append((decision, first_row + len(decision.tokens) - 1, count))
         if not wanted:
             return
-        rows = torch.tensor([row for _, row, _ in wanted], device=hidden.device)
-        tokens = torch.tensor([d.tokens[-1] for d, _, _ in wanted], device=hidden.device)
-        drafts = self.drafter.propose(hidden[rows], tokens, batch.positions[rows], max(c for _, _, c in wanted))
+        device = step.hidden.device
+        rows = to_device(torch.tensor([row for _, row, _ in wanted]), device)
+        tokens = to_device(torch.tensor([d.tokens[-1] for d, _, _ in wanted]), device)
+        drafts = self.drafter.propose(step.hidden[rows], tokens, step.positions[rows], max(c for _, _, c in wanted))
         for (decision, _, count), row_drafts in zip(wanted, drafts.tolist(), strict=True):
             decision.next_drafts = row_drafts[:count]
 
@@ -413,28 +624,33 @@ class DynamicInferenceEngine:
         outputs = []
         for entry, decision in zip(scheduled, decisions, strict=True):
             request = entry.request
-            state = self.context.request(request.request_id)
-            if state.num_computed_tokens - entry.num_tokens < request.prefill_target:
-                self._stats["prefill_tokens_computed"] += min(
-                    entry.num_tokens, request.prefill_target - (state.num_computed_tokens - entry.num_tokens)
-                )
+            if request.status is RequestStatus.FINISHED:  # aborted or handed off since the step launched
+                continue
+            state = self.context.find(request.request_id)  # None: evicted since (waiting again)
             request.prompt_log_probs.extend(decision.prompt_log_probs)
             num_before = len(request.generated_tokens)
             reason = self._accept(request, decision.tokens)
             num_kept = len(request.generated_tokens) - num_before
             accepted = min(decision.accepted_drafts, max(num_kept - 1, 0))
-            if state.num_draft_tokens:
+            if state is not None and state.num_draft_tokens:
                 self._stats["drafts_accepted"] += accepted
                 self._stats["drafts_rejected"] += state.num_draft_tokens - accepted
                 self.context.resolve_draft_tokens(request.request_id, accepted)
             if not num_kept:
                 continue
             request.generated_log_probs.extend(decision.log_probs[:num_kept])
+            if request.sampling_params.top_logprobs:
+                request.generated_top_log_probs.extend(decision.top_log_probs[:num_kept])
             self._stats["tokens_generated"] += num_kept
-            self.context.append_tokens(request.request_id, decision.tokens[accepted:num_kept])
+            if state is not None:
+                new = decision.tokens[accepted:num_kept]
+                if state.num_pending_tokens:  # the token a step already running continues from
+                    self.context.resolve_pending_token(request.request_id, new.pop(0))
+                self.context.append_tokens(request.request_id, new)
             if reason is not None:
                 request.finish_reason = reason
-                self.context.release_request(request.request_id)
+                if state is not None:
+                    self.context.release_request(request.request_id)
                 self._finish(request)
             else:
                 request.drafts = decision.next_drafts

@@ -20,10 +20,8 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain
-from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.sampling import CounterGenerator, SamplingParams
 from megatron.core.inference.text_stream import TextStream
 
 
@@ -39,8 +37,11 @@ class RequestOutput:
     """What one step reports for one request (a streaming delta, or its terminal output).
 
     ``new_token_ids`` / ``new_log_probs``: tokens produced since this request's previous output
-    (log-probs only when ``SamplingParams.logprobs``). ``new_text``: the text settled since then
-    (see :class:`~megatron.core.inference.text_stream.TextStream`: an incomplete character or a
+    (log-probs only when ``SamplingParams.logprobs``). ``new_top_log_probs``: with
+    ``SamplingParams.top_logprobs = k``, one list per new token of the ``k`` most likely
+    ``(token id, log-prob)`` pairs at that position, most likely first; None otherwise.
+    ``new_text``: the text settled since then (see
+    :class:`~megatron.core.inference.text_stream.TextStream`: an incomplete character or a
     possible start of a stop sequence waits for a later output; a stop sequence and what follows
     never come); the ``new_text`` of all outputs concatenate to the request's text; None when the
     engine has no tokenizer. ``generated_tokens`` counts exactly the tokens reported (a stop
@@ -59,6 +60,7 @@ class RequestOutput:
     prompt_log_probs: list[float] | None
     prompt_tokens: int
     generated_tokens: int
+    new_top_log_probs: list[list[tuple[int, float]]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (msgpack- and JSON-able)."""
@@ -66,6 +68,9 @@ class RequestOutput:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestOutput:
+        top = data.get("new_top_log_probs")
+        if top is not None:  # pairs travel as lists
+            data = dict(data, new_top_log_probs=[[(int(t), float(lp)) for t, lp in row] for row in top])
         return cls(**data)
 
 
@@ -78,11 +83,13 @@ class EngineRequest:
     prompt_tokens: list[int]
     sampling_params: SamplingParams
     max_new_tokens: int
-    generator: torch.Generator | None
+    generator: CounterGenerator | None
     prefilled_import: bool = False
     status: RequestStatus = RequestStatus.WAITING
     generated_tokens: list[int] = field(default_factory=list)
     generated_log_probs: list[float] = field(default_factory=list)
+    # One list of (token id, log-prob) pairs per generated token when top_logprobs > 0.
+    generated_top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_log_probs: list[float] = field(default_factory=list)
     num_emitted: int = 0
     prompt_log_probs_sent: bool = False
@@ -112,10 +119,12 @@ class EngineRequest:
     def take_output(self, finished: bool = False, error: dict | None = None) -> RequestOutput:
         """The delta since the last output (and mark it emitted)."""
         new = self.generated_tokens[self.num_emitted :]
-        new_log_probs = self.generated_log_probs[self.num_emitted :] if self.sampling_params.logprobs else []
+        params = self.sampling_params
+        new_log_probs = self.generated_log_probs[self.num_emitted :] if params.logprobs else []
+        new_top = self.generated_top_log_probs[self.num_emitted :] if params.top_logprobs else None
         self.num_emitted = len(self.generated_tokens)
         prompt_log_probs = None
-        if self.sampling_params.return_prompt_logprobs and not self.prompt_log_probs_sent and (new or finished):
+        if params.return_prompt_logprobs and not self.prompt_log_probs_sent and (new or finished):
             prompt_log_probs = list(self.prompt_log_probs)
             self.prompt_log_probs_sent = True
         return RequestOutput(
@@ -129,4 +138,5 @@ class EngineRequest:
             prompt_log_probs=prompt_log_probs,
             prompt_tokens=len(self.prompt_tokens),
             generated_tokens=len(self.generated_tokens),
+            new_top_log_probs=new_top,
         )

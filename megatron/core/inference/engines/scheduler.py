@@ -3,8 +3,9 @@
 Each step, in this order:
 
 1. **Blocks for the next tokens**, oldest request first (running and paused alike): a decode
-   request grows (``decode_growth``), a paused one resumes (``resume``); one that cannot get
-   its blocks is paused (keeps its blocks). Speculative drafts get lookahead blocks
+   request grows (``decode_growth``; ``async_preparation`` for a pending token of overlapped
+   steps), a paused one resumes (``resume``); one that cannot get its blocks is paused (keeps
+   its blocks). Speculative drafts get lookahead blocks
    (``lookahead``) only when they fit; otherwise the request decodes without drafts.
 2. **Eviction**: while paused requests hold more than ``paused_block_budget`` blocks, or when
    nothing can run at all, the newest paused request is evicted: it loses its blocks and is
@@ -109,7 +110,9 @@ class Scheduler:
                     context.resume_request(request.request_id)
                     request.status = RequestStatus.ACTIVE
                 elif state.num_computed_tokens >= request.prefill_target:
-                    context.ensure_token_capacity(request.request_id, len(state.tokens), PageReason.DECODE_GROWTH)
+                    # A pending token (overlapped steps) is grown for ahead of knowing it.
+                    reason = PageReason.ASYNC_PREPARATION if state.num_pending_tokens else PageReason.DECODE_GROWTH
+                    context.ensure_token_capacity(request.request_id, len(state.tokens), reason)
             except BlockPoolExhaustedError:
                 if request.status is RequestStatus.ACTIVE:
                     context.pause_request(request.request_id)
@@ -186,6 +189,8 @@ class Scheduler:
             (decoding if done else prefilling).append(request)
         for request in decoding:
             num_tokens = self._uncomputed(request)
+            if not num_tokens:  # its next token is still being sampled and ends it by length
+                continue
             if num_tokens > budget:
                 self._drop_drafts(request)
                 num_tokens = self._uncomputed(request)
@@ -193,7 +198,9 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
         for request in prefilling:
-            remaining = self._uncomputed(request)
+            # Up to the admitted context: a token added since (the result of an overlapped step
+            # that was still running at admission) is decoded after, with its own growth.
+            remaining = request.prefill_target - self.context.request(request.request_id).num_computed_tokens
             take = min(remaining, budget)
             if take < remaining:
                 if not self._may_chunk(request):

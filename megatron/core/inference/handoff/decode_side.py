@@ -298,7 +298,7 @@ class DecodeSide:
             free_blocks=context.num_free_blocks,
             num_blocks=context.capacity.num_blocks,
             free_mamba_slots=slots.num_free_slots if slots is not None else 0,
-            num_mamba_slots=slots.conv.shape[1] if slots is not None else 0,
+            num_mamba_slots=slots.num_slots if slots is not None else 0,
         )
         stats["idle"] = (
             stats["free_blocks"] == stats["num_blocks"]
@@ -311,7 +311,7 @@ class DecodeSide:
         """Why new pulls are refused now (quarantined storage past its bound), or None."""
         capacity, limit = self.context.capacity, self.max_quarantined_fraction
         blocks, slots = self.num_quarantined_blocks, self.num_quarantined_slots
-        num_slots = self.context.mamba_slots.conv.shape[1] if self.context.mamba_slots is not None else 0
+        num_slots = self.context.mamba_slots.num_slots if self.context.mamba_slots is not None else 0
         if blocks <= limit * capacity.num_blocks and slots <= limit * num_slots:
             return None
         return (
@@ -323,7 +323,7 @@ class DecodeSide:
         """Whether the import could fit at all while the quarantined storage stays held."""
         context = self.context
         needed = context.blocks_for_tokens(len(record.prompt_tokens) + len(record.resume_tokens))
-        slots_ok = context.mamba_slots is None or self.num_quarantined_slots < context.mamba_slots.conv.shape[1]
+        slots_ok = context.mamba_slots is None or self.num_quarantined_slots < context.mamba_slots.num_slots
         return needed <= context.capacity.num_blocks - self.num_quarantined_blocks and slots_ok
 
     def _reclaim(self) -> None:
@@ -495,6 +495,7 @@ class DecodeSide:
             generated_log_probs=record.resume_log_probs,
             prompt_log_probs=record.prompt_log_probs,
             generator_state=generator_state,
+            generated_top_log_probs=record.resume_top_log_probs,
         )
         self.stats["imports"] += 1
 

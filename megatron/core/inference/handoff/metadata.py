@@ -134,8 +134,9 @@ class HandoffRecord:
     ``block_ids`` cover the prompt (the last one may be partial: the pull copies whole
     blocks, whose unused tails the prefill side zeroed); ``block_hashes`` are the chained
     hashes of its full blocks. ``resume_tokens`` = the first sampled token, then MTP drafts;
-    ``resume_log_probs`` = the log-prob of the first sampled token. ``generator_state`` is the
-    sampler state after that token (non-greedy requests), so sampling continues exactly.
+    ``resume_log_probs`` = the log-prob of the first sampled token; ``resume_top_log_probs`` its
+    ``(token id, log-prob)`` top list when the request asked for top log-probs. ``generator_state``
+    is the sampler state after that token (non-greedy requests), so sampling continues exactly.
     """
 
     request_id: str
@@ -150,6 +151,7 @@ class HandoffRecord:
     mamba_slot: int | None = None
     prompt_log_probs: list[float] | None = None
     generator_state: bytes | None = None
+    resume_top_log_probs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_drafts(self) -> int:

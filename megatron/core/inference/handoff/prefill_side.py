@@ -89,6 +89,8 @@ class PrefillSide:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
+        # A pinned request's state must stop at its prompt: no step may run ahead of the pin.
+        engine.set_overlap_steps(False)
         self.context = engine.context
         self.transport = transport
         self.pin_timeout_s = pin_timeout_s
@@ -151,6 +153,7 @@ class PrefillSide:
         prompt = request.prompt_tokens
         chain = BlockHashChain(self.context.block_size)
         chain.extend(prompt)
+        params = request.sampling_params
         generator_state = None
         if request.generator is not None:
             generator_state = request.generator.get_state().numpy().tobytes()
@@ -165,8 +168,9 @@ class PrefillSide:
             sources=self.sources,
             is_hybrid=self.is_hybrid,
             mamba_slot=state.mamba_slot,
-            prompt_log_probs=list(request.prompt_log_probs) if request.sampling_params.return_prompt_logprobs else None,
+            prompt_log_probs=list(request.prompt_log_probs) if params.return_prompt_logprobs else None,
             generator_state=generator_state,
+            resume_top_log_probs=list(request.generated_top_log_probs) if params.top_logprobs else None,
         )
         self.pins[request_id] = Pin(record, state, self.clock())
         self.stats["records"] += 1
@@ -222,7 +226,7 @@ class PrefillSide:
             free_blocks=context.num_free_blocks,
             num_blocks=context.capacity.num_blocks,
             free_mamba_slots=slots.num_free_slots if slots is not None else 0,
-            num_mamba_slots=slots.conv.shape[1] if slots is not None else 0,
+            num_mamba_slots=slots.num_slots if slots is not None else 0,
         )
         stats["idle"] = (
             stats["free_blocks"] == stats["num_blocks"]

@@ -62,7 +62,7 @@ from megatron.core.inference.coordinator.replicas import (
     ReplicaDevicesError,
     ReplicaSupervisor,
 )
-from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.engines import DynamicInferenceEngine, add_cuda_graph_flag
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from megatron.core.inference.server.serve import ServerThread, bind_socket
 from megatron.core.inference.server.service import ServerConfig, ServerConfigError
@@ -103,6 +103,7 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
+    add_cuda_graph_flag(engine)
     control = parser.add_argument_group("coordinator (control plane)")
     control.add_argument(
         "--heartbeat-timeout-s",
@@ -197,6 +198,7 @@ def build_engine(args: argparse.Namespace, model, tokenizer, pg) -> DynamicInfer
         max_tokens_per_step=args.max_tokens_per_step,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_cuda_graphs=args.enable_cuda_graphs,
     )
 
 

@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import (
     init_rng_scope,
     pad_vocab_size,
 )
+from megatron.core.transformer.context_parallel.sharding import cp_size_of, local_position_ids
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.multi_token_prediction import (
     combine_mtp_losses,
@@ -162,6 +163,7 @@ class LanguageModule(nn.Module):
                 bias=False,
                 gather_output=False,
                 pg_collection=self.pg_collection,
+                output_dtype=self.logit_dtype,
             )
         if tied:
             output_layer.weight = self.embedding.word_embeddings.weight
@@ -184,7 +186,7 @@ class LanguageModule(nn.Module):
         layer of ``self.decoder`` (it must serve both protocols when a model mixes them).
         ``return_decoder_output``: the last stage returns ``(loss or logits, decoder output
         [s, b, h])``, the decoder output being what multi-token prediction starts from."""
-        position_ids = self.position_ids_for(input_ids, position_ids, labels)
+        position_ids = self._default_position_ids(input_ids, position_ids, labels)
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
         rotary_pos_emb = self.rotary(position_ids)
@@ -200,6 +202,14 @@ class LanguageModule(nn.Module):
             hidden_states, input_ids, position_ids, labels, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         return (output, hidden_states) if return_decoder_output else output
+
+    def _default_position_ids(self, input_ids, position_ids, labels):
+        """``position_ids``, or the positions of the given tokens: ``0..s-1``, or under context
+        parallelism the global positions of this rank's chunks."""
+        tokens = input_ids if input_ids is not None else labels
+        if position_ids is None and tokens is not None and cp_size_of(self.pg_collection) > 1:
+            return local_position_ids(tokens, self.pg_collection.cp)
+        return self.position_ids_for(input_ids, position_ids, labels)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed a non-first pipeline stage with the previous stage's hidden states [s, b, h]."""
@@ -263,8 +273,7 @@ class LanguageModule(nn.Module):
         if labels is None:
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)[..., : self.vocab_size]
-            logits = logits.transpose(0, 1).contiguous()
-            return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
+            return logits.transpose(0, 1).contiguous()
         loss = self.per_token_loss(logits, labels)
         if self.mtp is None:
             return loss
@@ -278,9 +287,10 @@ class LanguageModule(nn.Module):
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
         )
+        cp_group = self.mtp.cp_group
         depth_losses = [
-            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth))
-            * shifted_target_mask(labels, depth)
+            self.per_token_loss(self.vocab_logits(hidden), roll_left(labels, depth, cp_group=cp_group))
+            * shifted_target_mask(labels, depth, cp_group=cp_group)
             for depth, hidden in enumerate(depth_hidden, start=1)
         ]
         return combine_mtp_losses(loss, depth_losses, self.config.mtp_loss_scaling_factor)

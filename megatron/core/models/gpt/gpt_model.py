@@ -8,7 +8,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.models.common.language_module import LanguageModule
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, check_no_virtual_pipeline
 
@@ -19,7 +19,8 @@ class GPTModel(LanguageModule):
     The signature is frozen (positional indexes are part of the API); new parameters go last.
     ``pre_process`` / ``post_process`` say whether this is the first / last pipeline stage.
     The vocabulary is padded with ``pad_vocab_size``; padded entries never reach logits or loss.
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(
@@ -46,7 +47,7 @@ class GPTModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_context_parallel(config, pg_collection)
+        check_context_parallel_config(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         super().__init__(
             config,

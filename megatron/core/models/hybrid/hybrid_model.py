@@ -10,7 +10,7 @@ from megatron.core.models.hybrid.hybrid_layer_pattern import resolve_hybrid_patt
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_mtp_block_spec
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.transformer.attention import check_no_context_parallel
+from megatron.core.transformer.context_parallel import check_context_parallel_config
 from megatron.core.transformer.spec import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import check_no_virtual_pipeline
 
@@ -25,7 +25,8 @@ class HybridModel(LanguageModule):
     ``hybrid_override_pattern``, else the ratios; its main part must have
     ``config.num_layers`` layers and its ``/`` parts must number ``config.mtp_num_layers``.
     Each pipeline stage builds only its ``|`` segments, with global layer numbers.
-    ``logit_dtype`` casts returned logits (e.g. fp32 logits from a bf16 model).
+    ``logit_dtype`` is the dtype the output layer's GEMM writes (e.g. fp32 logits of a bf16 model,
+    accumulated in fp32 and never rounded to bf16); the returned logits and the loss use them.
     """
 
     def __init__(
@@ -53,7 +54,6 @@ class HybridModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
-        check_no_context_parallel(config, pg_collection)
         check_no_virtual_pipeline(vp_stage)
         layer_pattern = resolve_hybrid_pattern(
             config.num_layers,
@@ -63,6 +63,7 @@ class HybridModel(LanguageModule):
             hybrid_mlp_ratio,
             hybrid_override_pattern,
         )
+        check_context_parallel_config(config, pg_collection)
         mtp_block_spec = (
             get_hybrid_mtp_block_spec(hybrid_stack_spec, layer_pattern.mtp_patterns)
             if layer_pattern.mtp_patterns

@@ -48,6 +48,13 @@ def token_log_prob(token: int) -> float:
     return -((token % 5) + 1) / 8
 
 
+def top_log_probs(token: int, count: int) -> list[tuple[int, float]]:
+    """The double's ``count`` most likely tokens at a position where it generated ``token``: that
+    token first, then the next letters (cyclically), each 0.5 less likely than the one before."""
+    others = [ord("a") + (token - ord("a") + j) % 26 for j in range(1, count)]
+    return [(t, token_log_prob(token) - 0.5 * j) for j, t in enumerate([token, *others])]
+
+
 @dataclass
 class _Request:
     prompt: list[int]
@@ -134,6 +141,7 @@ class HashEngine:
             tokens_generated=self.tokens_generated,
             drafts_accepted=0,
             drafts_rejected=0,
+            graph_steps=0,
             queue_depth=states.count("waiting"),
             active_requests=states.count("active"),
             paused_requests=states.count("paused"),
@@ -239,4 +247,5 @@ class HashEngine:
             prompt_log_probs=prompt_log_probs,
             prompt_tokens=len(request.prompt),
             generated_tokens=len(request.generated),
+            new_top_log_probs=[top_log_probs(t, params.top_logprobs) for t in tokens] if params.top_logprobs else None,
         )

@@ -1,7 +1,7 @@
 """The serving tests' engine double against the real DynamicInferenceEngine: driven alike, it
 reports outputs of the same type with the same fields, step by step, the same stats keys and
 the same typed errors for the same bad requests. Only the token values (a hash) and their
-log-probs differ."""
+log-probs (and top log-probs) differ."""
 
 import pytest
 
@@ -18,6 +18,7 @@ MAX_SEQ = 48
 REQUESTS = {
     "logprobs": ([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, logprobs=True, return_prompt_logprobs=True)),
     "plain": ([4, 5], SamplingParams(temperature=0.0, max_tokens=2)),
+    "top_logprobs": ([8, 9], SamplingParams(temperature=0.0, max_tokens=3, logprobs=True, top_logprobs=4)),
     "aborted": ([6], SamplingParams(temperature=0.9, seed=1, max_tokens=5, logprobs=True)),
     "to_the_limit": ([7] * 40, SamplingParams(temperature=0.0, return_prompt_logprobs=True)),
     "text": ("123", SamplingParams(temperature=0.0, max_tokens=2)),
@@ -41,6 +42,8 @@ def _shapes(outputs: list[RequestOutput]) -> dict[str, dict]:
         data["new_token_ids"] = len(data["new_token_ids"])
         data["new_log_probs"] = len(data["new_log_probs"])
         data["prompt_log_probs"] = None if data["prompt_log_probs"] is None else len(data["prompt_log_probs"])
+        top = data["new_top_log_probs"]
+        data["new_top_log_probs"] = None if top is None else [len(row) for row in top]
         data["new_text"] = type(data["new_text"]).__name__  # the text of other tokens differs
         shapes[data.pop("request_id")] = data
     return shapes

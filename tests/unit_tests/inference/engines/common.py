@@ -146,7 +146,7 @@ def assert_same_outputs(got: dict, want: dict) -> None:
         result = got[request_id]
         for key in ("tokens", "terminal", "finish_reason"):
             assert result[key] == expected[key], (request_id, key)
-        for key in ("log_probs", "prompt_log_probs"):
+        for key in ("log_probs", "prompt_log_probs", "top_log_probs"):
             if exact or expected[key] is None:
                 assert result[key] == expected[key], (request_id, key)
             else:
@@ -155,16 +155,28 @@ def assert_same_outputs(got: dict, want: dict) -> None:
 
 def new_result() -> dict:
     """An empty per-request record for :func:`collect`."""
-    return dict(tokens=[], log_probs=[], text=None, prompt_log_probs=None, terminal=0, finish_reason=None, error=None)
+    return dict(
+        tokens=[],
+        log_probs=[],
+        top_log_probs=None,
+        text=None,
+        prompt_log_probs=None,
+        terminal=0,
+        finish_reason=None,
+        error=None,
+    )
 
 
 def collect(results: dict, outputs) -> None:
-    """Fold engine outputs into per-request records: tokens, log-probs, text (None without a
-    tokenizer), prompt log-probs, number of terminal outputs, finish reason and error."""
+    """Fold engine outputs into per-request records: tokens, log-probs, top log-probs (None unless
+    asked for), text (None without a tokenizer), prompt log-probs, number of terminal outputs,
+    finish reason and error."""
     for output in outputs:
         result = results.setdefault(output.request_id, new_result())
         result["tokens"] += output.new_token_ids
         result["log_probs"] += output.new_log_probs
+        if output.new_top_log_probs is not None:
+            result["top_log_probs"] = (result["top_log_probs"] or []) + output.new_top_log_probs
         if output.new_text is not None:
             result["text"] = (result["text"] or "") + output.new_text
         if output.prompt_log_probs is not None:

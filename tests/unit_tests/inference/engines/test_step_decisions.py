@@ -1,6 +1,6 @@
 """The fixed tensor layout of a step's decisions: every field round-trips bit-exactly (fp32
-log-probs, -inf, tiny values), empty decisions take no prompt room, and decisions that do not fit
-the layout are refused by name."""
+log-probs, -inf, tiny values, top log-probs), empty decisions take no prompt room, and decisions
+that do not fit the layout are refused by name."""
 
 import math
 import re
@@ -31,6 +31,27 @@ def test_decisions_round_trip_bit_exactly_through_one_int64_tensor():
     assert bits == [struct.pack("d", v) for d in decisions for v in d.log_probs + d.prompt_log_probs]
 
 
+def test_top_log_probs_round_trip_for_the_requests_that_asked():
+    layout = DecisionLayout(
+        max_tokens=2, max_next_drafts=1, prompt_log_prob_capacity=(0, 0, 1), top_log_prob_widths=(2, 0, 3)
+    )
+    decisions = [
+        Decision(
+            tokens=[5, 6],
+            log_probs=[fp32(-0.5), -math.inf],
+            accepted_drafts=1,
+            next_drafts=[9],
+            top_log_probs=[[(5, fp32(-0.5)), (1, fp32(-2.0))], [(2, fp32(-0.25)), (6, -math.inf)]],
+        ),
+        Decision(tokens=[3], log_probs=[fp32(-1.5)]),
+        Decision(prompt_log_probs=[fp32(-3.0)]),  # prefilling: no token, so no top rows
+    ]
+    assert layout.size == 3 * (4 + 2 + 1) + 2 * 2 * (2 + 0 + 3) + 3 * 2 + 1
+    assert layout.unpack(layout.pack(decisions)) == decisions
+    with pytest.raises(ValueError, match=re.escape("1 top log-prob rows) does not fit the layout")):
+        layout.pack([decisions[0], decisions[1], Decision(tokens=[4], log_probs=[0.0], top_log_probs=[[(4, 0.0)]])])
+
+
 def test_a_receiving_stage_gets_an_empty_tensor_of_the_layout_size():
     layout = DecisionLayout(max_tokens=1, max_next_drafts=0, prompt_log_prob_capacity=(0, 5))
     assert layout.empty().shape == (2 * (4 + 1) + 2 + 5,) and layout.empty().dtype == torch.int64
@@ -49,8 +70,9 @@ def test_decisions_that_do_not_fit_the_layout_are_refused(decision, problem):
     layout = DecisionLayout(max_tokens=2, max_next_drafts=1, prompt_log_prob_capacity=(2,))
     with pytest.raises(ValueError, match=re.escape(f"decision 0 ({problem}")) as error:
         layout.pack([decision])
-    assert "does not fit the layout (at most 2 tokens with one log-prob each, 1 drafts, 2 prompt log-probs)" in str(
-        error.value
+    assert (
+        "does not fit the layout (at most 2 tokens with one log-prob each, 1 drafts, 2 prompt log-probs, 0 top "
+        "log-probs per token)" in str(error.value)
     )
     with pytest.raises(ValueError, match="2 decisions for a layout of 1 requests"):
         layout.pack([decision, decision])

@@ -25,7 +25,7 @@ from tests.unit_tests.transformer.single_rank import on_single_rank
 @on_single_rank
 def test_prefill_then_decode_equals_one_engine(pg, kind):
     requests = prompts([6, 13, 3, 9])
-    params = [GREEDY, GREEDY, SAMPLED, GREEDY]
+    params = [GREEDY, GREEDY, dataclasses.replace(SAMPLED, top_logprobs=3), GREEDY]
     reference = run(build_engine(build_model(kind, pg), pg), requests, params)
     prefill_engine = build_engine(build_model(kind, pg), pg, prefix_caching=False)
     decode_engine = build_engine(build_model(kind, pg), pg)
@@ -38,6 +38,8 @@ def test_prefill_then_decode_equals_one_engine(pg, kind):
         assert got[request_id]["tokens"] == want["tokens"] and got[request_id]["terminal"] == 1
         assert got[request_id]["log_probs"] == want["log_probs"]
         assert got[request_id]["prompt_log_probs"] == want["prompt_log_probs"]
+        assert got[request_id]["top_log_probs"] == want["top_log_probs"]  # the first row from the prefill side
+    assert len(got["2"]["top_log_probs"]) == 6 and {len(row) for row in got["2"]["top_log_probs"]} == {3}
     assert decode_engine.stats["prefill_tokens_computed"] == 0
     assert not prefill.pins and not prefill.quarantine
     assert decode.transport.num_done == decode.transport.num_posted > 0 and decode.transport.num_failed == 0

@@ -7,7 +7,7 @@ import pytest
 
 from megatron.core.inference.server.chat_template import default_chat_prompt
 
-from ..coordinator.engine_double import expected_tokens, token_log_prob
+from ..coordinator.engine_double import expected_tokens, token_log_prob, top_log_probs
 from .harness import TOKENIZER, app_server, openai_server
 
 
@@ -77,9 +77,8 @@ def test_completion_logprobs_echo_and_n(api):
     assert choice.logprobs.tokens == ["a", "b", "c"] + [chr(t) for t in generated]
     assert choice.logprobs.token_logprobs == [None, -0.5, -0.5] + [token_log_prob(t) for t in generated]
     assert choice.logprobs.text_offset == list(range(6))
-    # The engine reports the sampled token's log-prob only (it computes no alternatives), so
-    # each generated position lists that token alone.
-    assert choice.logprobs.top_logprobs[3:] == [{chr(t): token_log_prob(t)} for t in generated]
+    # Each generated position lists the engine's 2 most likely tokens.
+    assert choice.logprobs.top_logprobs[3:] == [{chr(i): lp for i, lp in top_log_probs(t, 2)} for t in generated]
 
 
 def test_chat_completion_whole_and_streamed(api):
@@ -107,9 +106,8 @@ def test_chat_logprobs_with_top_logprobs(api):
     content = result.choices[0].logprobs.content
     assert [entry.token for entry in content] == [chr(t) for t in generated]
     assert [entry.logprob for entry in content] == [token_log_prob(t) for t in generated]
-    # The engine reports the sampled token's log-prob only (it computes no alternatives).
     assert [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in content] == [
-        [(chr(t), token_log_prob(t))] for t in generated
+        [(chr(i), lp) for i, lp in top_log_probs(t, 2)] for t in generated
     ]
 
 

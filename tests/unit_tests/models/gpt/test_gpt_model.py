@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.transformer import ContextParallelNotSupportedError, PipelineLayoutError
+from megatron.core.transformer import ContextParallelConfigError, PipelineLayoutError
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 SIGNATURE = [
@@ -53,15 +53,73 @@ def test_old_positional_call_binds_parallel_output_and_leaves_logit_dtype_none(p
     assert logits.shape == (2, 8, 128) and logits.dtype == torch.float32
 
 
-@on_single_rank
-def test_logit_dtype_gives_fp32_logits_from_a_bf16_model(pg):
+def _check_fp32_logits_of_a_bf16_model(pg, device):
+    """The output GEMM writes fp32 logits of the bf16 hidden states and weight (equal to an fp32
+    GEMM of the same bf16 inputs, not a cast of bf16 logits), and the loss is computed from them."""
     config = tiny_config(bf16=True)
-    ids = torch.randint(0, 128, (2, 8))
-    plain = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
-    cast = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, logit_dtype=torch.float32)
-    assert plain.embedding.word_embeddings.weight.dtype == torch.bfloat16
-    assert plain(ids).dtype == torch.bfloat16
-    assert cast(ids).dtype == torch.float32
+    ids, labels = torch.randint(0, 128, (2, 8), device=device), torch.randint(0, 128, (2, 8), device=device)
+    plain = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg).to(device)
+    model = GPTModel(config, get_gpt_layer_local_spec(), 128, 32, pg_collection=pg, logit_dtype=torch.float32).to(
+        device
+    )
+    model.load_state_dict(plain.state_dict())
+    seen = []
+    model.output_layer.register_forward_hook(lambda module, args, out: seen.append(args[0].detach()))
+    logits = model(ids)
+    (hidden,) = seen  # the bf16 [s, b, h] the output layer received
+    weight = model.output_layer.weight.detach()
+    assert (hidden.dtype, weight.dtype, logits.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    fp32_gemm = F.linear(hidden.float(), weight.float()).transpose(0, 1)  # the same bf16 inputs, an fp32 GEMM
+    exact = F.linear(hidden.double(), weight.double()).transpose(0, 1)
+    torch.testing.assert_close(logits, fp32_gemm, rtol=2e-6, atol=2e-6)
+    assert (logits.double() - exact).abs().max() < 1e-5  # fp32 accumulation error only
+    assert (plain(ids).double() - exact).abs().max() > 1e-4  # a cast of bf16 logits keeps bf16 rounding
+
+    loss = model(ids, labels=labels)
+    expected = F.cross_entropy(fp32_gemm.reshape(-1, 128), labels.reshape(-1), reduction="none").reshape(2, 8)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(plain(ids, labels=labels), expected, rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    grad = model.output_layer.weight.grad
+    assert grad.dtype == torch.bfloat16 and grad.abs().sum() > 0
+
+
+@on_single_rank
+def test_logit_dtype_makes_the_output_gemm_write_fp32_logits_that_the_loss_uses(pg):
+    _check_fp32_logits_of_a_bf16_model(pg, torch.device("cpu"))
+
+
+@pytest.mark.gpu(1)
+@on_single_rank
+def test_on_cuda_the_output_gemm_writes_fp32_logits_of_the_bf16_operands(pg):
+    _check_fp32_logits_of_a_bf16_model(pg, torch.device("cuda"))
+
+
+@on_single_rank
+def test_output_dtype_linear_gradients_are_those_of_an_fp32_gemm_of_the_bf16_operands(pg):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(
+        16,
+        24,
+        config=tiny_config(bf16=True),
+        init_method=torch.nn.init.normal_,
+        bias=False,
+        pg_collection=pg,
+        output_dtype=torch.float32,
+    )
+    x = torch.randn(5, 3, 16).to(torch.bfloat16).requires_grad_()
+    out, _ = layer(x)
+    grad_out = torch.randn(5, 3, 24)
+    out.backward(grad_out)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = layer.weight.detach().clone().requires_grad_()
+    reference = F.linear(x_ref.float(), w_ref.float())
+    reference.backward(grad_out)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight.grad, w_ref.grad, rtol=0, atol=0)
 
 
 @on_single_rank
@@ -108,8 +166,9 @@ def test_decoder_input_replaces_the_embedding_and_position_ids_are_used(pg):
 
 
 @on_single_rank
-def test_context_parallel_fails_at_construction(pg):
-    with pytest.raises(ContextParallelNotSupportedError, match="context parallelism is not supported yet"):
+def test_a_context_parallel_config_without_its_cp_group_fails_at_construction(pg):
+    message = r"config.context_parallel_size \(2\) differs from the cp group size \(1\)"
+    with pytest.raises(ContextParallelConfigError, match=message):
         GPTModel(tiny_config(context_parallel_size=2), get_gpt_layer_local_spec(), 128, 32, pg_collection=pg)
 
 

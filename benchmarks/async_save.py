@@ -1,0 +1,121 @@
+"""Step time of a training run while ``--async-save`` writes a checkpoint in the background,
+against the same run's step time with no save in flight (and a synchronous run for reference).
+
+    python benchmarks/async_save.py                  # CPU: training on one thread, the writer on another
+    python benchmarks/async_save.py --hidden-size 768 --iters 24 --save-interval 8 --json async.json
+
+Runs ``megatron-pretrain-gpt`` twice in subprocesses with ``OMP_NUM_THREADS=1`` (the training
+thread gets one core; the background writer uses another), once with ``--async-save`` and once
+without, on a GPT whose full training state (weights and Adam state) takes several steps to
+write. Per-iteration times come from ``--metrics-jsonl``. An iteration is "during a save" when it
+ran while a background save was in flight: from the one after the save was started (which also
+takes the snapshot) to the one the save was reported complete at. Prints the medians and the
+ratio during / without (1.0: no slowdown), and the synchronous save's stall for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+COMPLETE = re.compile(r"saved checkpoint \S+ \(iteration (\d+), in the background; complete at iteration (\d+)\)")
+
+
+def _train(flags: list[str], work: str, name: str) -> tuple[dict[int, float], str]:
+    """Run one training subprocess; returns (iteration -> elapsed ms, stdout)."""
+    metrics = os.path.join(work, f"{name}.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "megatron.training.pretrain_gpt", *flags]
+    command += ["--save", os.path.join(work, name), "--metrics-jsonl", metrics, "--log-interval", "1"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"training failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    with open(metrics, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(os.path.join(work, name))
+    return {r["iteration"]: r["elapsed_ms_per_iteration"] for r in records if r["type"] == "train"}, done.stdout
+
+
+def measure(model_flags: list[str], iters: int, save_interval: int, warmup: int, work: str) -> dict:
+    flags = [*model_flags, "--train-iters", str(iters), "--save-interval", str(save_interval)]
+    async_ms, out = _train([*flags, "--async-save"], work, "async")
+    sync_ms, _ = _train(flags, work, "sync")
+    windows = [(int(start), int(end)) for start, end in COMPLETE.findall(out)]
+    during = {i for start, end in windows for i in range(start + 1, end + 1)}
+    snapshot = {start + 1 for start, _ in windows if start + 1 in async_ms}  # the last save has no next step
+    quiet = [ms for i, ms in async_ms.items() if i > warmup and i not in during]
+    busy = [ms for i, ms in async_ms.items() if i in during - snapshot]
+    saves = [i + 1 for i in range(save_interval, iters, save_interval)]
+    sync_quiet = [ms for i, ms in sync_ms.items() if i > warmup and i not in saves]
+    return {
+        "windows": windows,
+        "async_ms": async_ms,
+        "sync_ms": sync_ms,
+        "without_save_ms": statistics.median(quiet),
+        "during_save_ms": statistics.median(busy) if busy else None,
+        "snapshot_step_ms": [async_ms[i] for i in sorted(snapshot)],
+        "sync_step_ms": statistics.median(sync_quiet),
+        "sync_save_step_ms": [sync_ms[i] for i in saves],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=32768)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=24)
+    parser.add_argument("--save-interval", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="leading iterations left out of the medians")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    model_flags = [
+        *("--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size)),
+        *("--num-attention-heads", str(max(1, args.hidden_size // 64)), "--seq-length", str(args.seq_length)),
+        *("--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data", "--vocab-size", str(args.vocab_size)),
+        *("--lr", "1e-4", "--distributed-backend", "gloo"),
+    ]
+    work = tempfile.mkdtemp(prefix="async_save_bench_", dir=args.dir)
+    try:
+        result = measure(model_flags, args.iters, args.save_interval, args.warmup, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    params = args.num_layers * 12 * args.hidden_size**2 + args.vocab_size * args.hidden_size
+    print(
+        f"GPT {args.num_layers}x{args.hidden_size}, vocabulary {args.vocab_size}: ~{params / 1e6:.0f}M parameters, "
+        f"~{params * 16 / 2**30:.2f} GiB of weights and Adam state per checkpoint; {args.iters} iterations, a save "
+        f"every {args.save_interval}, training on 1 thread"
+    )
+    print("async iteration ms:", " ".join(f"{i}:{ms:.0f}" for i, ms in sorted(result["async_ms"].items())))
+    for start, end in result["windows"]:
+        if start < args.iters:  # the last save completes when the run closes
+            print(f"  background save of iteration {start}: in flight during iterations {start + 1}..{end}")
+    print(f"step time without a save in flight (median): {result['without_save_ms']:8.1f} ms")
+    if result["during_save_ms"] is None:
+        print("no iteration ran while a save was in flight (the saves finished within one step)")
+    else:
+        ratio = result["during_save_ms"] / result["without_save_ms"]
+        print(f"step time during a background save (median):  {result['during_save_ms']:8.1f} ms  ({ratio:.3f}x)")
+    snapshots = ", ".join(f"{ms:.0f}" for ms in result["snapshot_step_ms"])
+    print(f"steps that also took the snapshot: {snapshots} ms")
+    sync = ", ".join(f"{ms:.0f}" for ms in result["sync_save_step_ms"])
+    print(f"synchronous run: step {result['sync_step_ms']:.1f} ms, steps with a save: {sync} ms")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

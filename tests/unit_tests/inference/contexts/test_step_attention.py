@@ -1,0 +1,99 @@
+"""The step-planned paged attention (the CPU path): it agrees with the reference
+``torch_paged_attention``, and a query's result is bitwise the same however its request's tokens
+were split into steps and whatever else runs in the step (decode rows, prefill chunks of other
+lengths, padding), which the engine's tight-pool == roomy-pool guarantee rests on."""
+
+import torch
+
+from megatron.core.inference.contexts import Capacity, DynamicInferenceContext, StageCacheSpec
+from megatron.core.inference.contexts.paged_attention import torch_paged_attention
+
+BS, Q_HEADS, KV_HEADS, DIM = 4, 4, 2, 8
+
+
+def make_context(max_tokens=64):
+    spec = StageCacheSpec((1,), (), num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BS)
+    return DynamicInferenceContext(
+        spec,
+        Capacity(num_blocks=64, max_requests=8),
+        max_sequence_length=96,
+        max_tokens_per_step=max_tokens,
+        enable_chunked_prefill=True,
+    )
+
+
+def sequences(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: tuple(torch.randn(n, heads, DIM, generator=gen) for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
+        for name, n in lengths.items()
+    }
+
+
+def run_steps(data, schedules, pad_to_tokens=None):
+    """Feed each request's q/k/v through the context in the given steps; returns, per request,
+    the attention output of every position, in order."""
+    ctx = make_context()
+    for name, (q, _, _) in data.items():
+        ctx.add_request(name, list(range(q.shape[0])))
+    outputs = {name: [] for name in data}
+    for schedule in schedules:
+        batch = ctx.build_step(schedule, pad_to_tokens=pad_to_tokens)
+        q, k, v = (torch.zeros(batch.num_padded_tokens, 1, h, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+        start = 0
+        for (name, count), offset in zip(schedule, batch.host_kv_offsets, strict=False):
+            fq, fk, fv = data[name]
+            q[start : start + count, 0] = fq[offset : offset + count]
+            k[start : start + count, 0] = fk[offset : offset + count]
+            v[start : start + count, 0] = fv[offset : offset + count]
+            start += count
+        out = ctx.store_kv_and_attend(1, q, k, v)[:, 0]
+        start = 0
+        for name, count in schedule:
+            outputs[name] += list(out[start : start + count])
+            start += count
+        ctx.commit_step()
+    return {name: torch.stack(rows) for name, rows in outputs.items()}
+
+
+def test_step_attention_matches_the_reference_kernel():
+    data = sequences({"a": 9, "b": 5, "c": 3})
+    ctx = make_context()
+    for name, (q, _, _) in data.items():
+        ctx.add_request(name, list(range(q.shape[0])))
+    batch = ctx.build_step([("a", 9), ("b", 5), ("c", 3)], pad_to_tokens=20)
+    q = torch.cat([data[n][0] for n in "abc"])
+    k = torch.cat([data[n][1] for n in "abc"])
+    v = torch.cat([data[n][2] for n in "abc"])
+    pad = torch.zeros(3, 1, Q_HEADS, DIM)
+    out = ctx.store_kv_and_attend(
+        1,
+        torch.cat([q[:, None], pad]),
+        torch.cat([k[:, None], pad[:, :, :KV_HEADS]]),
+        torch.cat([v[:, None], pad[:, :, :KV_HEADS]]),
+    )
+    key_cache, value_cache = ctx.kv_cache.layer(0)
+    expected = torch_paged_attention(
+        q, key_cache, value_cache, batch.block_tables, batch.query_lengths, batch.kv_lengths
+    )
+    torch.testing.assert_close(out[:17, 0], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[17:], torch.zeros_like(out[17:]))
+
+
+def test_a_query_gives_the_same_bits_however_the_steps_are_split():
+    data = sequences({"a": 11, "b": 7, "c": 5})
+    whole = run_steps(data, [[("a", 11), ("b", 7), ("c", 5)]])
+    decoded = run_steps(
+        data,
+        [[("a", 3)], [("b", 7), ("a", 1)], [("a", 1), ("c", 5)]]
+        + [[("a", 1), ("b", 0) if False else ("a", 0)][:1] for _ in range(0)]
+        + [[("a", 1)]] * 6,
+    )
+    assert torch.equal(decoded["a"], whole["a"]) and torch.equal(decoded["b"], whole["b"])
+    mixed = run_steps(
+        data,
+        [[("c", 2), ("a", 5)], [("a", 2), ("c", 1), ("b", 3)], [("b", 4), ("a", 3), ("c", 1)], [("c", 1), ("a", 1)]],
+        pad_to_tokens=16,
+    )
+    for name in "abc":
+        assert torch.equal(mixed[name], whole[name]), name
