@@ -11,7 +11,8 @@ is killed, after which its decode replica is taken out of service.
 
 Every stream that was not cancelled gets HTTP 200 and exactly one terminal reply (a finish or
 one error event) before ``[DONE]``; the only errors are ``unavailable`` ones of requests in
-flight on the killed replica. Afterwards the coordinator has nothing in flight and no load on
+flight on the killed replica (those that had streamed output: the coordinator runs the others
+again on another replica). Afterwards the coordinator has nothing in flight and no load on
 any engine, the decode engine has all its blocks back and no quarantined block is left once
 its prefill peer is gone."""
 
