@@ -63,6 +63,19 @@ class Outcome:
     cancelled: bool = False
 
 
+async def _sse_lines(response: httpx.Response):
+    """The non-empty lines of an event stream. Split on newlines only (as SSE does): httpx's
+    ``aiter_lines`` also splits on U+0085 or U+2028, which JSON leaves unescaped in text."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line.decode().rstrip("\r")
+    if pending.strip():
+        yield pending.decode()
+
+
 async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
     body = {
         "model": "megatron",
@@ -79,9 +92,7 @@ async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
             outcome.errors.append(json.loads(await response.aread())["error"])
         else:
             events = 0
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
+            async for line in _sse_lines(response):
                 events += 1
                 if line == "data: [DONE]":
                     outcome.done += 1
