@@ -44,6 +44,9 @@ SOAK_S = float(os.environ.get("MEGATRON_SOAK_S", "60"))
 STREAMS = 200
 CANCEL_FRACTION = 0.3
 HEARTBEAT_TIMEOUT_S = 3.0  # the coordinator drops a replica silent this long (a killed one)
+# Longer than a prefill waits on a loaded 2-core host (30 s was seen to pass); the killed prefill
+# worker's requests end when its replica is retired, not by this timeout.
+PREFILL_TIMEOUT_S = 120.0
 # The disaggregated replica: a tiny model over the server's byte-level vocabulary, room for
 # its share of the streams (prompts of up to 8 tokens plus up to 24 generated).
 MODEL = dict(vocab_size=TOKENIZER.vocab_size)
@@ -178,7 +181,7 @@ def test_soak(pg, tmp_path):
     keys = control_plane.ControlPlaneKeys.generate()
     keys_file = keys.for_role("engine").save(str(tmp_path / "engine.json"))
     coordinator = InferenceCoordinator(keys=keys, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S).start()
-    decode.serve(coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=30.0)
+    decode.serve(coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=PREFILL_TIMEOUT_S)
     server = ServerThread(InferenceClient(coordinator.address, keys=keys.for_role("client")), tokenizer=TOKENIZER)
     outcomes: list[Outcome] = []
     try:
