@@ -1,18 +1,24 @@
-"""``megatron-convert``: convert checkpoints between HuggingFace and ours, or re-target ours
-to another default layout (``python -m megatron.core.models.checkpoint_converter``,
-``python tools/checkpoint/convert.py``).
+"""``megatron-convert``: convert checkpoints between HuggingFace, megatron-core (Megatron-LM)
+and ours, or re-target ours to another default layout
+(``python -m megatron.core.models.checkpoint_converter``, ``python tools/checkpoint/convert.py``).
 
     megatron-convert --loader hf --saver megatron --load-dir HF_DIR --save-dir OUT \\
         [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N] \\
-        [--target-generalized-tensor-parallel-size N]
+        [--target-generalized-tensor-parallel-size N] [--hybrid-layer-pattern 'M*|-M']
     megatron-convert --loader megatron --saver hf --load-dir OUT --save-dir HF_DIR
+    megatron-convert --loader mcore --saver megatron --load-dir MEGATRON_LM_CKPT --save-dir OUT
 
 HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, GPT2LMHeadModel or
-NemotronHForCausalLM (detected from config.json). Runs in one CPU process (a gloo world of 1).
-Our checkpoints are layout-independent, so the target sizes only become the default layout
-of the saved model record. The HF config travels in the record, so HF -> ours -> HF gives
-back the same config and bit-identical tensors; the tokenizer (an HF directory's
-tokenizer.json, or the one inside our checkpoint) is copied into the checkpoint written.
+NemotronHForCausalLM (detected from config.json); their safetensors are read tensor by
+tensor. Runs in one CPU process (a gloo world of 1). Our checkpoints are layout-independent,
+so the target sizes only become the default layout of the saved model record; a hybrid
+pattern without ``|`` saved for PP > 1 gets its stage boundaries (balanced by layer count, or
+``--hybrid-layer-pattern``), and the tool prints where it put them. A model converted from HF
+keeps its HF config in the record, so HF -> ours -> HF gives back the same config and
+bit-identical tensors; a model trained here is exported as Llama (RMSNorm GPT), GPT-2
+(LayerNorm GPT) or NemotronH (hybrid) with a config made from its record. The tokenizer (an
+HF directory's tokenizer.json, or the one inside our checkpoint) is copied along.
+``--loader mcore`` reads megatron-core ``torch_dist`` GPT checkpoints (see ``mcore_checkpoint``).
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing import read_latest_iteration
+from megatron.core.dist_checkpointing import iteration_dir, read_latest_iteration
 from megatron.core.errors import MegatronError, MegatronInputError
-from megatron.core.models import hf_mapping
+from megatron.core.models import hf_mapping, mcore_checkpoint
+from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
 from megatron.core.models.model_record import (
     ModelRecord,
     TokenizerRecord,
@@ -51,31 +58,41 @@ class HFFamily:
     """How one HF architecture maps onto our models (functions of ``hf_mapping``)."""
 
     ours: str  # our model family
+    model_type: str  # HF config's model_type
     config_from_hf: Callable  # hf_config -> (TransformerConfig, constructor arguments)
+    config_to_hf: Callable  # record -> HF config keyword arguments (models trained here)
     state_dict_from_hf: Callable  # (hf_state_dict, record) -> ours
     state_dict_to_hf: Callable  # (ours, record) -> hf_state_dict
+    disk_prefixes: dict | None = None  # safetensors key prefixes transformers writes for module prefixes
 
 
 HF_FAMILIES = {
     "LlamaForCausalLM": HFFamily(
         "gpt",
+        "llama",
         hf_mapping.llama_config_from_hf,
+        hf_mapping.llama_config_to_hf,
         lambda sd, r: hf_mapping.llama_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.llama_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
     "GPT2LMHeadModel": HFFamily(
         "gpt",
+        "gpt2",
         hf_mapping.gpt2_config_from_hf,
+        hf_mapping.gpt2_config_to_hf,
         lambda sd, r: hf_mapping.gpt2_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.gpt2_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
     "NemotronHForCausalLM": HFFamily(
         "hybrid",
+        "nemotron_h",
         hf_mapping.nemotron_h_config_from_hf,
+        hf_mapping.nemotron_h_config_to_hf,
         lambda sd, r: hf_mapping.nemotron_h_state_dict_from_hf(
             sd, r.config, r.layer_pattern, r.share_embeddings_and_output_weights
         ),
         lambda sd, r: hf_mapping.nemotron_h_state_dict_to_hf(sd, r.config, r.vocab_size, r.layer_pattern),
+        hf_mapping.NEMOTRON_H_DISK_PREFIXES,
     ),
 }
 
@@ -98,8 +115,9 @@ def hf_family(architectures) -> tuple[str, HFFamily]:
 
 
 def load_hf(load_dir: str) -> Converted:
-    """Our state dict and record from an HF ``save_pretrained`` directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Our record and (lazy) state dict from an HF ``save_pretrained`` directory: its
+    safetensors are read tensor by tensor while saving, no HF model is built."""
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(load_dir)
     architecture, family = hf_family(hf_config.architectures)
@@ -116,8 +134,32 @@ def load_hf(load_dir: str) -> Converted:
         hf_config=hf_config.to_dict(),
         **kwargs,
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32)
-    return Converted(family.state_dict_from_hf(hf_model.state_dict(), record), record, 0)
+    hf_tensors = hf_mapping.SafetensorsStateDict(load_dir, family.disk_prefixes)
+    return Converted(family.state_dict_from_hf(hf_tensors, record), record, 0)
+
+
+def load_mcore(load_dir: str) -> Converted:
+    """Our state dict and record from a megatron-core ``torch_dist`` checkpoint of a GPT model
+    (an ``iter_*`` directory or a root with Megatron-LM's tracker file)."""
+    checkpoint_dir = load_dir
+    if not os.path.isfile(os.path.join(load_dir, mcore_checkpoint.DCP_INDEX_FILENAME)):
+        iteration = read_latest_iteration(load_dir)
+        checkpoint_dir = load_dir if iteration is None else iteration_dir(load_dir, iteration)
+    checkpoint = mcore_checkpoint.McoreCheckpoint(checkpoint_dir)
+    common = checkpoint.common_state()
+    if "args" not in common:
+        raise ConversionError(
+            f"{checkpoint_dir} has no Megatron-LM 'args' in its common state, so the model it holds is unknown"
+        )
+    config, kwargs = mcore_checkpoint.record_fields_from_args(common["args"])
+    record = ModelRecord(family="gpt", config=config, **kwargs)
+    model = model_from_record(record, parallel_state.get_process_group_collection())
+    state_dict = mcore_checkpoint.state_dict_from_mcore(checkpoint, model.state_dict().keys(), config)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # our vocabulary padding may be larger
+        if key in state_dict:
+            rows = model.state_dict()[key].shape[0] - state_dict[key].shape[0]
+            state_dict[key] = torch.cat([state_dict[key], state_dict[key].new_zeros(rows, state_dict[key].shape[1])])
+    return Converted(state_dict, record, int(common.get("iteration", 0)))
 
 
 def load_megatron(load_dir: str) -> Converted:
@@ -129,12 +171,49 @@ def load_megatron(load_dir: str) -> Converted:
     return Converted(model.state_dict(), record, iteration or 0)
 
 
-def save_megatron(converted: Converted, save_dir: str, target_sizes: dict) -> str:
-    """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout."""
+def _copy_into(model: torch.nn.Module, state_dict) -> None:
+    """``model.load_state_dict(state_dict, strict=True)`` one key at a time, so a lazy state dict
+    (HF safetensors) holds only one converted tensor at once."""
+    targets = model.state_dict(keep_vars=True)
+    if set(targets) != set(state_dict.keys()):
+        missing, unexpected = (
+            sorted(set(targets) - set(state_dict.keys())),
+            sorted(set(state_dict.keys()) - set(targets)),
+        )
+        raise ConversionError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key, target in targets.items():
+            source = state_dict[key]
+            if source.shape != target.shape:
+                raise ConversionError(f"{key!r} has shape {tuple(source.shape)}, the model needs {tuple(target.shape)}")
+            target.copy_(source)
+
+
+def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybrid_layer_pattern=None) -> str:
+    """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout
+    (a hybrid pattern re-segmented for its pipeline size, saying where the boundaries went)."""
     record = converted.record.replace(config=dataclasses.replace(converted.record.config, **target_sizes))
+    if record.family == "hybrid":
+        pattern, placed = segment_for_pipeline(
+            record.layer_pattern, target_sizes["pipeline_model_parallel_size"], hybrid_layer_pattern
+        )
+        if placed is not None:
+            print(placed)
+        record = record.replace(layer_pattern=pattern)
+    elif hybrid_layer_pattern is not None:
+        raise ConversionError("--hybrid-layer-pattern is only valid for hybrid models; this is a gpt model")
     model = model_from_record(record, parallel_state.get_process_group_collection())
-    model.load_state_dict(converted.state_dict, strict=True)
+    _copy_into(model, converted.state_dict)
     return save_model_checkpoint({"model": model.sharded_state_dict()}, save_dir, converted.iteration, record)
+
+
+def native_hf_architecture(record: ModelRecord) -> str:
+    """The HF architecture a model trained here is exported as: NemotronH for hybrid models;
+    Llama for a GPT with RMSNorm (SwiGLU, RoPE), else GPT-2 (what the architecture cannot
+    represent is refused by its ``config_to_hf``)."""
+    if record.family == "hybrid":
+        return "NemotronHForCausalLM"
+    return "LlamaForCausalLM" if record.config.normalization == "RMSNorm" else "GPT2LMHeadModel"
 
 
 def save_hf(converted: Converted, save_dir: str) -> str:
@@ -144,13 +223,13 @@ def save_hf(converted: Converted, save_dir: str) -> str:
 
     record = converted.record
     if record.hf_config is None:
-        raise ConversionError(
-            "this checkpoint was not converted from HuggingFace, so it carries no HF config to save with; "
-            f"HF export needs a checkpoint made by --loader hf (architectures {sorted(HF_FAMILIES)})"
-        )
-    hf_dict = dict(record.hf_config)
-    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    family = HF_FAMILIES[record.hf_architecture]
+        architecture = native_hf_architecture(record)
+        family = HF_FAMILIES[architecture]
+        hf_config = AutoConfig.for_model(family.model_type, **family.config_to_hf(record))
+    else:
+        hf_dict = dict(record.hf_config)
+        hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+        family = HF_FAMILIES[record.hf_architecture]
     model = model_from_record(record, parallel_state.get_process_group_collection())
     hf_state_dict = family.state_dict_to_hf(converted.state_dict, record.replace(config=model.config))
     hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -164,13 +243,19 @@ def save_hf(converted: Converted, save_dir: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-convert", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--loader", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--loader", choices=["hf", "megatron", "mcore"], required=True)
     parser.add_argument("--saver", choices=["hf", "megatron"], required=True)
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--target-generalized-tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--hybrid-layer-pattern",
+        default=None,
+        help="hybrid models: the stage boundaries ('|') to save with; the same layers as the model's pattern "
+        "(default: the model's, split by layer count when it has no '|' and --target-pipeline-parallel-size > 1)",
+    )
     return parser
 
 
@@ -184,12 +269,14 @@ def convert(argv: list[str] | None = None) -> str:
     ):
         if getattr(args, flag) < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.hybrid_layer_pattern is not None and args.saver != "megatron":
+        raise ConversionError("--hybrid-layer-pattern places pipeline stage boundaries; it needs --saver megatron")
     parallel_state.initialize_distributed("gloo")
     if dist.get_world_size() != 1:
         raise ConversionError(f"convert runs in one process; it was started in a world of {dist.get_world_size()}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    converted = load_hf(args.load_dir) if args.loader == "hf" else load_megatron(args.load_dir)
+    converted = {"hf": load_hf, "megatron": load_megatron, "mcore": load_mcore}[args.loader](args.load_dir)
     if args.saver == "hf":
         return save_hf(converted, args.save_dir)
     targets = {
@@ -197,7 +284,7 @@ def convert(argv: list[str] | None = None) -> str:
         "pipeline_model_parallel_size": args.target_pipeline_parallel_size,
         "generalized_tensor_parallel_size": args.target_generalized_tensor_parallel_size,
     }
-    return save_megatron(converted, args.save_dir, targets)
+    return save_megatron(converted, args.save_dir, targets, args.hybrid_layer_pattern)
 
 
 def main(argv: list[str] | None = None) -> int:

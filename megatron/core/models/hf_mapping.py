@@ -9,11 +9,14 @@ rules drive both directions, so a round trip is bit-identical.
 Functions per family (``llama``, ``gpt2``; others are appended the same way):
 ``<family>_config_from_hf(hf_config, **overrides) -> (TransformerConfig, gpt_model_kwargs)``,
 ``<family>_state_dict_from_hf(hf_state_dict, config) -> ours`` and
-``<family>_state_dict_to_hf(state_dict, config, vocab_size) -> HF``.
+``<family>_state_dict_to_hf(state_dict, config, vocab_size) -> HF``, and for checkpoints trained
+here (no HF config recorded) ``<family>_config_to_hf(record) -> HF config keyword arguments``,
+which refuses what the HF architecture cannot represent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,16 @@ from megatron.core.tensor_parallel import pad_vocab_size
 
 class HFMappingError(MegatronInputError):
     """An HF config or state dict that this mapping cannot represent exactly."""
+
+
+def _require_exportable(architecture: str, problems: list[tuple[bool, str]]) -> None:
+    found = [what for bad, what in problems if bad]
+    if found:
+        raise HFMappingError(f"this model cannot be exported as {architecture}: " + "; ".join(found))
+
+
+def _kv_channels(config: TransformerConfig) -> int:
+    return config.kv_channels or config.hidden_size // config.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -45,23 +58,105 @@ class Rule:
             raise HFMappingError(f"rule for {self.ours!r} packs {len(self.hf)} HF keys and needs their sizes")
 
 
-def _apply_from_hf(rules: list[Rule], hf_state_dict: dict) -> dict:
-    missing = sorted(k for rule in rules for k in rule.hf if k not in hf_state_dict)
-    if missing:
-        raise HFMappingError(f"HF state dict lacks {len(missing)} expected keys, e.g. {missing[:3]}")
-    mapped = {k for rule in rules for k in rule.hf}
-    unused = sorted(k for k in hf_state_dict if k not in mapped)
-    if unused:
-        raise HFMappingError(f"HF state dict has {len(unused)} keys this mapping does not know, e.g. {unused[:3]}")
-    out = {}
-    for rule in rules:
-        parts = [hf_state_dict[k].t() if rule.transpose else hf_state_dict[k] for k in rule.hf]
+class MappedStateDict(Mapping):
+    """Our state dict from an HF one by ``rules``, made one key at a time on access: with a lazy
+    ``hf_state_dict`` (e.g. :class:`SafetensorsStateDict`) only the HF tensors of the key being
+    read are in memory. Key sets are checked up front."""
+
+    def __init__(self, rules: list[Rule], hf_state_dict: Mapping):
+        missing = sorted(k for rule in rules for k in rule.hf if k not in hf_state_dict)
+        if missing:
+            raise HFMappingError(f"HF state dict lacks {len(missing)} expected keys, e.g. {missing[:3]}")
+        mapped = {k for rule in rules for k in rule.hf}
+        unused = sorted(k for k in hf_state_dict if k not in mapped)
+        if unused:
+            raise HFMappingError(f"HF state dict has {len(unused)} keys this mapping does not know, e.g. {unused[:3]}")
+        self._rules = {rule.ours: rule for rule in rules}
+        self._hf = hf_state_dict
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        rule = self._rules[key]
+        parts = [self._hf[k].t() if rule.transpose else self._hf[k] for k in rule.hf]
         tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if rule.vocab:
             padded = pad_vocab_size(tensor.shape[0], 1)
             tensor = torch.cat([tensor, tensor.new_zeros((padded - tensor.shape[0],) + tuple(tensor.shape[1:]))])
-        out[rule.ours] = tensor.contiguous().clone()
-    return out
+        return tensor.contiguous().clone()
+
+    def __contains__(self, key) -> bool:
+        return key in self._rules
+
+    def __iter__(self):
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+
+class SafetensorsStateDict(Mapping):
+    """The tensors of an HF directory's ``*.safetensors`` files (sharded or not), each read from
+    disk only when asked for (``safetensors.safe_open``), never the whole model at once. Keys are
+    the HF module's; ``disk_prefixes`` maps prefixes transformers writes to disk instead (e.g.
+    NemotronH's ``backbone.`` for the module's ``model.``)."""
+
+    def __init__(self, directory: str, disk_prefixes: dict[str, str] | None = None):
+        import glob
+        import os
+
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+        if not files:
+            raise HFMappingError(f"{directory} has no *.safetensors files (save_pretrained writes them)")
+        from safetensors import safe_open
+
+        self._stored = {}  # module key -> (file, key on disk)
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    module_key = key
+                    for disk, module in (disk_prefixes or {}).items():
+                        if key.startswith(disk):
+                            module_key = module + key[len(disk) :]
+                    self._stored[module_key] = (path, key)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path, stored_key = self._stored[key]
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(stored_key)
+
+    def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
+        return key in self._stored
+
+    def __iter__(self):
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+class _WithTiedHead(Mapping):
+    """``hf_state_dict`` plus ``lm_head.weight`` read as the input embedding (lazily)."""
+
+    def __init__(self, hf_state_dict: Mapping, embed_key: str):
+        self._hf, self._embed_key = hf_state_dict, embed_key
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._hf[self._embed_key if key == "lm_head.weight" else key]
+
+    def __contains__(self, key) -> bool:
+        return key == "lm_head.weight" or key in self._hf
+
+    def __iter__(self):
+        yield from self._hf
+        yield "lm_head.weight"
+
+    def __len__(self) -> int:
+        return len(self._hf) + 1
+
+
+def _apply_from_hf(rules: list[Rule], hf_state_dict: Mapping) -> MappedStateDict:
+    return MappedStateDict(rules, hf_state_dict)
 
 
 def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
@@ -146,6 +241,50 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
     return config, kwargs
 
 
+def llama_config_to_hf(record) -> dict:
+    """LlamaConfig keyword arguments for a GPT ``record`` with RMSNorm, SwiGLU and RoPE."""
+    config = record.config
+    _require_exportable(
+        "LlamaForCausalLM",
+        [
+            (config.normalization != "RMSNorm", f"normalization {config.normalization!r} (Llama uses RMSNorm)"),
+            (
+                not config.gated_linear_unit or config.activation_func is not F.silu,
+                "an MLP other than SwiGLU (needs --swiglu)",
+            ),
+            (record.position_embedding_type != "rope", f"position embeddings {record.position_embedding_type!r}"),
+            (record.rotary_percent != 1.0, f"rotary_percent {record.rotary_percent} (Llama rotates whole heads)"),
+            (
+                config.add_qkv_bias and not config.add_bias_linear,
+                "a QKV bias without other linear biases (Llama's attention_bias covers all attention linears)",
+            ),
+            (bool(config.mtp_num_layers), "multi-token prediction layers"),
+        ],
+    )
+    rope = {"rope_type": "default", "rope_theta": float(record.rotary_base)}
+    if record.rope_scaling:
+        rope = {**rope, "rope_type": "llama3", "factor": record.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": record.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups or config.num_attention_heads,
+        "head_dim": _kv_channels(config),
+        "max_position_embeddings": record.max_sequence_length,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "hidden_act": "silu",
+        "attention_bias": config.add_bias_linear,
+        "mlp_bias": config.add_bias_linear,
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": record.share_embeddings_and_output_weights,
+        "rope_parameters": rope,
+    }
+
+
 def _llama_rules(config: TransformerConfig) -> list[Rule]:
     bias = ("weight", "bias") if config.add_bias_linear else ("weight",)
     q, kv, ffn = (
@@ -178,15 +317,15 @@ def _llama_rules(config: TransformerConfig) -> list[Rule]:
     return rules
 
 
-def _fill_tied_lm_head(hf_state_dict: dict, embed_key: str, tied: bool) -> dict:
+def _fill_tied_lm_head(hf_state_dict: Mapping, embed_key: str, tied: bool) -> Mapping:
     """Tied HF checkpoints may omit ``lm_head.weight``; it is the input embedding then."""
     if tied and "lm_head.weight" not in hf_state_dict:
-        return {**hf_state_dict, "lm_head.weight": hf_state_dict[embed_key]}
+        return _WithTiedHead(hf_state_dict, embed_key)
     return hf_state_dict
 
 
-def llama_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> dict:
-    """Our full state dict from a LlamaForCausalLM state dict."""
+def llama_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
+    """Our full state dict (made key by key on access) from a LlamaForCausalLM state dict."""
     return _apply_from_hf(_llama_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied))
 
 
@@ -243,6 +382,50 @@ def gpt2_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict
     return config, kwargs
 
 
+def gpt2_config_to_hf(record) -> dict:
+    """GPT2Config keyword arguments for a GPT ``record`` with LayerNorm, biases, a GELU MLP and
+    learned absolute positions."""
+    config = record.config
+    activation = {gelu_tanh: "gelu_new", F.gelu: "gelu"}.get(config.activation_func)
+    _require_exportable(
+        "GPT2LMHeadModel",
+        [
+            (config.normalization != "LayerNorm", f"normalization {config.normalization!r} (GPT-2 uses LayerNorm)"),
+            (config.gated_linear_unit or activation is None, "an MLP other than GELU (GPT-2 has no gated MLP)"),
+            (not config.add_bias_linear, "linear layers without biases (GPT-2 has biases everywhere)"),
+            (
+                record.position_embedding_type != "learned_absolute",
+                f"position embeddings {record.position_embedding_type!r} (GPT-2 learns absolute positions)",
+            ),
+            (
+                (config.num_query_groups or config.num_attention_heads) != config.num_attention_heads,
+                "grouped-query attention",
+            ),
+            (
+                _kv_channels(config) * config.num_attention_heads != config.hidden_size,
+                "kv_channels * heads != hidden_size",
+            ),
+            (bool(config.mtp_num_layers), "multi-token prediction layers"),
+        ],
+    )
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": record.vocab_size,
+        "n_embd": config.hidden_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_hidden_size,
+        "n_positions": record.max_sequence_length,
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "activation_function": activation,
+        "resid_pdrop": config.hidden_dropout,
+        "embd_pdrop": config.hidden_dropout,
+        "attn_pdrop": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": record.share_embeddings_and_output_weights,
+    }
+
+
 def _gpt2_rules(config: TransformerConfig) -> list[Rule]:
     rules = [
         Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",), vocab=True),
@@ -268,8 +451,8 @@ def _gpt2_rules(config: TransformerConfig) -> list[Rule]:
     return rules
 
 
-def gpt2_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = True) -> dict:
-    """Our full state dict from a GPT2LMHeadModel state dict (Conv1D weights transposed)."""
+def gpt2_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = True) -> Mapping:
+    """Our full state dict (made key by key on access) from a GPT2LMHeadModel state dict (Conv1D weights transposed)."""
     return _apply_from_hf(_gpt2_rules(config), _fill_tied_lm_head(hf_state_dict, "transformer.wte.weight", tied))
 
 
@@ -281,6 +464,7 @@ def gpt2_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_siz
 # ---------------------------------------------------------------- NemotronH (NemotronHForCausalLM), hybrid
 
 
+NEMOTRON_H_DISK_PREFIXES = {"backbone.": "model."}  # transformers saves the module's model.* as backbone.*
 NEMOTRON_H_ACTIVATIONS = {"relu2": squared_relu, "silu": F.silu, "gelu": F.gelu}
 
 
@@ -346,6 +530,60 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
     return config, kwargs
 
 
+def nemotron_h_config_to_hf(record) -> dict:
+    """NemotronHConfig keyword arguments for a hybrid ``record`` (its pattern without ``|``).
+
+    ``time_step_min`` is set tiny so HF's lower clamp of the Mamba ``dt`` (which ours does not
+    have) changes nothing."""
+    from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
+
+    config = record.config
+    activation = {fn: name for name, fn in NEMOTRON_H_ACTIVATIONS.items()}.get(config.activation_func)
+    _require_exportable(
+        "NemotronHForCausalLM",
+        [
+            (config.normalization != "RMSNorm", f"normalization {config.normalization!r} (NemotronH uses RMSNorm)"),
+            (config.gated_linear_unit, "a gated MLP"),
+            (activation is None, f"MLP activation {getattr(config.activation_func, '__name__', '?')!r}"),
+            (config.add_bias_linear or config.add_qkv_bias, "linear biases"),
+            (record.position_embedding_type != "none", f"position embeddings {record.position_embedding_type!r}"),
+            (bool(config.mtp_num_layers), "multi-token prediction layers"),
+        ],
+    )
+    mamba_heads = config.mamba_num_heads or config.mamba_expand * config.hidden_size // config.mamba_head_dim
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": record.vocab_size,
+        "hidden_size": config.hidden_size,
+        "layers_block_type": None,
+        "hybrid_override_pattern": parse_hybrid_pattern(record.layer_pattern).layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups or config.num_attention_heads,
+        "head_dim": _kv_channels(config),
+        "intermediate_size": config.ffn_hidden_size,
+        "mlp_hidden_act": activation,
+        "mamba_num_heads": mamba_heads,
+        "mamba_head_dim": config.mamba_head_dim,
+        "n_groups": config.mamba_num_groups,
+        "ssm_state_size": config.mamba_state_dim,
+        "conv_kernel": config.mamba_d_conv,
+        "chunk_size": config.mamba_chunk_size,
+        "max_position_embeddings": record.max_sequence_length,
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "hidden_dropout": config.hidden_dropout,
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": record.share_embeddings_and_output_weights,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "mamba_hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+        "time_step_min": 1e-9,
+    }
+
+
 def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> list[Rule]:
     from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, parse_hybrid_pattern
 
@@ -384,8 +622,8 @@ def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> l
 
 def nemotron_h_state_dict_from_hf(
     hf_state_dict: dict, config: TransformerConfig, hybrid_layer_pattern: str, tied: bool = False
-) -> dict:
-    """Our full HybridModel state dict from a NemotronHForCausalLM state dict."""
+) -> Mapping:
+    """Our full HybridModel state dict (made key by key on access) from a NemotronHForCausalLM state dict."""
     return _apply_from_hf(
         _nemotron_h_rules(config, hybrid_layer_pattern),
         _fill_tied_lm_head(hf_state_dict, "model.embeddings.weight", tied),

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.dist_checkpointing import (
@@ -47,6 +49,7 @@ from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.hybrid import HybridModel
+from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
@@ -54,6 +57,7 @@ from megatron.core.tokenizers.base import MegatronTokenizer
 from megatron.core.tokenizers.factory import build_tokenizer
 from megatron.core.tokenizers.huggingface import CONFIG_FILE, resolve_tokenizer_file
 
+logger = logging.getLogger(__name__)
 MODEL_RECORD_FILENAME = "model_config.json"
 TOKENIZER_DIRNAME = "tokenizer"
 RECORD_VERSION = 2
@@ -290,7 +294,8 @@ def _from_version_1(data: dict) -> ModelRecord:
 
 def model_from_record(record: ModelRecord, pg_collection: ProcessGroupCollection | None = None, **overrides):
     """This pipeline stage's model as ``record`` describes it, for the layout of
-    ``pg_collection`` (None: the global one), built from the spec the record names.
+    ``pg_collection`` (None: the global one), built from the spec the record names. A hybrid
+    pattern without ``|`` is split over PP > 1 stages by layer count (logged on rank 0).
     ``overrides`` replace constructor arguments (e.g. ``parallel_output=False``)."""
     pg = resolve_pg_collection(pg_collection)
     config = record.config_for(pg)
@@ -309,7 +314,10 @@ def model_from_record(record: ModelRecord, pg_collection: ProcessGroupCollection
     if record.family == "gpt":
         kwargs.update(rope_scaling=record.rope_scaling, rope_scaling_factor=record.rope_scaling_factor)
     else:
-        kwargs["hybrid_layer_pattern"] = record.layer_pattern
+        pattern, placed = segment_for_pipeline(record.layer_pattern, pg.size("pp"))
+        if placed is not None and dist.is_initialized() and dist.get_rank() == 0:
+            logger.warning(placed)
+        kwargs["hybrid_layer_pattern"] = pattern
     return FAMILIES[record.family](config, **(kwargs | overrides))
 
 

@@ -175,3 +175,42 @@ def select_stage_layers(parsed: HybridLayerPattern, pp_size: int, pp_rank: int) 
     first_layer = 1 + sum(len(s) for s in parsed.segments[: pp_rank * per_stage])
     mine = "".join(parsed.segments[pp_rank * per_stage : (pp_rank + 1) * per_stage])
     return [(first_layer + i, symbol) for i, symbol in enumerate(mine)]
+
+
+def segment_for_pipeline(pattern: str, pp_size: int, override: str | None = None) -> tuple[str, str | None]:
+    """The pattern to build ``pattern``'s model with at ``pp_size`` pipeline stages, and a
+    sentence saying where the stage boundaries were put (None when nothing changed).
+
+    ``override`` (e.g. ``--hybrid-layer-pattern``) places the boundaries itself: it must
+    describe the same layers, in the same order, with the same MTP patterns. Without it, a
+    pattern that has no ``|`` gets ``pp_size - 1`` boundaries balanced by layer count (earlier
+    stages take the extra layer); a pattern with ``|`` is kept as it is.
+    """
+    parsed = parse_hybrid_pattern(pattern)
+    if override is not None:
+        wanted = parse_hybrid_pattern(override)
+        if (wanted.layers, wanted.mtp_patterns) != (parsed.layers, parsed.mtp_patterns):
+            raise HybridPatternError(
+                f"hybrid layer pattern override {override!r} describes other layers than the model's {pattern!r}: "
+                f"it must have the same layers {parsed.layers!r} (and MTP patterns), with '|' only placed differently"
+            )
+        if override == pattern:
+            return pattern, None
+        return override, f"hybrid layer pattern {pattern!r} re-segmented as {override!r} (as given)"
+    if pp_size == 1 or len(parsed.segments) > 1:
+        return pattern, None
+    if parsed.num_layers < pp_size:
+        raise HybridPatternError(
+            f"hybrid layer pattern {pattern!r} has {parsed.num_layers} layers, fewer than the {pp_size} pipeline "
+            "stages it should be split into"
+        )
+    base, extra = divmod(parsed.num_layers, pp_size)
+    sizes = [base + (stage < extra) for stage in range(pp_size)]
+    starts = [sum(sizes[:stage]) for stage in range(pp_size)]
+    segments = [parsed.layers[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+    main = STAGE_SEPARATOR.join(segments)
+    segmented = MTP_SEPARATOR.join([main, *parsed.mtp_patterns])
+    return segmented, (
+        f"hybrid layer pattern {pattern!r} has no '|': for {pp_size} pipeline stages it is split as "
+        f"{segmented!r} (balanced by layer count: {sizes} layers per stage)"
+    )
