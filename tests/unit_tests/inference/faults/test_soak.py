@@ -181,7 +181,9 @@ def test_soak(pg, tmp_path):
     keys = control_plane.ControlPlaneKeys.generate()
     keys_file = keys.for_role("engine").save(str(tmp_path / "engine.json"))
     coordinator = InferenceCoordinator(keys=keys, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S).start()
-    decode.serve(coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=PREFILL_TIMEOUT_S)
+    decode.serve(
+        coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=PREFILL_TIMEOUT_S
+    )
     server = ServerThread(InferenceClient(coordinator.address, keys=keys.for_role("client")), tokenizer=TOKENIZER)
     outcomes: list[Outcome] = []
     try:
