@@ -152,7 +152,8 @@ def _malformed_frames(coordinator: InferenceCoordinator) -> int:
     client.send(encode(MessageKind.OUTPUTS, outputs=[]))  # a client may not report outputs
     engine.send(encode(MessageKind.CONTROL, signal="stop"))  # an engine may not control
     engine.send(b"\x80\x04not msgpack")
-    time.sleep(0.2)  # let them arrive before the sockets go
+    # Sockets closed early drop what they have not sent: wait until the coordinator counted them.
+    wait_until(lambda: coordinator.protocol_errors == 5, "five malformed messages to be counted")
     client.close()
     engine.close()
     return 5
