@@ -44,9 +44,9 @@ SOAK_S = float(os.environ.get("MEGATRON_SOAK_S", "60"))
 STREAMS = 200
 CANCEL_FRACTION = 0.3
 HEARTBEAT_TIMEOUT_S = 3.0  # the coordinator drops a replica silent this long (a killed one)
-# Longer than a prefill waits on a loaded 2-core host (30 s was seen to pass); the killed prefill
-# worker's requests end when its replica is retired, not by this timeout.
-PREFILL_TIMEOUT_S = 120.0
+# Retiring the decode replica waits for it to stop, and a stopping endpoint still takes new
+# submits, which wait this long for the killed worker: keep it short (see the report of lane 19-soak).
+PREFILL_TIMEOUT_S = 30.0
 # The disaggregated replica: a tiny model over the server's byte-level vocabulary, room for
 # its share of the streams (prompts of up to 8 tokens plus up to 24 generated).
 MODEL = dict(vocab_size=TOKENIZER.vocab_size)
