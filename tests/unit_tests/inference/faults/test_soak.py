@@ -45,7 +45,7 @@ STREAMS = 200
 CANCEL_FRACTION = 0.3
 HEARTBEAT_TIMEOUT_S = 3.0  # the coordinator drops a replica silent this long (a killed one)
 # Retiring the decode replica waits for it to stop, and a stopping endpoint still takes new
-# submits, which wait this long for the killed worker: keep it short (see the report of lane 19-soak).
+# submits, which wait this long for the killed worker: short, yet above a loaded host's prefill wait.
 PREFILL_TIMEOUT_S = 30.0
 # The disaggregated replica: a tiny model over the server's byte-level vocabulary, room for
 # its share of the streams (prompts of up to 8 tokens plus up to 24 generated).
