@@ -43,6 +43,9 @@ _UNAVAILABLE = {
 _OVERLOADED = {"WaitingQueueFullError"}  # too many requests wait for an engine
 _TIMED_OUT = {"RequestTimeoutError"}  # past the coordinator's request deadline
 _SERVER_FAULTS = {"MalformedOutputError"}  # an engine answered nonsense
+# A disaggregated replica failed to move the request's KV (its prefill worker or a transfer
+# failed): the request was fine, the server could not serve it now.
+_HANDOFF_FAILED = {"PrefillFailedError", "TransferFailedError", "TransferSubmitError", "QuarantineFullError"}
 
 
 class ServerConfigError(MegatronConfigError):
@@ -143,7 +146,7 @@ def error_from_output(error: dict[str, Any] | None) -> APIError:
     kind, message = error.get("type", ""), error.get("message", "")
     if kind in _TOO_LARGE:
         return bad_request(message, code="context_length_exceeded")
-    if kind in _UNAVAILABLE:
+    if kind in _UNAVAILABLE or kind in _HANDOFF_FAILED:
         return APIError(503, message, type="server_error", code="unavailable")
     if kind in _OVERLOADED:
         return APIError(429, message, type="server_error", code="overloaded")

@@ -7,6 +7,9 @@
   reader descriptors, imports records, reports its words and storage.
 * :class:`PrefillWorkerPeer` — the real :class:`PrefillWorker` serving a
   :class:`HandoffChannel` in a child process (the serving path of the example).
+* :class:`DisaggregatedReplicaPeer` — a decode engine replica in a child process: a
+  :class:`DisaggregatedEngine` over a prefill worker's channel behind an
+  :class:`EngineEndpoint` of a coordinator (the decode process of the example).
 
 Each peer can be stopped (SIGSTOP), continued (SIGCONT) and killed (SIGKILL) between
 commands. A pull from a stopped peer stays pending only when UCX needs the peer's own progress
@@ -295,6 +298,78 @@ class PrefillWorkerPeer(_Peer):
     def __init__(self, kind: str = "gpt", *, pg=None, model_overrides: dict | None = None, **engine_overrides):
         super().__init__(_worker_main, kind, engine_overrides, model_overrides or {}, pg=pg)
         self.address = self.hello
+
+
+def _replica_main(conn, pg, kind: str, engine_overrides: dict, model_overrides: dict) -> None:
+    from megatron.core.inference.coordinator import ControlPlaneKeys, EngineEndpoint
+    from megatron.core.inference.handoff.decode_side import DecodeSide
+    from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel
+    from megatron.core.inference.handoff.transport import NixlTransport
+    from tests.unit_tests.inference.handoff.common import baseline, build_engine, build_model
+
+    pg = _collection(pg)
+    engine = build_engine(build_model(kind, pg, **model_overrides), pg, **engine_overrides)
+    decode = DecodeSide(engine, NixlTransport(f"decode-replica-{os.getpid()}"))
+    before = baseline(engine)
+    serving: dict = {}
+
+    def serve(argument):
+        """Serve the coordinator and prefill worker named in ``argument`` from a thread."""
+        channel = HandoffChannel(argument["prefill_address"], bind=False)
+        disaggregated = DisaggregatedEngine(decode, channel, prefill_timeout_s=argument["prefill_timeout_s"])
+        endpoint = EngineEndpoint(
+            disaggregated,
+            argument["coordinator_address"],
+            engine_id=argument["engine_id"],
+            keys=ControlPlaneKeys.load(argument["keys_file"]),
+        )
+        serving.update(endpoint=endpoint, thread=threading.Thread(target=endpoint.run, daemon=True))
+        serving["thread"].start()
+
+    def retire(_):
+        """Stop serving (in-flight requests end first), then step until the quarantine is
+        reclaimed; whether the engine is back to its idle block counts and the storage is idle."""
+        serving["endpoint"].request_stop()
+        serving["thread"].join(ANSWER_TIMEOUT_S)
+        assert not serving["thread"].is_alive(), "the endpoint did not stop"
+        wait_until(lambda: not decode.quarantined, "the quarantine to be reclaimed", poll=decode.step)
+        return dict(blocks_back=baseline(engine) == before, storage=decode.storage_stats())
+
+    conn.send((True, os.getpid()))
+    _serve_commands(conn, {"serve": serve, "retire": retire, "stats": lambda _: decode.storage_stats()})
+
+
+class DisaggregatedReplicaPeer(_Peer):
+    """A decode replica (test model, NIXL) in a child process: :meth:`serve` connects it to a
+    coordinator and a prefill worker; :meth:`retire` takes it out of service and reports."""
+
+    def __init__(self, kind: str = "gpt", *, pg=None, model_overrides: dict | None = None, **engine_overrides):
+        super().__init__(_replica_main, kind, engine_overrides, model_overrides or {}, pg=pg)
+
+    def serve(
+        self,
+        coordinator_address: str,
+        keys_file: str,
+        prefill_address: str,
+        *,
+        engine_id: str,
+        prefill_timeout_s: float,
+    ) -> None:
+        """``keys_file``: control-plane keys holding the engine key pair (``ControlPlaneKeys.save``)."""
+        self.ask(
+            "serve",
+            dict(
+                coordinator_address=coordinator_address,
+                keys_file=keys_file,
+                prefill_address=prefill_address,
+                engine_id=engine_id,
+                prefill_timeout_s=prefill_timeout_s,
+            ),
+        )
+
+    def retire(self) -> dict:
+        """Stop serving; ``{"blocks_back": bool, "storage": storage_stats}`` once reclaimed."""
+        return self.ask("retire")
 
 
 def wait_until(condition, what: str, timeout_s: float = ANSWER_TIMEOUT_S, poll=None) -> None:
