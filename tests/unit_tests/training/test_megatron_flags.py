@@ -139,7 +139,7 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--data-path", "a", "--train-data-path", "b"], "--train-data-path and --data-path are mutually exclusive"),
         (["--valid-data-path", "b"], "--valid-data-path / --test-data-path need --train-data-path"),
         (["--data-path", "0.5", "builtin", "0.5", "a"], "'builtin' .* cannot be blended"),
-        (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported"),
+        (["--context-parallel-size", "2"], r"--context-parallel-size 2 needs --attention-dropout 0 \(ring attention"),
     ],
 )
 def test_refused_flags_name_the_flag_and_what_to_use(extra, message):
