@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.ssm.mixer_reference import rowwise
+
 
 def _heads_from_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
     """Expand ``[..., ngroups, n]`` to ``[..., nheads, n]`` (each group feeds consecutive heads)."""
@@ -126,7 +128,7 @@ def ssd_step(
     dtf = dt.float()
     Bh = _heads_from_groups(B.float(), nheads)
     Ch = _heads_from_groups(C.float(), nheads)
-    decay = torch.exp(dtf * A.float())[:, :, None, None]
+    decay = rowwise(torch.exp, dtf * A.float())[:, :, None, None]  # each row alike whatever b
     new_state = decay * state.float() + torch.einsum("bh,bhp,bhn->bhpn", dtf, x.float(), Bh)
     y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)
     if D is not None:

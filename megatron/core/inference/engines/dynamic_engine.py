@@ -111,9 +111,9 @@ class DynamicInferenceEngine:
         num_speculative_tokens: MTP drafts per decode step (0: off).
         eos_token_id: stops generation unless ``ignore_eos`` (default: the tokenizer's).
         seed: base of the generators of requests without a seed.
-        batch_invariant: pad every step to a step bucket at which the linear layers were checked
-            row invariant (see :mod:`step_buckets`), so that outputs do not depend on batch
-            composition; False runs eager steps at their real size (outputs may then differ in
+        batch_invariant: pad every step to a step bucket at which the linear layers and the
+            Mamba decode steps were checked row invariant (see :mod:`step_buckets`), so that
+            outputs do not depend on batch composition; False runs eager steps at their real size (outputs may then differ in
             the last bits).
         enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket (default:
             True on CUDA when the stage can be captured; on a CPU device True runs the same
@@ -198,11 +198,6 @@ class DynamicInferenceEngine:
         self.seed = seed
         self.logits_processors = list(logits_processors)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
-        if batch_invariant and model_is_hybrid(model):
-            # The Mamba recurrence batches a step's rows at its padded size, and its ops are not
-            # checked row invariant across sizes (only the linear layers are): one size keeps a
-            # hybrid model's outputs independent of batch composition.
-            candidates = [max_tokens_per_step]
         # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
         with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
             self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
