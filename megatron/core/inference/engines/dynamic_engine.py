@@ -113,8 +113,8 @@ class DynamicInferenceEngine:
         seed: base of the generators of requests without a seed.
         batch_invariant: pad every step to a step bucket at which the linear layers and the
             Mamba decode steps were checked row invariant (see :mod:`step_buckets`), so that
-            outputs do not depend on batch composition; False runs eager steps at their real size (outputs may then differ in
-            the last bits).
+            outputs do not depend on batch composition; False runs eager steps at their real
+            size (outputs may then differ in the last bits).
         enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket (default:
             True on CUDA when the stage can be captured; on a CPU device True runs the same
             static-buffer steps eagerly). ``--no-cuda-graphs`` / ``--cuda-graphs`` on

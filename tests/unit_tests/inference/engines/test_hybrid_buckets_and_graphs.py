@@ -66,15 +66,15 @@ def test_bucket_check_drops_the_sizes_where_a_mamba_decode_step_is_not_row_invar
     candidates = [1, 2, 4, 8]
     with kernels.batch_invariant(True):
         assert row_invariant_buckets(model, candidates, pg) == candidates
-        step = MambaMixer._step
+        packed_step = MambaMixer._packed_step
 
-        def batch_dependent_step(self, backend, xBC, dt, conv_state, ssm_state):
+        def batch_dependent_step(self, backend, xBC, dt, inference_context):
             # A step whose rows depend on the others (a mean over the batch), as a kernel that
             # splits its work by the row count would.
-            y = step(self, backend, xBC, dt, conv_state, ssm_state)
+            y = packed_step(self, backend, xBC, dt, inference_context)
             return y + 1e-3 * y.mean(dim=0, keepdim=True)
 
-        monkeypatch.setattr(MambaMixer, "_step", batch_dependent_step)
+        monkeypatch.setattr(MambaMixer, "_packed_step", batch_dependent_step)
         assert row_invariant_buckets(model, candidates, pg) == [8]
 
 
