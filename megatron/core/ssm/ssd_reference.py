@@ -129,8 +129,10 @@ def ssd_step(
     Bh = _heads_from_groups(B.float(), nheads)
     Ch = _heads_from_groups(C.float(), nheads)
     decay = rowwise(torch.exp, dtf * A.float())[:, :, None, None]  # each row alike whatever b
-    new_state = decay * state.float() + torch.einsum("bh,bhp,bhn->bhpn", dtf, x.float(), Bh)
-    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)
+    # Elementwise products and a sum over n, not einsum: its batched matmul computes one row
+    # differently from many (a decode row must not depend on the batch).
+    new_state = decay * state.float() + (dtf[:, :, None] * x.float())[..., None] * Bh[:, :, None, :]
+    y = (new_state * Ch[:, :, None, :]).sum(-1)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), new_state
