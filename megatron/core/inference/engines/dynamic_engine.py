@@ -198,9 +198,7 @@ class DynamicInferenceEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
         self.seed = seed
         self.logits_processors = list(logits_processors)
-        self.structured_outputs = StructuredOutputs(
-            tokenizer, model.vocab_size, self.eos_token_id, num_speculative_tokens
-        )
+        self.structured_outputs = StructuredOutputs(tokenizer, model.vocab_size, self.eos_token_id)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
         if batch_invariant and model_is_hybrid(model):
             # The Mamba recurrence batches a step's rows at its padded size, and its ops are not

@@ -26,12 +26,9 @@ class StructuredOutputs:
     Requests are keyed weakly: a finished request's matcher goes with it.
     """
 
-    def __init__(
-        self, tokenizer: MegatronTokenizer | None, vocab_size: int, eos_token_id: int | None, max_drafts: int = 0
-    ):
+    def __init__(self, tokenizer: MegatronTokenizer | None, vocab_size: int, eos_token_id: int | None):
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_id)
         self.vocab_size = vocab_size
-        self.max_drafts = max_drafts
         self._matchers: weakref.WeakKeyDictionary[object, RequestMatcher] = weakref.WeakKeyDictionary()
 
     def check(self, params: SamplingParams) -> None:
@@ -73,7 +70,7 @@ class StructuredOutputs:
             return None
         matcher = self._matchers.get(request)
         if matcher is None:
-            matcher = RequestMatcher(self.grammars.compile(params), self.max_drafts)
+            matcher = RequestMatcher(self.grammars.compile(params))
             self._matchers[request] = matcher
         matcher.sync(request.generated_tokens)
         return matcher if matcher.active else None

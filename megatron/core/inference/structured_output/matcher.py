@@ -17,10 +17,10 @@ class RequestMatcher:
     matcher stops constraining.
     """
 
-    def __init__(self, compiled_grammar, max_drafts: int):
+    def __init__(self, compiled_grammar):
         import xgrammar
 
-        self._matcher = xgrammar.GrammarMatcher(compiled_grammar, max_rollback_tokens=max(max_drafts, 1))
+        self._matcher = xgrammar.GrammarMatcher(compiled_grammar)
         self.num_tokens = 0
         self.active = True
 
@@ -47,10 +47,19 @@ class RequestMatcher:
                 bitmask[row] = bitmask_allowing_all(bitmask.shape[1])
             else:
                 self._matcher.fill_next_token_bitmask(bitmask, row)
-            if depth < len(drafts) and not self._matcher.is_terminated() and self._matcher.accept_token(drafts[depth]):
+            # Test the draft against the row just filled: the matcher warns on every rejected token.
+            if (
+                depth < len(drafts)
+                and _allows(bitmask[row], drafts[depth])
+                and self._matcher.accept_token(drafts[depth])
+            ):
                 accepted += 1
         if accepted:
             self._matcher.rollback(accepted)
+
+
+def _allows(bitmask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
 
 
 def bitmask_allowing_all(width: int) -> torch.Tensor:
