@@ -140,3 +140,30 @@ def test_a_byte_level_bpe_vocabulary_is_constrained_without_its_special_tokens(p
     _assert_valid(results, tokenizer)
     special = {tokenizer.bos, tokenizer.pad}
     assert all(not special & set(r["tokens"]) and max(r["tokens"]) < 320 for r in results.values())
+
+
+@on_single_rank
+def test_pauses_and_evictions_keep_each_requests_grammar_state(pg):
+    model = gpt_model(pg, vocab_size=BYTES.vocab_size)
+    params = _params(max_tokens=64, structured_output=StructuredOutputParams(json_schema=schema_text(NOTE)))
+
+    def generate(num_blocks, paused_block_budget):
+        engine = DynamicInferenceEngine(
+            model,
+            block_size=8,
+            max_tokens_per_step=16,
+            max_sequence_length=80,
+            max_requests=8,
+            enable_chunked_prefill=True,
+            num_blocks=num_blocks,
+            paused_block_budget=paused_block_budget,
+            tokenizer=BYTES,
+            pg_collection=pg,
+        )
+        return run(engine, _prompts(), params), engine.stats
+
+    roomy, _ = generate(100, 100)
+    tight, stats = generate(10, 3)
+    assert stats["pauses"] > 0 and stats["evictions"] > 0
+    assert_same_outputs(tight, roomy)
+    _assert_valid(roomy, schema=NOTE)
