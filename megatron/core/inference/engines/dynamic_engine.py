@@ -17,7 +17,7 @@ One step, in this order::
 
     schedule N+1 -> build its inputs -> launch its forward (device) -> commit it (host books)
     -> read back the decisions of step N, apply them (tokens, finishes, outputs)
-    -> sample N+1 (device; logits processors first) and start reading its decisions back
+    -> sample N+1 (device; logits processors, then grammar bitmasks first) and start reading its decisions back
 
 With overlapped steps (``overlap_steps``, the default on one CUDA pipeline stage without
 speculation) step N is the previous call's, so the host prepares N+1 while the device still
@@ -27,7 +27,9 @@ any, is a private page of the ``async_preparation`` path), except requests N end
 A request N ends otherwise (EOS, a stop sequence, an abort) has its storage released when its
 decision is applied, and its row of N+1 is not sampled; a row whose token is no longer the
 request's next one (it was evicted and re-admitted meanwhile) is not sampled either. Sampling
-of N+1 comes after N is applied, so per-request logits processors see every token so far.
+of N+1 comes after N is applied, so per-request logits processors see every token so far, and the
+grammar bitmasks of N+1 (:mod:`~megatron.core.inference.structured_output`) are filled on the host
+from every accepted token while the device runs N+1's forward.
 Without overlap, N is the step just launched, and the order is the plain one.
 
 Steps are padded to step buckets (``batch_invariant``, the default; see :mod:`step_buckets`):

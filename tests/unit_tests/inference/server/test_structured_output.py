@@ -188,3 +188,47 @@ def test_a_schema_that_does_not_compile_is_one_400_and_other_requests_are_served
         "code": "invalid_request",
     }
     jsonschema.validate(json.loads(after.choices[0].message.content), PERSON)
+
+
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt():
+    # The engine double's output is a hash of the prompt: equal outputs, equal prompts.
+    with openai_server() as (server, _):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        without = api.chat.completions.create(model="megatron", messages=MESSAGES, max_tokens=8)
+        none = api.chat.completions.create(
+            model="megatron", messages=MESSAGES, max_tokens=8, tools=[WEATHER], tool_choice="none"
+        )
+        auto = api.chat.completions.create(model="megatron", messages=MESSAGES, max_tokens=8, tools=[WEATHER])
+    assert none.choices[0].message.content == without.choices[0].message.content
+    assert auto.choices[0].message.content != without.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "config, request_fields, message",
+    [
+        (
+            {"tool_call_parser": "qwen3_coder"},
+            {"tools": [WEATHER], "tool_choice": "required"},
+            "tool_choice forcing a tool call needs a server started with --tool-call-parser one of ['hermes']; "
+            "this one has 'qwen3_coder'",
+        ),
+        (
+            {},
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format 'json_object' and tool_choice forcing a tool call cannot both hold; send one",
+        ),
+        (
+            {},
+            {"response_format": {"type": "json_schema"}},
+            'response_format of type "json_schema" needs a json_schema object with a schema',
+        ),
+    ],
+)
+def test_grammars_the_server_cannot_build_are_a_400_naming_the_field(config, request_fields, message):
+    with openai_server(**config) as (server, coordinator):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as error:
+            api.chat.completions.create(model="megatron", messages=MESSAGES, max_tokens=8, **request_fields)
+        assert coordinator.router.routes == {}
+    assert error.value.body["message"] == message
+    assert error.value.body["param"] in ("tool_choice", "response_format")
