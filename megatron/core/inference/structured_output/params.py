@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron.core.inference.structured_output.errors import InvalidStructuredOutputError
@@ -53,6 +53,9 @@ class StructuredOutputParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in fields(cls)})
+            if unknown:
+                raise InvalidStructuredOutputError(f"unknown structured output fields {unknown}")
             return cls(**value)
         raise InvalidStructuredOutputError(
             f"structured_output must be StructuredOutputParams, its dict form or None, got {type(value).__name__}"
