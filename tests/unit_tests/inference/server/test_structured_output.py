@@ -223,6 +223,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt():
             'response_format of type "json_schema" needs a json_schema object with a schema',
         ),
     ],
+    ids=["tool-parser-without-grammar", "json-and-forced-tool", "json-schema-without-schema"],
 )
 def test_grammars_the_server_cannot_build_are_a_400_naming_the_field(config, request_fields, message):
     with openai_server(**config) as (server, coordinator):
