@@ -1,5 +1,6 @@
 """Grammar-constrained decoding in the engine: speculative drafts checked against the grammar,
-a matcher rebuilt from tokens (the handoff path) continuing where the original stood, a
+a matcher rebuilt from tokens (the handoff path) continuing where the original stood, pauses,
+evictions and overlapped steps leaving outputs unchanged, a
 grammar that does not compile refused alone, and a byte-level BPE vocabulary."""
 
 import json
@@ -143,11 +144,11 @@ def test_a_byte_level_bpe_vocabulary_is_constrained_without_its_special_tokens(p
 
 
 @on_single_rank
-def test_pauses_and_evictions_keep_each_requests_grammar_state(pg):
+def test_pauses_evictions_and_overlapped_steps_keep_each_requests_grammar_state(pg):
     model = gpt_model(pg, vocab_size=BYTES.vocab_size)
     params = _params(max_tokens=64, structured_output=StructuredOutputParams(json_schema=schema_text(NOTE)))
 
-    def generate(num_blocks, paused_block_budget):
+    def generate(num_blocks, paused_block_budget, **modes):
         engine = DynamicInferenceEngine(
             model,
             block_size=8,
@@ -159,11 +160,15 @@ def test_pauses_and_evictions_keep_each_requests_grammar_state(pg):
             paused_block_budget=paused_block_budget,
             tokenizer=BYTES,
             pg_collection=pg,
+            **modes,
         )
         return run(engine, _prompts(), params), engine.stats
 
     roomy, _ = generate(100, 100)
     tight, stats = generate(10, 3)
-    assert stats["pauses"] > 0 and stats["evictions"] > 0
+    # Overlapped: the masks of step N+1 are filled after N's tokens are applied, while N+1's forward runs.
+    overlapped, overlapped_stats = generate(10, 3, overlap_steps=True)
+    assert stats["pauses"] > 0 and stats["evictions"] > 0 and overlapped_stats["evictions"] > 0
     assert_same_outputs(tight, roomy)
+    assert_same_outputs(overlapped, roomy)
     _assert_valid(roomy, schema=NOTE)
