@@ -1,7 +1,7 @@
 """Grammar-constrained decoding in the engine: speculative drafts checked against the grammar,
 a matcher rebuilt from tokens (the handoff path) continuing where the original stood, pauses,
-evictions and overlapped steps leaving outputs unchanged, a
-grammar that does not compile refused alone, and a byte-level BPE vocabulary."""
+evictions and overlapped steps leaving outputs unchanged, a grammar that does not compile refused
+alone, and a byte-level BPE vocabulary."""
 
 import json
 
