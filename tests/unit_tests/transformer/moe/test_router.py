@@ -38,7 +38,9 @@ def test_pre_softmax_router_keeps_the_unnormalized_probabilities():
 
 
 def test_sigmoid_router_with_expert_bias_shifts_the_choice_not_the_weights():
-    router, x = _router_and_tokens(moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    router, x = _router_and_tokens(
+        moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+    )
     router.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 10.0]))  # experts 0 and 3 always win
     probs, experts = router(x)
     assert torch.equal(experts.sort(-1).values, torch.tensor([[0, 3]] * 6))
@@ -86,7 +88,9 @@ def test_load_balancing_and_z_losses_match_their_formulas_and_reach_the_router_g
 
 
 def test_sequence_aux_loss_averages_the_loss_of_each_sequence():
-    router, x = _router_and_tokens(moe_router_topk=1, moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss")
+    router, x = _router_and_tokens(
+        moe_router_topk=1, moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss"
+    )
     router.train()
     _, experts = router(x, seq_length=3)  # tokens [s=3, b=2] flattened s-major
     scores = torch.softmax(x @ router.weight.t(), -1).view(3, 2, 4)
