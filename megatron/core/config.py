@@ -139,6 +139,11 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_pre_softmax: bool = False
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # Group-limited routing (DeepSeek-V3, NemotronH): experts in num_groups groups, top-k within
+    # the group_topk groups of highest (top-2 summed) scores.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # routing weights scaled by it
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_token_dispatcher_type: str = "allgather"  # or "alltoall"
     moe_grouped_gemm: bool = False
@@ -231,6 +236,19 @@ class TransformerConfig(ModelParallelConfig):
             (
                 self.moe_expert_capacity_factor is None or self.moe_expert_capacity_factor > 0,
                 f"moe_expert_capacity_factor must be None (dropless) or > 0, got {self.moe_expert_capacity_factor!r}",
+            ),
+            (
+                (self.moe_router_num_groups is None) == (self.moe_router_group_topk is None)
+                and (
+                    self.moe_router_num_groups is None
+                    or (
+                        experts % self.moe_router_num_groups == 0
+                        and 1 <= self.moe_router_group_topk <= self.moe_router_num_groups
+                    )
+                ),
+                "moe_router_num_groups and moe_router_group_topk go together: num_moe_experts "
+                f"({experts}) divisible by moe_router_num_groups ({self.moe_router_num_groups}) and "
+                f"1 <= moe_router_group_topk ({self.moe_router_group_topk}) <= moe_router_num_groups",
             ),
             (
                 self.moe_aux_loss_coeff >= 0,

@@ -96,7 +96,9 @@ class TopKRouter(nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer(
+                "local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False
+            )
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
@@ -105,25 +107,37 @@ class TopKRouter(nn.Module):
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [T, k], indices [T, k], normalized scores of every expert [T, E])`` for the
         expert choice and the load-balancing loss."""
-        k = self.topk
-        bias = self.expert_bias
-        if self.config.moe_router_score_function == "sigmoid":
+        config, bias = self.config, self.expert_bias
+        if config.moe_router_score_function == "sigmoid":
             all_scores = torch.sigmoid(logits)
-            choice = all_scores if bias is None else all_scores + bias
-            indices = choice.topk(k, dim=-1).indices
+            indices = self._choose(all_scores if bias is None else all_scores + bias)
             probs = all_scores.gather(-1, indices)
-            if k > 1:
+            if self.topk > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-            return probs, indices, all_scores / (all_scores.sum(-1, keepdim=True) + 1e-20)
-        all_scores = torch.softmax(logits, dim=-1)
-        if self.config.moe_router_pre_softmax or bias is not None:
-            choice = all_scores if bias is None else all_scores + bias
-            indices = choice.topk(k, dim=-1).indices
-            probs = all_scores.gather(-1, indices)
+            normalized = all_scores / (all_scores.sum(-1, keepdim=True) + 1e-20)
         else:
-            values, indices = logits.topk(k, dim=-1)
-            probs = torch.softmax(values, dim=-1)
-        return probs, indices, all_scores
+            normalized = torch.softmax(logits, dim=-1)
+            if config.moe_router_pre_softmax or bias is not None or config.moe_router_num_groups:
+                indices = self._choose(normalized if bias is None else normalized + bias)
+                probs = normalized.gather(-1, indices)
+            else:
+                values, indices = logits.topk(self.topk, dim=-1)
+                probs = torch.softmax(values, dim=-1)
+        if config.moe_router_topk_scaling_factor is not None:
+            probs = probs * config.moe_router_topk_scaling_factor
+        return probs, indices, normalized
+
+    def _choose(self, choice: torch.Tensor) -> torch.Tensor:
+        """Top-k expert ids by ``choice [T, E]``; with groups, only experts of the
+        ``moe_router_group_topk`` groups whose two best scores sum highest compete."""
+        groups = self.config.moe_router_num_groups
+        if groups:
+            per_group = choice.view(choice.shape[0], groups, -1)
+            group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+            best_groups = group_score.topk(self.config.moe_router_group_topk, dim=-1).indices
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best_groups, True)
+            choice = per_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(choice)
+        return choice.topk(self.topk, dim=-1).indices
 
     def forward(self, hidden_states: torch.Tensor, seq_length: int | None = None):
         config = self.config
