@@ -93,3 +93,57 @@ def test_saved_experts_load_at_another_expert_layout(tmp_path, saved, loaded):
     path = str(tmp_path / "ckpt")
     run_distributed(_save, saved[0], saved[1], path)
     assert all(run_distributed(_load, loaded[0], loaded[1], path))
+
+
+def _expert_dp_save_and_dp_load_share_a_cache(root, cache_dir):
+    from megatron.core.dist_checkpointing import AssignmentCache, exchange_utils
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import pieces_to_read, pieces_to_write
+
+    pg = _collection(dict(ep=2, etp=1))
+    model = _ToyExperts(pg, seed=1)
+    records = [ShardRecord.of(leaf) for leaf in _leaves(model_sharded_state_dict(model, pg))]
+    save_group, load_group = pg.expt_dp, pg.dp_cp
+    uncached = (pieces_to_write(records, save_group, None), pieces_to_read(records, load_group, None)[0])
+    cache = AssignmentCache(cache_dir)
+    exchange_utils.GATHER_COUNTS.clear()
+    elected = []
+    for step in (1, 2):  # step 2 reads every assignment back from the cache
+        path = f"{root}/step{step}"
+        save(
+            {"model": model_sharded_state_dict(model, pg)},
+            path,
+            parallelization_group=save_group,
+            assignment_cache=cache,
+        )
+        dist.barrier()
+        cache.clear_memory()  # the next lookups go to the shared directory
+        elected.append((pieces_to_write(records, save_group, cache), pieces_to_read(records, load_group, cache)[0]))
+        fresh = _ToyExperts(pg, seed=2)
+        loaded = load(
+            {"model": model_sharded_state_dict(fresh, pg)},
+            path,
+            parallelization_group=load_group,
+            assignment_cache=cache,
+        )
+        load_model_pieces(fresh, loaded["model"])
+        assert all(torch.equal(p, model.full()[n]) for n, p in fresh.full().items()), f"step {step} load differs"
+    members = (tuple(dist.get_process_group_ranks(save_group)), tuple(dist.get_process_group_ranks(load_group)))
+    return uncached, elected, dict(exchange_utils.GATHER_COUNTS), members
+
+
+def test_expert_dp_save_and_dp_load_with_one_cache_directory_elect_the_uncached_writers(tmp_path):
+    results = run_distributed(
+        _expert_dp_save_and_dp_load_share_a_cache, 4, str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    )
+    for uncached, elected, gathers, (save_members, load_members) in results:
+        assert save_members in ((0, 2), (1, 3)) and load_members == (0, 1, 2, 3)
+        assert all(e == uncached for e in elected)
+        # one gather per group identity and purpose; every later lookup hit the cache
+        assert gathers == {save_members: 1, load_members: 1}
+    writers = {}
+    for rank, (uncached, *_) in enumerate(results):
+        for chunk in uncached[0]:
+            writers.setdefault(chunk, []).append(rank)
+    assert all(len(ranks) == 1 for ranks in writers.values())  # one writer per piece
+    expert_chunks = [c for c in writers if c[1] in ("weight1", "weight2")]
+    assert len(expert_chunks) == 4  # two EP shards of each expert weight, each written once
