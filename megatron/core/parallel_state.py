@@ -70,12 +70,16 @@ def initialize_model_parallel(
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
     timeout=None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ProcessGroupCollection:
     """Create every group of the world's layout on every rank; DP fills the rest.
 
+    The expert groups fold the TP x CP x DP ranks of each pipeline stage into expert-TP
+    (``expert_tensor_parallel_size``, default: the TP size) x EP x expert-DP.
     Raises ParallelConfigError (a ValueError) naming the numbers that disagree when the
-    world size is not a multiple of the model-parallel product, a size is < 1, or the
-    order string names an unknown or repeated axis.
+    world size is not a multiple of the model-parallel product, EP x ETP does not divide
+    a stage, a size is < 1, or the order string names an unknown or repeated axis.
     """
     global _LAYOUT, _COLLECTION
     if not dist.is_initialized():
@@ -89,6 +93,8 @@ def initialize_model_parallel(
         cp=context_parallel_size,
         pp=pipeline_model_parallel_size,
         order=order,
+        ep=expert_model_parallel_size,
+        etp=expert_tensor_parallel_size,
     )
     _COLLECTION = ProcessGroupCollection.from_layout(layout, backend=backend, timeout=timeout)
     _LAYOUT = layout
@@ -147,6 +153,26 @@ def get_data_parallel_group(with_context_parallel: bool = False, with_gtp: bool 
     if with_gtp:
         return _group("dp_cp_gtp")
     return _group("dp_cp") if with_context_parallel else _group("dp")
+
+
+def get_expert_model_parallel_group():
+    return _group("ep")
+
+
+def get_expert_tensor_parallel_group():
+    return _group("expt_tp")
+
+
+def get_expert_data_parallel_group():
+    return get_process_group_collection().expert_dp_group()
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_process_group_collection().size("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_process_group_collection().rank("ep")
 
 
 def get_model_parallel_group():

@@ -3,7 +3,14 @@
 World = TP x GTP x CP x DP x PP. An order string names the axes fastest-varying first
 (default ``tp-gtp-cp-dp-pp``); a global rank is a mixed-radix number over that order,
 offset by ``rank_offset`` for a sub-grid that lives on part of the world. Every rank list
-used anywhere comes from :meth:`RankLayout.rank_groups`.
+used anywhere comes from :meth:`RankLayout.rank_groups` (dense groups) or
+:meth:`RankLayout.expert_rank_groups` (expert groups).
+
+Expert groups are folded as Megatron folds them: the TP x CP x DP ranks of one pipeline
+stage (at one GTP coordinate) are renumbered by their mixed-radix index over those axes in
+the order string, and that index is split again as expert-TP (fastest), EP, expert-DP. So
+EP x ETP x expert-DP spans exactly the ranks of TP x CP x DP, and with EP 1 and ETP = TP
+under the default order the expert groups are the dense ``tp`` / ``dp_cp`` / ``mp`` groups.
 """
 
 from __future__ import annotations
@@ -32,7 +39,19 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
     "mp": ("tp", "gtp", "pp"),
     "tp_dp_cp": ("tp", "dp", "cp"),
 }
-GROUP_NAMES = tuple(GROUP_AXES) + ("embd", "pos_embd")
+# Expert group name -> the expert axes its members vary over.
+EXPERT_AXES = ("etp", "ep", "edp")
+EXPERT_GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "ep": ("ep",),
+    "expt_tp": ("etp",),
+    "expt_dp": ("edp",),
+    # Where expert gradient norms are summed: every distinct expert shard once.
+    "expt_mp": ("etp", "ep", "gtp", "pp"),
+}
+EXPERT_GROUP_NAMES = tuple(EXPERT_GROUP_AXES)
+GROUP_NAMES = tuple(GROUP_AXES) + ("embd", "pos_embd") + EXPERT_GROUP_NAMES
+# Axes folded into the expert grid of one pipeline stage.
+_STAGE_AXES = ("tp", "cp", "dp")
 
 
 class ParallelConfigError(MegatronConfigError):
@@ -71,18 +90,33 @@ class RankLayout:
     pp: int = 1
     order: str = DEFAULT_ORDER
     rank_offset: int = 0
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel size; None means the same as tp (Megatron's default)
 
     def __post_init__(self):
-        for axis in AXES:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for axis in AXES + ("ep", "etp"):
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise ParallelConfigError(f"{axis} size must be an integer >= 1, got {size!r}")
         if self.rank_offset < 0:
             raise ParallelConfigError(f"rank_offset must be >= 0, got {self.rank_offset}")
         parse_order(self.order)
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.etp):
+            raise ParallelConfigError(
+                f"ep*etp = {self.ep}*{self.etp} = {self.ep * self.etp} does not divide the tp*cp*dp = "
+                f"{self.tp}*{self.cp}*{self.dp} = {stage} ranks of a pipeline stage"
+            )
+        if self.gtp > 1 and (self.ep > 1 or self.etp != self.tp):
+            raise ParallelConfigError(
+                f"expert parallelism (ep {self.ep}, etp {self.etp}) with gtp {self.gtp} is not supported; "
+                "use gtp 1, or ep 1 and etp = tp"
+            )
 
     @classmethod
-    def for_world(cls, world_size: int, tp=1, gtp=1, cp=1, pp=1, order=DEFAULT_ORDER) -> RankLayout:
+    def for_world(cls, world_size: int, tp=1, gtp=1, cp=1, pp=1, order=DEFAULT_ORDER, ep=1, etp=None) -> RankLayout:
         """Layout filling ``world_size`` ranks: DP is whatever the other sizes leave."""
         for axis, size in (("tp", tp), ("gtp", gtp), ("cp", cp), ("pp", pp)):
             if not isinstance(size, int) or size < 1:
@@ -92,7 +126,17 @@ class RankLayout:
             raise ParallelConfigError(
                 f"world size {world_size} is not a multiple of tp*gtp*cp*pp = {tp}*{gtp}*{cp}*{pp} = {model_size}"
             )
-        return cls(tp=tp, gtp=gtp, cp=cp, dp=world_size // model_size, pp=pp, order=order)
+        return cls(tp=tp, gtp=gtp, cp=cp, dp=world_size // model_size, pp=pp, order=order, ep=ep, etp=etp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert data-parallel group: the stage's tp*cp*dp ranks over ep*etp."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def has_expert_parallelism(self) -> bool:
+        """Whether the expert groups differ from the dense ones (EP > 1 or ETP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -145,6 +189,37 @@ class RankLayout:
             groups.append(sorted(members))
         return sorted(groups)
 
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """Coordinates of a global rank in the expert grid: ``etp``, ``ep``, ``edp`` (the
+        stage's tp/cp/dp ranks refolded) plus the unchanged ``gtp`` and ``pp``."""
+        coords = self.coordinates(rank)
+        stage_index, stride = 0, 1
+        for axis in self.axes:
+            if axis in _STAGE_AXES:
+                stage_index += coords[axis] * stride
+                stride *= self.size(axis)
+        return {
+            "etp": stage_index % self.etp,
+            "ep": stage_index // self.etp % self.ep,
+            "edp": stage_index // (self.etp * self.ep),
+            "gtp": coords["gtp"],
+            "pp": coords["pp"],
+        }
+
+    def expert_rank_groups(self, axes: Iterable[str]) -> list[list[int]]:
+        """Rank lists of the groups spanning the expert-grid ``axes`` (from ``etp``, ``ep``,
+        ``edp``, ``gtp``, ``pp``): ranks agreeing on every other expert coordinate."""
+        names = tuple(axes)
+        for name in names:
+            if name not in EXPERT_AXES + ("gtp", "pp"):
+                raise ParallelConfigError(f"unknown expert axis {name!r}; known: etp, ep, edp, gtp, pp")
+        groups: dict[tuple, list[int]] = {}
+        for rank in self.ranks:
+            coords = self.expert_coordinates(rank)
+            key = tuple(v for k, v in coords.items() if k not in names)
+            groups.setdefault(key, []).append(rank)
+        return sorted(groups.values())
+
     def embedding_groups(self, include_last_stage: bool = True) -> list[list[int]]:
         """Per pipeline: first stage (and last stage) ranks, which hold (tied) embeddings."""
         groups = []
@@ -164,6 +239,8 @@ class RankLayout:
             return self.embedding_groups(include_last_stage=True)
         if name == "pos_embd":
             return self.embedding_groups(include_last_stage=False)
+        if name in EXPERT_GROUP_AXES:
+            return self.expert_rank_groups(EXPERT_GROUP_AXES[name])
         if name not in GROUP_AXES:
             raise MissingProcessGroupError(f"unknown process group {name!r}; known: {', '.join(GROUP_NAMES)}")
         return self.rank_groups(GROUP_AXES[name])
@@ -205,7 +282,9 @@ class ProcessGroupCollection:
     Build it for the whole world or a sub-grid with :meth:`from_layout`, or by hand from
     groups the caller made. Reading a group that was not provided raises
     :class:`MissingProcessGroupError` naming it. A collection without ``gtp`` behaves as
-    GTP of size 1 (see :meth:`size` / :meth:`rank` / :meth:`dp_cp_gtp_or_dp_cp`).
+    GTP of size 1 (see :meth:`size` / :meth:`rank` / :meth:`dp_cp_gtp_or_dp_cp`), and one
+    without ``ep`` as EP of size 1; :meth:`expert_dp_group` / :meth:`expert_mp_group` fall back
+    to the dense ``dp_cp`` / ``mp`` groups when the expert ones were not provided.
     """
 
     tp: dist.ProcessGroup | None = None
@@ -220,6 +299,10 @@ class ProcessGroupCollection:
     tp_dp_cp: dist.ProcessGroup | None = None
     embd: dist.ProcessGroup | None = None
     pos_embd: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None
+    expt_tp: dist.ProcessGroup | None = None
+    expt_dp: dist.ProcessGroup | None = None
+    expt_mp: dist.ProcessGroup | None = None
     layout: RankLayout | None = field(default=None, compare=False)
 
     def __getattribute__(self, name):
@@ -234,13 +317,13 @@ class ProcessGroupCollection:
 
     def size(self, name: str) -> int:
         """World size of group ``name``; an absent ``gtp`` counts as size 1."""
-        if name == "gtp" and not self.has("gtp"):
+        if name in ("gtp", "ep") and not self.has(name):
             return 1
         return dist.get_world_size(getattr(self, name))
 
     def rank(self, name: str) -> int:
         """This rank's index in group ``name``; an absent ``gtp`` counts as rank 0."""
-        if name == "gtp" and not self.has("gtp"):
+        if name in ("gtp", "ep") and not self.has(name):
             return 0
         return dist.get_rank(getattr(self, name))
 
@@ -252,6 +335,14 @@ class ProcessGroupCollection:
             return self.dp_cp
         raise MissingProcessGroupError("process group 'dp_cp_gtp' was not provided and gtp size > 1")
 
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The group expert gradients are reduced over (``expt_dp``; ``dp_cp`` without it)."""
+        return self.expt_dp if self.has("expt_dp") else self.dp_cp
+
+    def expert_mp_group(self) -> dist.ProcessGroup:
+        """The group expert gradient norms are summed over (``expt_mp``; ``mp`` without it)."""
+        return self.expt_mp if self.has("expt_mp") else self.mp
+
     def provided(self) -> list[str]:
         return [f.name for f in fields(self) if f.name in GROUP_NAMES and self.has(f.name)]
 
@@ -260,7 +351,10 @@ class ProcessGroupCollection:
         """Create every group of ``layout`` that contains this rank.
 
         Only ranks inside the layout call this (a sub-grid needs nothing of the other
-        ranks, nor any global parallel state); they must call it in the same order.
+        ranks, nor any global parallel state); they must call it in the same order. ``ep``
+        is created only when the layout has EP > 1 (an absent ``ep`` reads as EP 1); the
+        other expert groups always are (without expert parallelism they are dense groups
+        already made, so they cost nothing).
         """
         if dist.get_world_size() < layout.ranks.stop:
             raise ParallelConfigError(
@@ -274,6 +368,9 @@ class ProcessGroupCollection:
             )
         groups = {}
         for name in GROUP_NAMES:
+            if name == "ep" and layout.ep == 1:
+                groups[name] = None
+                continue
             (mine,) = [g for g in layout.group_ranks(name) if me in g] or [None]
             groups[name] = new_group_cached(mine, backend=backend, timeout=timeout) if mine else None
         return cls(**groups, layout=layout)

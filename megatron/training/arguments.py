@@ -116,6 +116,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="how attention exchanges K/V under --context-parallel-size > 1: ring (p2p) or all-gather",
     )
     g.add_argument("--generalized-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: ranks the experts are split over")
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument(
@@ -585,6 +592,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
+    _validate_expert_parallel(args)
     # GTP peers read different micro-batches: they are part of the data-parallel width. CP peers
     # share each micro-batch (each keeps its chunks of the sequences).
     args.data_parallel_width = args.data_parallel_size * gtp
@@ -794,6 +802,25 @@ def given_destinations(parser: argparse.ArgumentParser, argv: list[str]) -> set[
     """The destinations of the options that ``argv`` gives (``--flag value`` or ``--flag=value``)."""
     options = parser._option_string_actions
     return {options[token.split("=", 1)[0]].dest for token in argv if token.split("=", 1)[0] in options}
+
+
+def _validate_expert_parallel(args: argparse.Namespace) -> None:
+    """Megatron's ETP default (the TP size), and EP x ETP dividing a pipeline stage's ranks."""
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        _require(value >= 1, f"{flag} must be >= 1, got {value}")
+    stage = args.tensor_model_parallel_size * args.context_parallel_size * args.data_parallel_size
+    _require(
+        stage % (ep * etp) == 0,
+        f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) = {ep * etp} must divide "
+        f"the TP x CP x DP = {stage} ranks of a pipeline stage",
+    )
+    _require(
+        args.generalized_tensor_parallel_size == 1 or (ep == 1 and etp == args.tensor_model_parallel_size),
+        "--expert-model-parallel-size / --expert-tensor-parallel-size need --generalized-tensor-parallel-size 1",
+    )
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:

@@ -35,6 +35,8 @@ def initialize_megatron(args) -> ProcessGroupCollection:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         generalized_tensor_parallel_size=args.generalized_tensor_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     set_random_seeds(args.seed, pgc)
     return pgc

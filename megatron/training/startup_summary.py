@@ -36,7 +36,8 @@ def run_lines(args, pgc: ProcessGroupCollection) -> list[str]:
     layout = pgc.layout
     lines.append(
         f"> layout: world {layout.world_size} = TP {layout.tp} x GTP {layout.gtp} x CP {layout.cp} x "
-        f"DP {layout.dp} x PP {layout.pp} (order {layout.order}); data-parallel width {args.data_parallel_width}"
+        f"DP {layout.dp} x PP {layout.pp} (order {layout.order}); data-parallel width {args.data_parallel_width}; "
+        f"experts EP {layout.ep} x ETP {layout.etp} x expert-DP {layout.expert_dp}"
     )
     tokens = args.global_batch_size * args.seq_length
     lines.append(

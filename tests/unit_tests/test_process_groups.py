@@ -46,6 +46,9 @@ def expected_all(sizes, order=ORDER, offset=0):
     table = {name: expected_groups(sizes, axes, order, offset) for name, axes in GROUP_AXES.items()}
     table["embd"] = expected_embedding_groups(sizes, order, offset, last=True)
     table["pos_embd"] = expected_embedding_groups(sizes, order, offset, last=False)
+    # Without expert parallelism (EP 1, ETP = TP) the expert groups are the dense ones
+    # and no ep group is made (test_expert_process_groups.py covers EP > 1).
+    table |= {"ep": [], "expt_tp": table["tp"], "expt_dp": table["dp_cp"], "expt_mp": table["mp"]}
     return table
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.core.dist_checkpointing.errors import CheckpointingError
@@ -88,8 +89,27 @@ def _attr(param: torch.Tensor, name: str, default):
     return getattr(param, name, default)
 
 
+def _expert_box(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[list[int], list[int], list[int]]:
+    """(global shape, offset, size) of an expert parameter: dim 0 is the global expert index
+    (EP rank r holds experts ``r * local .. (r + 1) * local``), and a ``tensor_model_parallel``
+    one is split over ``expt_tp`` along its ``partition_dim``. Keys do not depend on EP/ETP,
+    so a checkpoint loads at any other expert layout."""
+    local = [int(s) for s in param.shape]
+    global_shape, offset, size = list(local), [0] * len(local), list(local)
+    global_shape[0] = local[0] * pg.size("ep")
+    offset[0] = local[0] * pg.rank("ep")
+    if _attr(param, "tensor_model_parallel", False):
+        dim = _attr(param, "partition_dim", -1)
+        etp_size, etp_rank = pg.size("expt_tp"), pg.rank("expt_tp")
+        global_shape[dim] = local[dim] * etp_size
+        offset[dim] = local[dim] * etp_rank
+    return global_shape, offset, size
+
+
 def _local_box(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[list[int], list[int], list[int]]:
     """(global shape, offset, size) of this rank's unpadded piece of ``param``."""
+    if _attr(param, "is_expert", False):
+        return _expert_box(param, pg)
     global_shape = [int(s) for s in _attr(param, "global_shape", tuple(param.shape))]
     offset, size = [0] * len(global_shape), list(global_shape)
     dim = _attr(param, "partition_dim", -1) if _attr(param, "tensor_model_parallel", False) else -1
@@ -123,7 +143,11 @@ def _padded_to(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def param_replica_id(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[int, ...]:
-    """Section-6 replica id of ``param``'s piece on this rank."""
+    """Section-6 replica id of ``param``'s piece on this rank; an expert piece's copies are
+    its ``expt_dp`` replicas (and ``expt_tp`` peers when it is not split over them)."""
+    if _attr(param, "is_expert", False):
+        tp_sharded = bool(_attr(param, "tensor_model_parallel", False))
+        return (0 if tp_sharded else pg.rank("expt_tp"), pg.rank("gtp"), dist.get_rank(pg.expert_dp_group()))
     rid = replica_id(
         pg,
         tp_sharded=bool(_attr(param, "tensor_model_parallel", False)),

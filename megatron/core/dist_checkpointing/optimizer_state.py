@@ -5,8 +5,8 @@ fp32 masters and the torch optimizer's tensor state (Adam ``exp_avg`` / ``exp_av
 unless the caller picks another, e.g. one per module of a job with several optimizers), described by
 :func:`model_state.describe_tensor` exactly like the parameter, so they reshard to any
 TP/PP/DP/GTP layout. The distributed optimizer holds flat element ranges of its parameters:
-it sums its ranges over ``dp_cp`` into parameter-shaped tensors before saving (only dp_cp
-rank 0's copy is main) and takes its ranges back after loading.
+it sums its ranges over ``dp_cp`` (``expt_dp`` for expert parameters) into parameter-shaped
+tensors before saving (only replica 0's copy is main) and takes its ranges back after loading.
 
 Everything else is a singleton :class:`ShardedObject` with the replica id of every replicating
 axis (``singleton_replica_id``): per member ``param_groups`` (hyperparameters and the step
@@ -71,11 +71,20 @@ def _param_shaped_states(member, pg: ProcessGroupCollection) -> dict[str, dict[i
                 entry.model_view(full[name][id(entry.model_param)]).copy_(
                     value.reshape(-1) if entry.start is not None else value
                 )
-    if _is_distributed(member) and pg.size("dp_cp") > 1:
+    if not _is_distributed(member):
+        return full
+    # Expert parameters are sharded over their own replicas (expt_dp), dense ones over dp_cp.
+    expert_group = pg.expert_dp_group()
+    expert = [p for p in params if getattr(p, "is_expert", False)]
+    dense = [p for p in params if not getattr(p, "is_expert", False)]
+    domains = [(pg.dp_cp, params)] if expert_group is pg.dp_cp else [(pg.dp_cp, dense), (expert_group, expert)]
+    for group, domain in domains:
+        if dist.get_world_size(group) == 1:
+            continue
         for name in names:
-            flat = torch.cat([full[name][id(p)].reshape(-1) for p in params]) if params else torch.zeros(0)
-            dist.all_reduce(flat, group=pg.dp_cp)  # the ranges are disjoint: the sum is the whole
-            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            flat = torch.cat([full[name][id(p)].reshape(-1) for p in domain]) if domain else torch.zeros(0)
+            dist.all_reduce(flat, group=group)  # the ranges are disjoint: the sum is the whole
+            for p, piece in zip(domain, flat.split([p.numel() for p in domain]), strict=True):
                 full[name][id(p)] = piece.view(p.shape)
     return full
 

@@ -11,6 +11,11 @@ micro-batch):
 3. This wrapper multiplies every gradient by 1/|dp_cp| and sums it over ``dp_cp`` (the
    GTP-excluded replica group): 1/G * 1/|dp_cp| = 1/N.
 
+Expert parameters (``is_expert``) live in buffers of their own, reduced over ``expt_dp``
+with the same factor 1/|dp_cp| (Megatron's choice): the MoE layer's backward already gives
+each expert the sum over the tokens its EP peers dispatched to it, and expert-DP x EP x ETP
+spans the same TP x CP x DP ranks as the dense domain.
+
 Steps 2 and 3 are linear and act on the same ``main_grad`` so their order does not matter.
 With ``config.calculate_per_token_loss`` every step sums instead (factor 1), and the
 training loop divides by the token count gathered over ``dp_cp_gtp`` (see
@@ -45,7 +50,7 @@ from megatron.core.parallel_state import resolve_pg_collection
 
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` so its gradients accumulate in flat buffers (``param.main_grad``) and are
-    averaged over the ``dp_cp`` replica group.
+    averaged over the ``dp_cp`` replica group (``expt_dp`` for expert parameters).
 
     Per iteration: run forward/backward for each micro-batch (all but the last inside
     :meth:`no_sync`), then :meth:`finish_grad_sync`, the optimizer step, and
@@ -61,33 +66,39 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.pg_collection = resolve_pg_collection(pg_collection)
         self.dp_cp_group = self.pg_collection.dp_cp
+        self.expert_dp_group = self.pg_collection.expert_dp_group()
         dp_cp_size = dist.get_world_size(self.dp_cp_group)
+        # Megatron's factor for both domains: an expert's gradient after backward already sums
+        # the tokens its EP peers dispatched to it, so expert-DP sums the rest of the data shards.
         scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_cp_size
-        bucket_size = ddp_config.bucket_size or default_bucket_size(dp_cp_size)
-        self._reduce_in_backward = ddp_config.overlap_grad_reduce and dp_cp_size > 1
-        gather_in_forward = ddp_config.overlap_param_gather and dp_cp_size > 1
         # Reverse creation order approximates the order in which backward produces gradients.
         params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list] = {}
+        by_kind: dict[tuple[bool, torch.dtype, torch.dtype], list] = {}
         for param in params:
-            by_dtype.setdefault((param.dtype, self._grad_dtype(param)), []).append(param)
-        self.param_and_grad_buffers = [
-            ParamAndGradBuffer(
+            kind = (bool(getattr(param, "is_expert", False)), param.dtype, self._grad_dtype(param))
+            by_kind.setdefault(kind, []).append(param)
+        self.param_and_grad_buffers = []
+        self._reducing_in_backward: set[ParamAndGradBuffer] = set()
+        for (is_expert, _, grad_dtype), members in by_kind.items():
+            group = self.expert_dp_group if is_expert else self.dp_cp_group
+            replicas = dist.get_world_size(group)
+            buffer = ParamAndGradBuffer(
                 members,
                 grad_dtype,
-                self.dp_cp_group,
+                group,
                 scaling_factor,
-                bucket_size,
+                ddp_config.bucket_size or default_bucket_size(replicas),
                 ddp_config.use_distributed_optimizer,
-                overlap_param_gather=gather_in_forward,
+                overlap_param_gather=ddp_config.overlap_param_gather and replicas > 1,
             )
-            for (_, grad_dtype), members in by_dtype.items()
-        ]
+            self.param_and_grad_buffers.append(buffer)
+            if ddp_config.overlap_grad_reduce and replicas > 1:
+                self._reducing_in_backward.add(buffer)
         self._buffer_of = {p: buf for buf in self.param_and_grad_buffers for p in buf.params}
         self._sync_enabled = True
         for param in params:
             param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
-        if gather_in_forward:
+        if any(buffer.overlap_param_gather for buffer in self.param_and_grad_buffers):
             self._register_param_gather_hooks()
 
     def _grad_dtype(self, param) -> torch.dtype:
@@ -98,15 +109,17 @@ class DistributedDataParallel(torch.nn.Module):
     def _accumulate_into_main_grad(self, param) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self._reduce_in_backward and self._sync_enabled:
-            self._buffer_of[param].register_grad_ready(param)
+        buffer = self._buffer_of[param]
+        if self._sync_enabled and buffer in self._reducing_in_backward:
+            buffer.register_grad_ready(param)
 
     def _register_param_gather_hooks(self) -> None:
         """Before a module runs, wait for the gathers of the buckets holding its own parameters."""
         for submodule in self.module.modules():
             buckets: list[GradBucket] = []
             for param in submodule.parameters(recurse=False):
-                bucket = self._buffer_of[param].bucket_of(param) if param in self._buffer_of else None
+                buffer = self._buffer_of.get(param)
+                bucket = buffer.bucket_of(param) if buffer is not None and buffer.overlap_param_gather else None
                 if bucket is not None and bucket not in buckets:
                     buckets.append(bucket)
             if buckets:
@@ -154,10 +167,11 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.grad_data.mul_(factor)
 
     def broadcast_params(self) -> None:
-        """Copy the parameters of the first ``dp_cp`` replica to every other replica."""
-        src = dist.get_global_rank(self.dp_cp_group, 0)
+        """Copy the parameters of the first replica to every other replica (``dp_cp`` for
+        dense parameters, ``expt_dp`` for expert parameters)."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_cp_group)
+            group = self.expert_dp_group if getattr(param, "is_expert", False) else self.dp_cp_group
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix), after pending gathers."""

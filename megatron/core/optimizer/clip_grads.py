@@ -20,8 +20,11 @@ import torch.distributed as dist
 
 
 def grad_counted_on_this_rank(param: torch.Tensor, pg_collection) -> bool:
-    """Whether this rank's copy of ``param``'s gradient enters global statistics."""
-    if not getattr(param, "tensor_model_parallel", False) and pg_collection.rank("tp") != 0:
+    """Whether this rank's copy of ``param``'s gradient enters global statistics. An expert
+    parameter not sharded over ``expt_tp`` (``tensor_model_parallel`` unset) is counted on
+    expert-TP rank 0 only; its EP peers hold other experts and count theirs."""
+    tp_group = "expt_tp" if getattr(param, "is_expert", False) and pg_collection.has("expt_tp") else "tp"
+    if not getattr(param, "tensor_model_parallel", False) and pg_collection.rank(tp_group) != 0:
         return False
     if not getattr(param, "gtp_sharded", False) and pg_collection.rank("gtp") != 0:
         return False

@@ -1,4 +1,5 @@
-"""Distributed optimizer: fp32 masters and optimizer state sharded over the ``dp_cp`` replicas.
+"""Distributed optimizer: fp32 masters and optimizer state sharded over the ``dp_cp`` replicas
+(expert parameters: over the ``expt_dp`` replicas, the group of their DDP buffers).
 
 It works on the flat buffers of :class:`~megatron.core.distributed.DistributedDataParallel`
 built with ``use_distributed_optimizer=True``: DDP reduce-scatters each bucket's gradients so
@@ -40,8 +41,9 @@ class DistributedOptimizer(MegatronOptimizer):
             return []
         return [self._make_master(param, start - param_start, end - param_start)]
 
-    def _sum_groups(self) -> list:
-        return [self.pg_collection.mp, self.pg_collection.dp_cp]
+    def _sum_groups(self, expert: bool = False) -> list:
+        pgc = self.pg_collection
+        return [pgc.expert_mp_group(), pgc.expert_dp_group()] if expert else [pgc.mp, pgc.dp_cp]
 
     def step_with_ready_grads(self) -> None:
         # A gather no forward pass waited for (a bucket of unused parameters) must not run

@@ -122,8 +122,22 @@ class MegatronOptimizer:
         return MasterParam(param, master, start, end, grad_counted_on_this_rank(param, self.pg_collection))
 
     # Groups whose members hold disjoint gradient pieces (summed for norms and zero counts).
-    def _sum_groups(self) -> list:
-        return [self.pg_collection.mp]
+    def _sum_groups(self, expert: bool = False) -> list:
+        return [self.pg_collection.expert_mp_group() if expert else self.pg_collection.mp]
+
+    def _grad_domains(self) -> list[tuple[list[torch.Tensor], list]]:
+        """``(counted grads, sum groups)`` per gradient domain: dense and expert gradients are
+        summed over their own groups, as one domain when those groups are the same."""
+        dense_groups, expert_groups = self._sum_groups(), self._sum_groups(expert=True)
+        grads = self._master_grads(counted_only=True)
+        if all(a is b for a, b in zip(dense_groups, expert_groups, strict=True)):
+            return [(grads, dense_groups)]
+        counted = [e for e in self.master_params if e.master.grad is not None and e.counted]
+        expert = [getattr(e.model_param, "is_expert", False) for e in counted]
+        return [
+            ([e.master.grad for e, is_expert in zip(counted, expert, strict=True) if not is_expert], dense_groups),
+            ([e.master.grad for e, is_expert in zip(counted, expert, strict=True) if is_expert], expert_groups),
+        ]
 
     def _job_groups(self) -> list:
         """Groups whose union is the whole job (for the inf/nan decision)."""
@@ -165,10 +179,13 @@ class MegatronOptimizer:
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the prepared gradients, each parameter counted once."""
-        return get_grad_norm_fp32(self._master_grads(counted_only=True), self._sum_groups(), self.device)
+        domains = self._grad_domains()
+        if len(domains) == 1:
+            return get_grad_norm_fp32(*domains[0], self.device)
+        return math.sqrt(sum(get_grad_norm_fp32(grads, groups, self.device) ** 2 for grads, groups in domains))
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self._master_grads(counted_only=True), self._sum_groups(), self.device)
+        return sum(count_zeros_fp32(grads, groups, self.device) for grads, groups in self._grad_domains())
 
     def clip_grad_norm(self, total_norm: float) -> None:
         if not all(group.get("fused") for group in self.optimizer.param_groups):

@@ -96,6 +96,24 @@ def test_sequence_parallel_is_dropped_at_tp1():
         (["--eval-interval", "5", "--eval-iters", "0"], 1, "--eval-interval needs --eval-iters >= 1"),
         (["--mamba-chunk-size", "0"], 1, r"--mamba-chunk-size must be >= 1, got 0"),
         (
+            ["--expert-model-parallel-size", "3"],
+            4,
+            r"--expert-model-parallel-size \(3\) x --expert-tensor-parallel-size \(1\) = 3 must divide the "
+            r"TP x CP x DP = 4 ranks of a pipeline stage",
+        ),
+        (
+            ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+            2,
+            r"--expert-model-parallel-size \(2\) x --expert-tensor-parallel-size \(2\) = 4 must divide the "
+            r"TP x CP x DP = 2 ranks",
+        ),
+        (["--expert-tensor-parallel-size", "0"], 1, "--expert-tensor-parallel-size must be >= 1, got 0"),
+        (
+            ["--generalized-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            4,
+            "--expert-model-parallel-size / --expert-tensor-parallel-size need --generalized-tensor-parallel-size 1",
+        ),
+        (
             ["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"],
             2,
             r"invalid model flags: ffn_hidden_size \(33\) must be divisible by tensor_model_parallel_size \(2\)",
@@ -105,6 +123,14 @@ def test_sequence_parallel_is_dropped_at_tp1():
 def test_invalid_combinations_fail_with_the_flags_named(extra, world, message):
     with pytest.raises(ArgumentError, match=message):
         parse_args(BASE + extra, world_size=world)
+
+
+def test_expert_tensor_parallel_size_defaults_to_the_tensor_parallel_size():
+    args = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], world_size=8)
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (2, 2)
+    args = parse_args(BASE + ["--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"], world_size=8)
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (4, 2)
+    assert parse_args(BASE, world_size=1).expert_tensor_parallel_size == 1
 
 
 def test_context_parallel_peers_share_micro_batches():

@@ -37,6 +37,7 @@ def test_parameter_counts_per_stage_add_up_to_the_whole_model(tied):
     assert all(r[0] == stages for r in results) and len(stages) == 2
     assert sum(stages) == sum(single)
     assert lines[-2].startswith("> layout: world 4 = TP 2 x GTP 1 x CP 1 x DP 1 x PP 2")
+    assert lines[-2].endswith("; experts EP 1 x ETP 2 x expert-DP 1")
     assert lines[-1].startswith("> tokens per step: 128 = global batch 8 x sequence 16 (4 micro-batches of 2")
     assert "  note: --use-flash-attn: attention already uses fused SDPA" in lines
     assert "  --use-flash-attn" in lines and "  --mock-data" in lines

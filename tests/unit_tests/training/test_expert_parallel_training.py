@@ -1,0 +1,64 @@
+"""Must-show of issue 22 on CPU: a tiny dropless MoE GPT trains to the EP1 loss curve under
+EP2, EP4, EP2xTP2 (experts over expert-TP = TP 2) and EP2xPP2."""
+
+import pytest
+
+from tests.unit_tests.training.test_layout_equivalence import _curve
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "4"]
+
+
+@pytest.fixture(scope="module")
+def ep1_curve(tmp_path_factory):
+    return _curve("gpt", MOE, 1, tmp_path_factory.mktemp("ep1"))
+
+
+@pytest.mark.parametrize(
+    "world, flags",
+    [
+        (2, ["--expert-model-parallel-size", "2"]),
+        (4, ["--expert-model-parallel-size", "4"]),
+        (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+        (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["EP2", "EP4", "EP2xTP2", "EP2xPP2"],
+)
+def test_expert_parallel_loss_curve_equals_ep1(ep1_curve, tmp_path, world, flags):
+    curve = _curve("gpt", MOE + flags, world, tmp_path)
+    assert len(curve) == len(ep1_curve) == 4
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(curve, ep1_curve, strict=True)), (curve, ep1_curve)
+    assert curve[-1] < curve[0]
+
+
+def _train(flags, world_size, metrics_jsonl):
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import pretrain
+    from tests.unit_tests.training.test_layout_equivalence import COMMON
+
+    args = parse_args(
+        COMMON + MOE + flags + ["--metrics-jsonl", metrics_jsonl], model_family="gpt", world_size=world_size
+    )
+    state = pretrain(args)
+    return state.iteration, state.consumed_samples
+
+
+def test_checkpoint_saved_at_ep4_resumes_at_ep1_and_ep2xtp2(tmp_path):
+    from megatron.core.dist_checkpointing import write_latest_iteration
+    from tests.unit_tests.dist_harness import run_distributed
+    from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+
+    save, optimizer = str(tmp_path / "ep4"), ["--use-distributed-optimizer"]
+    flags = ["--expert-model-parallel-size", "4", "--save", save, "--save-interval", "2", *optimizer]
+    run_distributed(_train, 4, flags, 4, str(tmp_path / "ep4.jsonl"))
+    straight = loss_curve(tmp_path / "ep4.jsonl")
+    write_latest_iteration(save, 2)
+    for name, world, layout in [
+        ("ep1", 1, []),
+        ("ep2xtp2", 4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    ]:
+        metrics = str(tmp_path / f"{name}.jsonl")
+        results = run_distributed(_train, world, ["--load", save, *layout, *optimizer], world, metrics)
+        assert results[0] == (4, 32), name
+        resumed = losses_by_iteration(metrics)
+        assert sorted(resumed) == [3, 4], name  # it picks up at iteration 3
+        assert all(abs(resumed[i] - straight[i - 1]) <= 1e-5 for i in (3, 4)), (name, resumed, straight)
