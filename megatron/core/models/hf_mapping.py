@@ -546,7 +546,7 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
     if problems:
         raise HFMappingError("NemotronH settings not supported: " + "; ".join(problems))
     pattern = hf_config.hybrid_override_pattern
-    parse_hybrid_pattern(pattern)  # MoE ('E') is rejected here, pointing at the character
+    parse_hybrid_pattern(pattern)  # points at a character we do not know
     config = TransformerConfig(
         **{
             "num_layers": len(pattern),
@@ -569,6 +569,7 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
             "mamba_num_heads": hf_config.mamba_num_heads,
             "mamba_d_conv": hf_config.conv_kernel,
             "mamba_chunk_size": hf_config.chunk_size,
+            **(_nemotron_h_moe_config(hf_config) if "E" in pattern else {}),
             **overrides,
         }
     )
@@ -580,6 +581,38 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
         "share_embeddings_and_output_weights": bool(hf_config.tie_word_embeddings),
     }
     return config, kwargs
+
+
+def _nemotron_h_moe_config(hf_config) -> dict:
+    """Our MoE fields for NemotronH's ``moe`` layers: sigmoid scores with a correction bias that
+    only steers the choice, group-limited top-k, weights renormalized and scaled, relu2 experts
+    plus one shared relu2 MLP."""
+    topk = hf_config.num_experts_per_tok
+    unsupported = [
+        (hf_config.moe_latent_size is not None, "a latent MoE projection (moe_latent_size must be None)"),
+        (
+            bool(hf_config.norm_topk_prob) != (topk > 1),
+            f"norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok={topk} (weights are "
+            "renormalized exactly when more than one expert is chosen)",
+        ),
+        (getattr(hf_config, "n_shared_experts", 1) != 1, "n_shared_experts other than 1"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise HFMappingError("NemotronH MoE settings not supported: " + "; ".join(problems))
+    grouped = hf_config.n_group > 1
+    return {
+        "num_moe_experts": hf_config.n_routed_experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_shared_expert_intermediate_size": hf_config.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": hf_config.n_group if grouped else None,
+        "moe_router_group_topk": hf_config.topk_group if grouped else None,
+        "moe_router_topk_scaling_factor": float(hf_config.routed_scaling_factor),
+        "moe_router_load_balancing_type": "none",
+    }
 
 
 def nemotron_h_config_to_hf(record) -> dict:
@@ -637,7 +670,7 @@ def nemotron_h_config_to_hf(record) -> dict:
 
 
 def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> list[Rule]:
-    from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, parse_hybrid_pattern
+    from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, MOE, parse_hybrid_pattern
 
     q, kv = config.num_attention_heads * config.kv_channels, config.num_query_groups * config.kv_channels
     rules = [Rule("embedding.word_embeddings.weight", ("model.embeddings.weight",), vocab=True)]
@@ -661,6 +694,15 @@ def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> l
                     sizes=(q, kv, kv),
                 ),
                 Rule(ours + "self_attention.linear_proj.weight", (hf + "mixer.o_proj.weight",)),
+            ]
+        elif symbol == MOE:
+            rules += [
+                Rule(ours + "mlp.router.weight", (hf + "mixer.gate.weight",)),
+                Rule(ours + "mlp.router.expert_bias", (hf + "mixer.gate.e_score_correction_bias",)),
+                Rule(ours + "mlp.experts.weight1", (hf + "mixer.experts.up_proj",), transpose=True),
+                Rule(ours + "mlp.experts.weight2", (hf + "mixer.experts.down_proj",), transpose=True),
+                Rule(ours + "mlp.shared_experts.linear_fc1.weight", (hf + "mixer.shared_experts.up_proj.weight",)),
+                Rule(ours + "mlp.shared_experts.linear_fc2.weight", (hf + "mixer.shared_experts.down_proj.weight",)),
             ]
         else:
             rules += [
