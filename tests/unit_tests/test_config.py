@@ -16,10 +16,10 @@ SMALL = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2}
 
 def test_unknown_fields_are_refused_by_name_with_the_accepted_ones():
     with pytest.raises(ConfigError) as err:
-        TransformerConfig.from_dict({**SMALL, "hiden_size": 16, "moe_router_topk": 2})
+        TransformerConfig.from_dict({**SMALL, "hiden_size": 16, "moe_router_top_k": 2})
     accepted = [f.name for f in dataclasses.fields(TransformerConfig)]
     assert str(err.value) == (
-        "unknown TransformerConfig field(s) 'hiden_size', 'moe_router_topk'; accepted fields: " + ", ".join(accepted)
+        "unknown TransformerConfig field(s) 'hiden_size', 'moe_router_top_k'; accepted fields: " + ", ".join(accepted)
     )
     assert {"hidden_size", "num_layers", "activation_func", "extra"} <= set(accepted)
     assert isinstance(err.value, MegatronConfigError) and isinstance(err.value, ValueError)

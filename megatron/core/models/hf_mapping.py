@@ -6,7 +6,7 @@ MLP's fc1 is packed [gate; up]. Each family describes its weights as :class:`Rul
 our keys <- one or more HF keys concatenated on dim 0, optionally transposed), and the same
 rules drive both directions, so a round trip is bit-identical.
 
-Functions per family (``llama``, ``gpt2``; others are appended the same way):
+Functions per family (``llama``, ``mixtral``, ``gpt2``, ``nemotron_h``; others are appended the same way):
 ``<family>_config_from_hf(hf_config, **overrides) -> (TransformerConfig, gpt_model_kwargs)``,
 ``<family>_state_dict_from_hf(hf_state_dict, config) -> ours`` and
 ``<family>_state_dict_to_hf(state_dict, config, vocab_size) -> HF``, and for checkpoints trained
@@ -44,8 +44,9 @@ def _kv_channels(config: TransformerConfig) -> int:
 
 @dataclass(frozen=True)
 class Rule:
-    """``ours`` = concat over dim 0 of ``hf`` keys (each transposed first when ``transpose``,
-    for GPT-2's Conv1D); ``vocab`` rows are zero-padded to the padded vocabulary on our side."""
+    """``ours`` = concat over dim 0 of ``hf`` keys (each with its last two dims swapped first when
+    ``transpose``: GPT-2's Conv1D, stacked expert weights); ``vocab`` rows are zero-padded to
+    the padded vocabulary on our side."""
 
     ours: str
     hf: tuple[str, ...]
@@ -76,7 +77,7 @@ class MappedStateDict(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         rule = self._rules[key]
-        parts = [self._hf[k].t() if rule.transpose else self._hf[k] for k in rule.hf]
+        parts = [self._hf[k].transpose(-2, -1) if rule.transpose else self._hf[k] for k in rule.hf]
         tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if rule.vocab:
             padded = pad_vocab_size(tensor.shape[0], 1)
@@ -173,7 +174,7 @@ def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
                 f"{rule.ours!r} has {tensor.shape[0]} rows, the HF keys {rule.hf} need {sum(rule.sizes)}"
             )
         for key, part in zip(rule.hf, parts, strict=True):
-            out[key] = (part.t() if rule.transpose else part).contiguous().clone()
+            out[key] = (part.transpose(-2, -1) if rule.transpose else part).contiguous().clone()
     return out
 
 
@@ -204,7 +205,8 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
     """TransformerConfig and GPTModel keyword arguments equivalent to a LlamaConfig."""
     if hf_config.hidden_act != "silu":
         raise HFMappingError(f"Llama hidden_act must be 'silu' (SwiGLU), got {hf_config.hidden_act!r}")
-    attention_bias, mlp_bias = bool(hf_config.attention_bias), bool(getattr(hf_config, "mlp_bias", False))
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
     if attention_bias != mlp_bias:
         raise HFMappingError(
             f"attention_bias ({attention_bias}) and mlp_bias ({mlp_bias}) must agree (one add_bias_linear switch)"
@@ -332,6 +334,56 @@ def llama_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tie
 def llama_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
     """A LlamaForCausalLM state dict from our full state dict (vocabulary padding dropped)."""
     return _apply_to_hf(_llama_rules(config), state_dict, vocab_size)
+
+
+# ---------------------------------------------------------------- Mixtral (MixtralForCausalLM)
+
+
+def mixtral_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
+    """TransformerConfig and GPTModel keyword arguments equivalent to a MixtralConfig: Llama
+    with every MLP an MoE of ``num_local_experts`` SwiGLU experts, top-k over the softmax of the
+    router logits with the k weights renormalized (= softmax over the top-k logits, our default)."""
+    unsupported = [
+        (getattr(hf_config, "sliding_window", None) is not None, "sliding-window attention (sliding_window)"),
+        (hf_config.router_jitter_noise, "router jitter noise (router_jitter_noise must be 0)"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise HFMappingError("Mixtral settings not supported: " + "; ".join(problems))
+    moe = {
+        "num_moe_experts": hf_config.num_local_experts,
+        "moe_router_topk": hf_config.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf_config.intermediate_size,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_config.router_aux_loss_coef),
+    }
+    return llama_config_from_hf(hf_config, **{**moe, **overrides})
+
+
+def _mixtral_rules(config: TransformerConfig) -> list[Rule]:
+    rules = []
+    for rule in _llama_rules(config):
+        if ".mlp." not in rule.ours:
+            rules.append(rule)
+    for i in range(config.num_layers):
+        ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        rules += [
+            Rule(ours + "router.weight", (hf + "gate.weight",)),
+            Rule(ours + "experts.weight1", (hf + "experts.gate_up_proj",), transpose=True),
+            Rule(ours + "experts.weight2", (hf + "experts.down_proj",), transpose=True),
+        ]
+    return rules
+
+
+def mixtral_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
+    """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict
+    (transformers' stacked expert tensors)."""
+    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied))
+
+
+def mixtral_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
+    """A MixtralForCausalLM state dict from our full state dict."""
+    return _apply_to_hf(_mixtral_rules(config), state_dict, vocab_size)
 
 
 # ---------------------------------------------------------------- GPT-2 (GPT2LMHeadModel)
@@ -494,7 +546,7 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
     if problems:
         raise HFMappingError("NemotronH settings not supported: " + "; ".join(problems))
     pattern = hf_config.hybrid_override_pattern
-    parse_hybrid_pattern(pattern)  # MoE ('E') is rejected here, pointing at the character
+    parse_hybrid_pattern(pattern)  # points at a character we do not know
     config = TransformerConfig(
         **{
             "num_layers": len(pattern),
@@ -517,6 +569,7 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
             "mamba_num_heads": hf_config.mamba_num_heads,
             "mamba_d_conv": hf_config.conv_kernel,
             "mamba_chunk_size": hf_config.chunk_size,
+            **(_nemotron_h_moe_config(hf_config) if "E" in pattern else {}),
             **overrides,
         }
     )
@@ -528,6 +581,38 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
         "share_embeddings_and_output_weights": bool(hf_config.tie_word_embeddings),
     }
     return config, kwargs
+
+
+def _nemotron_h_moe_config(hf_config) -> dict:
+    """Our MoE fields for NemotronH's ``moe`` layers: sigmoid scores with a correction bias that
+    only steers the choice, group-limited top-k, weights renormalized and scaled, relu2 experts
+    plus one shared relu2 MLP."""
+    topk = hf_config.num_experts_per_tok
+    unsupported = [
+        (hf_config.moe_latent_size is not None, "a latent MoE projection (moe_latent_size must be None)"),
+        (
+            bool(hf_config.norm_topk_prob) != (topk > 1),
+            f"norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok={topk} (weights are "
+            "renormalized exactly when more than one expert is chosen)",
+        ),
+        (getattr(hf_config, "n_shared_experts", 1) != 1, "n_shared_experts other than 1"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise HFMappingError("NemotronH MoE settings not supported: " + "; ".join(problems))
+    grouped = hf_config.n_group > 1
+    return {
+        "num_moe_experts": hf_config.n_routed_experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_shared_expert_intermediate_size": hf_config.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": hf_config.n_group if grouped else None,
+        "moe_router_group_topk": hf_config.topk_group if grouped else None,
+        "moe_router_topk_scaling_factor": float(hf_config.routed_scaling_factor),
+        "moe_router_load_balancing_type": "none",
+    }
 
 
 def nemotron_h_config_to_hf(record) -> dict:
@@ -585,7 +670,7 @@ def nemotron_h_config_to_hf(record) -> dict:
 
 
 def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> list[Rule]:
-    from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, parse_hybrid_pattern
+    from megatron.core.models.hybrid.hybrid_layer_pattern import ATTENTION, MAMBA, MOE, parse_hybrid_pattern
 
     q, kv = config.num_attention_heads * config.kv_channels, config.num_query_groups * config.kv_channels
     rules = [Rule("embedding.word_embeddings.weight", ("model.embeddings.weight",), vocab=True)]
@@ -609,6 +694,15 @@ def _nemotron_h_rules(config: TransformerConfig, hybrid_layer_pattern: str) -> l
                     sizes=(q, kv, kv),
                 ),
                 Rule(ours + "self_attention.linear_proj.weight", (hf + "mixer.o_proj.weight",)),
+            ]
+        elif symbol == MOE:
+            rules += [
+                Rule(ours + "mlp.router.weight", (hf + "mixer.gate.weight",)),
+                Rule(ours + "mlp.router.expert_bias", (hf + "mixer.gate.e_score_correction_bias",)),
+                Rule(ours + "mlp.experts.weight1", (hf + "mixer.experts.up_proj",), transpose=True),
+                Rule(ours + "mlp.experts.weight2", (hf + "mixer.experts.down_proj",), transpose=True),
+                Rule(ours + "mlp.shared_experts.linear_fc1.weight", (hf + "mixer.shared_experts.up_proj.weight",)),
+                Rule(ours + "mlp.shared_experts.linear_fc2.weight", (hf + "mixer.shared_experts.down_proj.weight",)),
             ]
         else:
             rules += [

@@ -1,9 +1,16 @@
-"""Our GPTModel equals HuggingFace Llama / GPT-2 (random weights) after mapping, and the
+"""Our GPTModel equals HuggingFace Llama / Mixtral / GPT-2 (random weights) after mapping, and the
 mapping round-trips bit-identically in both directions."""
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from megatron.core.models import hf_mapping
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
@@ -43,6 +50,32 @@ def _llama(tied: bool, rope_scaling: dict | None):
     )
 
 
+def _mixtral():
+    torch.manual_seed(4)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)  # decisive routing: HF's and our top-k agree despite rounding
+    return (
+        _randomized(model),
+        hf_mapping.mixtral_config_from_hf,
+        hf_mapping.mixtral_state_dict_from_hf,
+        hf_mapping.mixtral_state_dict_to_hf,
+    )
+
+
 def _gpt2():
     torch.manual_seed(2)
     config = GPT2Config(
@@ -75,6 +108,7 @@ LLAMA3_SCALING = {
 CASES = {
     "llama": lambda: _llama(tied=False, rope_scaling=None),
     "llama_tied_llama3_rope": lambda: _llama(tied=True, rope_scaling=LLAMA3_SCALING),
+    "mixtral": _mixtral,
     "gpt2": _gpt2,
 }
 
@@ -85,7 +119,8 @@ def test_logits_match_huggingface_and_mapping_round_trips(pg, case):
     hf_model, config_from_hf, from_hf, to_hf = CASES[case]()
     config, kwargs = config_from_hf(hf_model.config)
     tied = kwargs["share_embeddings_and_output_weights"]
-    model = GPTModel(config, get_gpt_layer_local_spec(), parallel_output=False, pg_collection=pg, **kwargs).eval()
+    spec = get_gpt_layer_local_spec(config.num_moe_experts)
+    model = GPTModel(config, spec, parallel_output=False, pg_collection=pg, **kwargs).eval()
 
     hf_state = hf_model.state_dict()
     model.load_state_dict(from_hf(hf_state, config, tied=tied), strict=True)

@@ -12,7 +12,6 @@ from megatron.core.models.hf_mapping import (
     nemotron_h_state_dict_to_hf,
     squared_relu,
 )
-from megatron.core.models.hybrid.hybrid_layer_pattern import HybridPatternError
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from tests.unit_tests.dist_harness import run_distributed
@@ -57,8 +56,39 @@ def hf_model():
     return model
 
 
-def _logits_vs_hf():
-    hf = hf_model()
+MOE_PATTERN = "M*EM-E"
+
+
+def nemotron_h_moe_model(**overrides):
+    """A NemotronH with two ``moe`` layers: 4 relu2 experts in 2 groups (top-2 from the best group),
+    a shared expert, a nonzero score-correction bias and a routing scale."""
+    torch.manual_seed(0)
+    config = hf_config(
+        hybrid_override_pattern=MOE_PATTERN,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=16,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        **overrides,
+    )
+    model = NemotronHForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            if "mixer.gate.weight" in name or "mixer.experts." in name:
+                p.normal_(0.0, 0.5)  # HF starts routers at zero; decisive routing instead
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    return model
+
+
+def _logits_vs_hf(make_model=hf_model):
+    hf = make_model()
     config, kwargs = nemotron_h_config_from_hf(hf.config)
     model = HybridModel(
         config, get_hybrid_stack_local_spec(), **kwargs, parallel_output=False, pg_collection=collection()
@@ -75,11 +105,20 @@ def _logits_vs_hf():
     return tuple(got.shape), (got - want).abs().max().item(), want.abs().max().item(), same_keys, roundtrip
 
 
-def test_hybrid_model_matches_hf_nemotron_h_logits():
-    ((shape, diff, scale, same_keys, roundtrip),) = run_distributed(_logits_vs_hf, 1)
+@pytest.mark.parametrize("make_model", [hf_model, nemotron_h_moe_model], ids=["dense", "moe"])
+def test_hybrid_model_matches_hf_nemotron_h_logits(make_model):
+    ((shape, diff, scale, same_keys, roundtrip),) = run_distributed(_logits_vs_hf, 1, make_model)
     assert shape == (2, 12, 100)
     assert scale > 0.1 and diff <= 1e-4
     assert same_keys and roundtrip
+
+
+def test_moe_config_translation():
+    c, _ = nemotron_h_config_from_hf(nemotron_h_moe_model().config)
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (4, 2, 24)
+    assert c.moe_shared_expert_intermediate_size == 16 and c.moe_router_score_function == "sigmoid"
+    assert c.moe_router_enable_expert_bias and (c.moe_router_num_groups, c.moe_router_group_topk) == (2, 1)
+    assert c.moe_router_topk_scaling_factor == 2.5
 
 
 def test_config_translation():
@@ -101,5 +140,5 @@ def test_config_translation():
 def test_config_translation_rejects_what_we_cannot_represent():
     with pytest.raises(HFMappingError, match=r"NemotronH settings not supported: biases in linear layers"):
         nemotron_h_config_from_hf(hf_config(attention_bias=True))
-    with pytest.raises(HybridPatternError, match=r"MoE layers \('E'\) are not supported yet, found at index 2"):
-        nemotron_h_config_from_hf(hf_config(hybrid_override_pattern="M*E-"))
+    with pytest.raises(HFMappingError, match=r"NemotronH MoE settings not supported: a latent MoE projection"):
+        nemotron_h_config_from_hf(hf_config(hybrid_override_pattern="M*E-", moe_latent_size=8))

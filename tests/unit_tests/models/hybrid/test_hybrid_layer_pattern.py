@@ -26,15 +26,17 @@ def test_bad_character_is_pointed_at():
         parse_hybrid_pattern("M*x-")
     message = str(err.value)
     assert "invalid character 'x' at index 2 of hybrid layer pattern 'M*x-'" in message
-    assert "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), '|' (pipeline stage boundary)" in message
+    assert "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), 'E' (MoE), '|' (pipeline stage boundary)" in message
     assert message.endswith("\n    M*x-\n      ^")
     assert isinstance(err.value, ConfigError) and isinstance(err.value, ValueError)
 
 
-def test_moe_is_rejected_as_not_supported_yet():
+def test_moe_layers_need_num_moe_experts():
+    assert parse_hybrid_pattern("M*|-E").layers == "M*-E"
+    assert resolve_hybrid_pattern(4, None, "M*|-E", num_moe_experts=4).layers == "M*-E"
     with pytest.raises(HybridPatternError) as err:
-        parse_hybrid_pattern("M*|-E")
-    assert "MoE layers ('E') are not supported yet, found at index 4" in str(err.value)
+        resolve_hybrid_pattern(4, None, "M*|-E")
+    assert "MoE layer ('E') at index 4 of hybrid layer pattern 'M*|-E' needs config.num_moe_experts" in str(err.value)
     assert str(err.value).endswith("\n    M*|-E\n        ^")
 
 

@@ -148,7 +148,7 @@ def _errors_from_the_constructor():
 
 def test_pattern_errors_surface_from_the_model_constructor():
     ((moe, count, bad_char),) = run_distributed(_errors_from_the_constructor, 1)
-    assert "MoE layers ('E') are not supported yet, found at index 2" in moe
+    assert "MoE layer ('E') at index 2 of hybrid layer pattern 'M*E-' needs config.num_moe_experts" in moe
     assert "has 3 layers in its main part but config.num_layers is 4" in count
     assert "invalid character 'x' at index 2" in bad_char and bad_char.endswith("    M*x-\n      ^")
 
