@@ -41,11 +41,10 @@ class StructuredOutputs:
         ``EngineRequest``; consecutive rows of one request are its speculative depths 0, 1, ...,
         depth ``d`` following its generated tokens and the first ``d`` of its draft tokens
         ``drafts[i]``)."""
+        if all(r.sampling_params.structured_output is None for r in requests):
+            return  # engines without grammar requests never need xgrammar installed
         import xgrammar
 
-        constrained = [i for i, r in enumerate(requests) if r.sampling_params.structured_output is not None]
-        if not constrained:
-            return
         bitmask = xgrammar.allocate_token_bitmask(len(requests), self.vocab_size)
         rows = []
         start = 0

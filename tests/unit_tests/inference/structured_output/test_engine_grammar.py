@@ -4,6 +4,7 @@ evictions and overlapped steps leaving outputs unchanged, a grammar that does no
 alone, and a byte-level BPE vocabulary."""
 
 import json
+import sys
 
 import jsonschema
 import pytest
@@ -172,3 +173,20 @@ def test_pauses_evictions_and_overlapped_steps_keep_each_requests_grammar_state(
     assert_same_outputs(tight, roomy)
     assert_same_outputs(overlapped, roomy)
     _assert_valid(roomy, schema=NOTE)
+
+
+def test_steps_without_grammar_requests_do_not_need_xgrammar(monkeypatch):
+    """An engine whose requests ask for no grammar steps on machines without xgrammar."""
+    from types import SimpleNamespace
+
+    from megatron.core.inference.structured_output.batch import StructuredOutputs
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # ``import xgrammar`` now raises ImportError
+    outputs = StructuredOutputs(BYTES, 300, eos_token_id=None)
+    logits = torch.randn(3, 300)
+    before = logits.clone()
+    requests = [SimpleNamespace(sampling_params=SamplingParams(temperature=0.0)) for _ in range(3)]
+    outputs.mask_logits(logits, requests, [[], [], []])
+    assert torch.equal(logits, before)
+    with pytest.raises(ImportError):
+        import xgrammar as _  # noqa: F401
