@@ -54,6 +54,7 @@ from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_bloc
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
+    LogitBiasTokenOutOfRangeError,
     MaxSequenceLengthOverflowError,
     StopSequencesNeedTokenizerError,
 )
@@ -67,6 +68,7 @@ from megatron.core.inference.host_copies import DeviceToHost, to_device
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import LogitsProcessor, SamplingParams, SamplingRows, make_generator, sample
+from megatron.core.inference.sampling_controls import ControlRow, TokenCounts, apply_sampling_controls
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
@@ -197,6 +199,7 @@ class DynamicInferenceEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
         self.seed = seed
         self.logits_processors = list(logits_processors)
+        self.token_counts = TokenCounts(self.context.capacity.max_requests, model.vocab_size, self.runner.device)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
         if batch_invariant and model_is_hybrid(model):
             # The Mamba recurrence batches a step's rows at its padded size, and its ops are not
@@ -314,6 +317,9 @@ class DynamicInferenceEngine:
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range", vocab_size=vocab)
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise LogitBiasTokenOutOfRangeError(token_ids=outside[:5], vocab_size=vocab)
         room = self.max_sequence_length - len(prompt)
         if len(prompt) <= self.max_sequence_length and (room < 1 or (params.max_tokens or 0) > room):
             raise MaxSequenceLengthOverflowError(
@@ -335,6 +341,7 @@ class DynamicInferenceEngine:
         until the caller gives it back with ``context.release_detached``."""
         request = self._requests.pop(request_id)
         self.scheduler.remove(request)
+        self.token_counts.release(request_id)
         request.status = RequestStatus.FINISHED
         return request, self.context.detach_request(request_id)
 
@@ -488,7 +495,7 @@ class DynamicInferenceEngine:
         one row per speculative depth), and queue on the device: their log-probs (and top-k),
         the logits processors, sampling, the prompt log-probs asked for, and the read-back of
         all of it in one copy. Every stage records which requests sample (no device work)."""
-        rows, requests, draws, prompt_rows, prompt_targets = [], [], [], [], []
+        rows, requests, draws, drafts, prompt_rows, prompt_targets = [], [], [], [], [], []
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
@@ -509,6 +516,7 @@ class DynamicInferenceEngine:
                         rows.append(base + depth)
                         requests.append(request)
                         draws.append(len(request.generated_tokens) + depth)
+                        drafts.append(state.tokens[len(state.tokens) - num_drafts :][:depth])
             step.sample_rows.append(range(first_row, len(rows)))
             step.prompt_counts.append(prompt_count)
             step.top_widths.append(request.sampling_params.top_logprobs)
@@ -519,6 +527,7 @@ class DynamicInferenceEngine:
         if rows:
             logits = step.logits.index_select(0, to_device(torch.tensor(rows), device))
             log_probs = torch.log_softmax(logits, dim=-1)
+            self._apply_sampling_controls(logits, requests, drafts)
             for processor in self.logits_processors:
                 processor(logits, [r.request_id for r in requests])
             params = [r.sampling_params for r in requests]
@@ -534,6 +543,18 @@ class DynamicInferenceEngine:
             targets = to_device(torch.tensor(prompt_targets), device)
             parts.append(torch.log_softmax(prompt_logits, dim=-1).gather(1, targets[:, None])[:, 0].double())
         step.readback = DeviceToHost(torch.cat(parts))
+
+    def _apply_sampling_controls(
+        self, logits: torch.Tensor, requests: list[EngineRequest], drafts: list[list[int]]
+    ) -> None:
+        """Logit bias, min_tokens and penalties of the sampled rows (see :mod:`sampling_controls`)."""
+        if not any(r.sampling_params.has_logit_controls for r in requests):
+            return
+        rows = [
+            ControlRow(r.request_id, r.sampling_params, r.prompt_tokens, r.generated_tokens, row_drafts)
+            for r, row_drafts in zip(requests, drafts, strict=True)
+        ]
+        apply_sampling_controls(logits, rows, self.token_counts, self.eos_token_id)
 
     def _decisions(self, step: _Step) -> list[Decision]:
         """The step's decisions from its read-back (waits for it): tokens per request in depth
@@ -674,7 +695,10 @@ class DynamicInferenceEngine:
             if text is not None:
                 text.finish()
             return "stop"
-        if text is not None and text.add_token(token):
+        # Stop sequences end nothing before min_tokens (vLLM): their text is output then.
+        if text is not None and text.add_token(
+            token, can_stop=len(request.generated_tokens) >= request.sampling_params.min_tokens
+        ):
             return "stop"
         if len(request.generated_tokens) >= request.max_new_tokens:
             return "stop" if text is not None and text.finish() else "length"
@@ -682,6 +706,7 @@ class DynamicInferenceEngine:
 
     def _finish(self, request: EngineRequest) -> None:
         request.status = RequestStatus.FINISHED
+        self.token_counts.release(request.request_id)
         self.scheduler.remove(request)
         del self._requests[request.request_id]
         self._pending.append(request.take_output(finished=True))
