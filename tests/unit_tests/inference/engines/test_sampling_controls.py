@@ -135,11 +135,11 @@ def test_invalid_controls_raise_typed_errors_naming_the_field(field, value, mess
 @torch.no_grad()
 def reference_controlled_greedy(model, prompt, params: SamplingParams, eos=None) -> list[int]:
     """Greedy decoding by full forward passes (no cache), the controls applied by hand."""
-    tokens = list(prompt)
+    tokens, vocab = list(prompt), model.vocab_size
     for _ in range(params.max_tokens):
-        logits = model(torch.tensor([tokens], device=device()))[0, -1, :VOCAB].float().cpu().tolist()
+        logits = model(torch.tensor([tokens], device=device()))[0, -1, :vocab].float().cpu().tolist()
         controlled = hand_controls(logits, params, prompt, tokens[len(prompt) :], eos)
-        tokens.append(max(range(VOCAB), key=lambda t: (controlled[t], -t)))
+        tokens.append(max(range(vocab), key=lambda t: (controlled[t], -t)))
         if tokens[-1] == eos:
             break
     return tokens[len(prompt) :]
