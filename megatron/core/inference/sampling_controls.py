@@ -122,6 +122,8 @@ def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[Control
     """Steps 1 and 2 of the module doc on ``logits`` [len(rows), V] (fp32, in place): one
     sparse add of every row's biases and EOS masks."""
     entries = []  # (row, token, value)
+    if eos_token_id is not None and not 0 <= eos_token_id < logits.shape[-1]:
+        eos_token_id = None  # an EOS the model cannot emit needs no mask
     for i, row in enumerate(rows):
         entries += [(i, token, bias) for token, bias in row.params.logit_bias]
         if eos_token_id is not None and not row.params.ignore_eos and row.num_generated < row.params.min_tokens:

@@ -215,3 +215,44 @@ def test_controls_are_batch_invariant_under_pauses_evictions_overlap_graphs_and_
             assert engine.stats["drafts_accepted"] > 0
         assert_same_outputs(tight, roomy)
         assert not engine.token_counts._slots  # every finished request gave its row back
+
+
+@on_single_rank
+def test_stop_sequences_end_nothing_before_min_tokens(pg):
+    from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
+
+    model = gpt_model(pg)
+    (prompt,) = prompts([5])
+    args = dict(ARGS, tokenizer=ByteLevelTokenizer())
+    plain = run(
+        DynamicInferenceEngine(model, num_blocks=64, pg_collection=pg, **args),
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=10),
+    )
+    text = plain["0"]["text"]
+    stop = text[1]
+    stopped = run(
+        DynamicInferenceEngine(model, num_blocks=64, pg_collection=pg, **args),
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=10, stop=stop),
+    )["0"]
+    held = run(
+        DynamicInferenceEngine(model, num_blocks=64, pg_collection=pg, **args),
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=10, stop=stop, min_tokens=4),
+    )["0"]
+    assert stopped["text"] == text[: text.index(stop)] and len(stopped["tokens"]) == 2
+    # Before 4 tokens the stop is plain text; a later occurrence (or the length) ends it.
+    later = text.find(stop, 3)
+    assert held["text"] == (text if later < 0 else text[:later])
+    assert held["tokens"] == plain["0"]["tokens"][: len(held["tokens"])] and len(held["tokens"]) >= 4
+
+
+def test_sampling_controls_survive_the_wire_format():
+    import msgpack
+
+    from megatron.core.inference.coordinator.messages import sampling_params_from_dict, sampling_params_to_dict
+
+    params = SamplingParams(logit_bias={5: 1.5, 2: -3}, min_tokens=2, presence_penalty=0.5, min_p=0.1)
+    wire = msgpack.unpackb(msgpack.packb(sampling_params_to_dict(params)))
+    assert sampling_params_from_dict(wire) == params and params.logit_bias == ((2, -3.0), (5, 1.5))
