@@ -71,6 +71,8 @@ class SamplingParams:
             end generation before this many tokens were generated.
         logit_bias: token id -> bias in [-100, 100], added to the token's logit before sampling
             (a mapping, or ``(id, bias)`` pairs; kept as sorted pairs).
+        stop_token_ids: tokens that end generation like EOS (reported as tokens, without text;
+            not affected by ``ignore_eos``).
 
     Log-probabilities are those of the model's logits, before these controls and sampling
     filters (vLLM's default). The order on the logits is vLLM's: logit bias and min_tokens, then
@@ -96,6 +98,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -142,6 +145,10 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
             )
         object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(ids))))
 
     @property
     def greedy(self) -> bool:

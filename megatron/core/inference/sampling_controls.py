@@ -5,7 +5,8 @@ For a sampled row of a request with :class:`~megatron.core.inference.sampling.Sa
 speculative depth) are ``g`` and whose prompt is ``x``, in this order:
 
 1. ``logit_bias``: ``logit[t] += p.logit_bias[t]``;
-2. ``min_tokens``: while ``len(g) < p.min_tokens`` the EOS logit is ``-inf`` (unless ``ignore_eos``);
+2. ``min_tokens``: while ``len(g) < p.min_tokens`` the logits of EOS (unless ``ignore_eos``) and of
+   ``p.stop_token_ids`` are ``-inf``;
 3. repetition penalty over ``x + g``: a seen token's logit is divided by ``r`` when positive,
    multiplied by ``r`` otherwise;
 4. frequency and presence penalties over ``g``: ``logit[t] -= f * count_g(t) + c * (count_g(t) > 0)``.
@@ -125,9 +126,13 @@ def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[Control
     if eos_token_id is not None and not 0 <= eos_token_id < logits.shape[-1]:
         eos_token_id = None  # an EOS the model cannot emit needs no mask
     for i, row in enumerate(rows):
-        entries += [(i, token, bias) for token, bias in row.params.logit_bias]
-        if eos_token_id is not None and not row.params.ignore_eos and row.num_generated < row.params.min_tokens:
-            entries.append((i, eos_token_id, -math.inf))
+        params = row.params
+        entries += [(i, token, bias) for token, bias in params.logit_bias]
+        if row.num_generated < params.min_tokens:
+            ends = set(params.stop_token_ids)
+            if eos_token_id is not None and not params.ignore_eos:
+                ends.add(eos_token_id)
+            entries += [(i, token, -math.inf) for token in sorted(ends)]
     if not entries:
         return
     packed = to_device(torch.tensor(entries, dtype=torch.float64), logits.device)

@@ -57,6 +57,7 @@ from megatron.core.inference.engines.errors import (
     LogitBiasTokenOutOfRangeError,
     MaxSequenceLengthOverflowError,
     StopSequencesNeedTokenizerError,
+    StopTokenIdsOutOfRangeError,
 )
 from megatron.core.inference.engines.requests import EngineRequest, RequestOutput, RequestStatus
 from megatron.core.inference.engines.scheduler import ScheduledRequest, Scheduler
@@ -320,6 +321,9 @@ class DynamicInferenceEngine:
         outside = [t for t, _ in params.logit_bias if t >= vocab]
         if outside:
             raise LogitBiasTokenOutOfRangeError(token_ids=outside[:5], vocab_size=vocab)
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise StopTokenIdsOutOfRangeError(token_ids=outside[:5], vocab_size=vocab)
         room = self.max_sequence_length - len(prompt)
         if len(prompt) <= self.max_sequence_length and (room < 1 or (params.max_tokens or 0) > room):
             raise MaxSequenceLengthOverflowError(
@@ -619,7 +623,10 @@ class DynamicInferenceEngine:
         return decisions if decisions is not None else layout.unpack(shared)
 
     def _is_eos(self, request: EngineRequest, token: int) -> bool:
-        return token == self.eos_token_id and not request.sampling_params.ignore_eos
+        """Whether ``token`` ends ``request`` as an end of sequence: EOS (unless ``ignore_eos``)
+        or one of its ``stop_token_ids``."""
+        params = request.sampling_params
+        return (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
 
     def _propose_drafts(self, step: _Step, decisions: list[Decision]) -> None:
         wanted = []  # (decision, row its last token was sampled from, number of drafts)

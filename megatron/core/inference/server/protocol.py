@@ -93,6 +93,7 @@ class _GenerationRequest(_Model):
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end generation like EOS")
 
     @field_validator("stop")
     @classmethod

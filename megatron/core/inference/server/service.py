@@ -383,7 +383,7 @@ class ChoiceSet:
 
 def _control_params(body) -> dict:
     """The sampling controls a request set (SamplingParams checks their values)."""
-    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids")
     controls = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if body.logit_bias:
         controls["logit_bias"] = {_token_id_key(key): bias for key, bias in body.logit_bias.items()}

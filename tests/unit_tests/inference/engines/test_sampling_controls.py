@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.core.inference.engines import DynamicInferenceEngine
-from megatron.core.inference.engines.errors import LogitBiasTokenOutOfRangeError
+from megatron.core.inference.engines.errors import LogitBiasTokenOutOfRangeError, StopTokenIdsOutOfRangeError
 from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams, filtered_probs
 from megatron.core.inference.sampling_controls import ControlRow, TokenCounts, apply_sampling_controls
 from tests.unit_tests.dist_harness import device
@@ -40,8 +40,11 @@ def hand_controls(logits: list[float], params: SamplingParams, prompt, generated
     out = list(logits)
     for token, bias in params.logit_bias:
         out[token] += bias
-    if eos is not None and not params.ignore_eos and len(generated) < params.min_tokens:
-        out[eos] = -math.inf
+    if len(generated) < params.min_tokens:
+        for token in params.stop_token_ids:
+            out[token] = -math.inf
+        if eos is not None and not params.ignore_eos:
+            out[eos] = -math.inf
     for token in range(len(out)):
         count = generated.count(token)
         if token in prompt or count:
@@ -57,7 +60,7 @@ def test_controls_match_the_hand_formulas_per_row_with_drafts_and_slot_reuse():
     counts = TokenCounts(num_slots=2, vocab_size=vocab, device="cpu")
     params = [
         PENALIZED,
-        SamplingParams(min_tokens=3, logit_bias={5: 100.0}),
+        SamplingParams(min_tokens=3, logit_bias={5: 100.0}, stop_token_ids=[4, 6]),
         SamplingParams(),  # untouched
         SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5),
     ]
@@ -122,6 +125,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
         ("logit_bias", {3: 101}, "logit_bias values must be numbers in [-100, 100], got 101 for token 3"),
         ("logit_bias", {-1: 1.0}, "logit_bias keys must be token ids (integers >= 0), got -1"),
         ("logit_bias", "x", "logit_bias must map token ids to biases, got 'x'"),
+        ("stop_token_ids", [1, -2], "stop_token_ids must be a list of token ids (integers >= 0), got [1, -2]"),
     ],
 )
 def test_invalid_controls_raise_typed_errors_naming_the_field(field, value, message):
@@ -140,7 +144,7 @@ def reference_controlled_greedy(model, prompt, params: SamplingParams, eos=None)
         logits = model(torch.tensor([tokens], device=device()))[0, -1, :vocab].float().cpu().tolist()
         controlled = hand_controls(logits, params, prompt, tokens[len(prompt) :], eos)
         tokens.append(max(range(vocab), key=lambda t: (controlled[t], -t)))
-        if tokens[-1] == eos:
+        if tokens[-1] == eos or tokens[-1] in params.stop_token_ids:
             break
     return tokens[len(prompt) :]
 
@@ -184,6 +188,22 @@ def test_min_tokens_holds_back_eos_in_the_engine(pg):
     assert len(result["tokens"]) >= 6 and eos not in result["tokens"][:6]
     with pytest.raises(LogitBiasTokenOutOfRangeError, match=r"logit_bias holds token ids \[96\] outside"):
         engine.add_request("bad", prompt, SamplingParams(logit_bias={VOCAB: 1.0}))
+    with pytest.raises(StopTokenIdsOutOfRangeError, match=r"stop_token_ids holds token ids \[97\] outside"):
+        engine.add_request("bad", prompt, SamplingParams(stop_token_ids=[3, 97]))
+    # stop_token_ids end a request like EOS (ignore_eos does not change that), masked before min_tokens.
+    stop_token = plain["0"]["tokens"][2]
+    for params, length in (
+        (SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token], ignore_eos=True), 3),
+        (SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token], min_tokens=4), None),
+    ):
+        engine = DynamicInferenceEngine(model, num_blocks=64, pg_collection=pg, **ARGS)
+        (result,) = run(engine, [prompt], params).values()
+        assert result["tokens"] == reference_controlled_greedy(model, prompt, params)
+        assert result["finish_reason"] == "stop" or len(result["tokens"]) == 12
+        if length is not None:
+            assert len(result["tokens"]) == length and result["finish_reason"] == "stop"
+        else:
+            assert stop_token not in result["tokens"][:4] and len(result["tokens"]) >= 4
 
 
 @on_single_rank

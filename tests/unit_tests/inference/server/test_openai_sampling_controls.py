@@ -61,6 +61,9 @@ def test_every_sampling_control_through_the_openai_client(pg):
     want_chat_penalized = reference_controlled_greedy(model, chat_prompt, penalized)
     want_greedy = reference_controlled_greedy(model, prompt, SamplingParams(temperature=0.0, max_tokens=12))
     assert want_penalized != want_greedy  # the penalties change the tokens of this prompt
+    stop_at_x = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={X: 100}, stop_token_ids=[X], min_tokens=3)
+    want_stop_at_x = reference_controlled_greedy(model, prompt, stop_at_x)
+    assert len(want_stop_at_x) == 4 and want_stop_at_x[-1] == X
     with openai_server([engine]) as (server, _):
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         for stream in (False, True):
@@ -96,6 +99,20 @@ def test_every_sampling_control_through_the_openai_client(pg):
                 usage = responses[-1].usage
                 assert usage.completion_tokens == want_tokens and len(text) == want_tokens - 1, (stream, min_tokens)
                 assert text == TOKENIZER.detokenize(want_greedy[: want_tokens - 1])
+            # stop_token_ids end like EOS (the token counted, no text), not before min_tokens.
+            for min_tokens, want in ((0, [X]), (3, want_stop_at_x)):
+                text, responses = _text(
+                    api,
+                    stream,
+                    prompt=prompt,
+                    max_tokens=10,
+                    temperature=0,
+                    logit_bias={str(X): 100},
+                    extra_body={"stop_token_ids": [X], "min_tokens": min_tokens},
+                    stream_options={"include_usage": True} if stream else None,
+                )
+                assert responses[-1].usage.completion_tokens == len(want), (stream, min_tokens)
+                assert text == TOKENIZER.detokenize(want[:-1])
         # best_of: the candidate of highest cumulative log-prob; usage counts all candidates.
         candidates = []
         for i in range(3):  # choice i of a seeded request is seeded with seed + i
@@ -125,6 +142,8 @@ def test_every_sampling_control_through_the_openai_client(pg):
             (dict(logit_bias={"seven": 1}), "logit_bias keys must be token ids (integers >= 0), got 'seven'"),
             (dict(logit_bias={"999": 1}), "logit_bias holds token ids [999] outside the vocabulary"),
             (dict(best_of=1, n=2), "best_of=1 must be at least n=2"),
+            (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids must be a list of token ids"),
+            (dict(extra_body={"stop_token_ids": [500]}), "stop_token_ids holds token ids [500] outside the vocabulary"),
             (dict(best_of=2, stream=True), "best_of=2 > n=1 cannot be streamed"),
         ]
         for request, message in bad:
