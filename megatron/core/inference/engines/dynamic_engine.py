@@ -3,12 +3,15 @@
 ``add_request`` validates and queues; each ``step`` schedules (see :mod:`scheduler`: growth,
 pausing, eviction, admission, chunked prefill), runs the model over the packed step
 (:mod:`model_runner`, any TP/PP layout; decode-only steps from CUDA graphs, see
-:mod:`cuda_graphs`), samples on the last pipeline stage, on the device (greedy, temperature,
-top-k, top-p, counter-based per-request seeds; log-probs and top-k log-probs; speculative drafts
-verified, see :mod:`speculative`), shares those decisions with every stage as one tensor (see
+:mod:`cuda_graphs`), samples on the last pipeline stage, on the device (logit bias, min_tokens,
+presence / frequency / repetition penalties over device token counts, see
+:mod:`~megatron.core.inference.sampling_controls`; greedy, temperature, min-p, top-k, top-p,
+counter-based per-request seeds; log-probs and top-k log-probs; speculative drafts verified, see
+:mod:`speculative`), shares those decisions with every stage as one tensor (see
 :mod:`step_decisions`), and returns streaming outputs. Every stage then derives each request's
-finish from the shared tokens by the same code: EOS, the length budget, or a stop sequence
-completed in the request's text (each request's :class:`~megatron.core.inference.text_stream.TextStream`
+finish from the shared tokens by the same code: EOS or a stop token id, the length budget, or a
+stop sequence completed in the request's text (none before ``min_tokens``; each request's
+:class:`~megatron.core.inference.text_stream.TextStream`
 detokenizes incrementally on every stage; outputs carry its text deltas). Every rank of a
 model-parallel group runs its own engine with the same calls in the same order; all stay in
 lockstep.
