@@ -155,9 +155,9 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def drive(engine: DynamicInferenceEngine, prompts, params, budget_s: float) -> dict:
     """Run ``prompts`` to completion (or abort them all past ``budget_s``): tokens and log-probs
-    per request, first-token times, elapsed seconds, decode steps."""
+    per request, first-token times, elapsed seconds, steps and steps run from CUDA graphs."""
     tokens, log_probs, first = {}, {}, {}
-    steps_before = engine.stats["steps"]
+    steps_before, graph_steps_before = engine.stats["steps"], engine.stats["graph_steps"]
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, params)
@@ -179,6 +179,7 @@ def drive(engine: DynamicInferenceEngine, prompts, params, budget_s: float) -> d
         first_token_s=[first.get(i, elapsed) for i in order],
         elapsed_s=elapsed,
         steps=engine.stats["steps"] - steps_before,
+        graph_steps=engine.stats["graph_steps"] - graph_steps_before,
         timed_out=timed_out,
     )
 
@@ -260,6 +261,15 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
         step_buckets=engines["eager"].buckets.sizes if engines["eager"].buckets is not None else None,
         overlap_steps=engines["graphs"].overlap_steps,
     )
+    decode_graphs = engines["graphs"].graphs
+    captured = decode_graphs is not None and decode_graphs.capturing
+    result["cuda_graphs_captured_buckets"] = decode_graphs.buckets if captured else []
+    print(
+        f"{kind}: decode CUDA graphs captured for buckets {decode_graphs.buckets}"
+        if captured
+        else f"{kind}: decode CUDA graphs not captured ({engines['graphs'].cuda_graphs_blocker or 'not on CUDA'})",
+        flush=True,
+    )
     warmup = dataclasses.replace(params, max_tokens=8)
     for engine in engines.values():  # compile Triton kernels, settle the allocator
         drive(engine, make_prompts(max_requests, args.prompt_tokens, vocab, seed=99), warmup, args.run_budget_s)
@@ -294,6 +304,7 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             graphs, eager = runs["graphs"], runs["eager"]
             row["graph_vs_eager_identical_tokens"] = graphs["tokens"] == eager["tokens"]
             row["graph_vs_eager_identical_log_probs"] = graphs["log_probs"] == eager["log_probs"]
+            row["ours_graphs_graph_steps"] = graphs["graph_steps"]
         hf_runs = {"hf_dynamic": hf_generate(hf, prompts, args.new_tokens, device, args.run_budget_s)}
         if static_ok and concurrency in args.hf_static_concurrency:
             hf_runs["hf_static"] = hf_generate(
@@ -351,7 +362,8 @@ def _format_row(kind: str, row: dict) -> str:
     if "graph_vs_eager_identical_tokens" in row:
         parts.append(
             f"graphs==eager tokens {row['graph_vs_eager_identical_tokens']} "
-            f"log-probs {row['graph_vs_eager_identical_log_probs']}"
+            f"log-probs {row['graph_vs_eager_identical_log_probs']} "
+            f"({row['ours_graphs_graph_steps']} graph steps)"
         )
     if "batch1_step_over_weights_read" in row:
         parts.append(f"batch-1 step / weights read {row['batch1_step_over_weights_read']:.2f}x")

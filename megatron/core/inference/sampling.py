@@ -21,6 +21,7 @@ import torch
 from megatron.core.errors import MegatronInputError
 from megatron.core.inference.host_copies import to_device
 from megatron.core.inference.stop_words import normalize_stop_sequences
+from megatron.core.inference.structured_output.params import StructuredOutputParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # |bias| accepted per token, as OpenAI's API
@@ -73,6 +74,9 @@ class SamplingParams:
             (a mapping, or ``(id, bias)`` pairs; kept as sorted pairs).
         stop_token_ids: tokens that end generation like EOS (reported as tokens, without text;
             not affected by ``ignore_eos``).
+        structured_output: the grammar the output must match (JSON schema, JSON object, tool
+            call; see :mod:`~megatron.core.inference.structured_output`); None for free text.
+            Its dict form (``dataclasses.asdict``) is accepted too.
 
     Log-probabilities are those of the model's logits, before these controls and sampling
     filters (vLLM's default). The order on the logits is vLLM's: logit bias and min_tokens, then
@@ -99,6 +103,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -123,6 +128,7 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise InvalidSamplingParamsError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop", normalize_stop_sequences(self.stop))
+        object.__setattr__(self, "structured_output", StructuredOutputParams.coerce(self.structured_output))
         self._check_controls()
 
     def _check_controls(self) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.errors import MegatronConfigError
-from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
+from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm, rowwise
 from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class TorchSSMBackend:
 
     @staticmethod
     def state_update(ssm_state, x, dt, A, B, C, D, dt_bias):
-        step = F.softplus(dt.float() + dt_bias.float())
+        step = rowwise(F.softplus, dt.float() + dt_bias.float())  # decode rows batch invariant
         y, new_state = ssd_step(ssm_state, x, step, A, B, C, D)
         ssm_state.copy_(new_state)
         return y

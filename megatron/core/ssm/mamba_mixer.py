@@ -24,7 +24,7 @@ from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.inference.kernels.mode import is_batch_invariant, kernel_backend
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.ssm.backends import MixerWeights, get_ssm_backend
-from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm
+from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm, rowwise
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.sharding import create_parallel_parameter
 from megatron.core.transformer.context_parallel import ContextParallelConfigError, cp_size_of
@@ -49,8 +49,9 @@ class MambaInferenceContext(Protocol):
 
     A context with a ``step`` attribute (the dynamic context's packed batch) instead packs R
     requests as ``[T, 1]`` tokens, request ``r``'s at ``step.cu_query_lengths[r]:[r + 1]``
-    (``step.query_lengths`` each; ``step.num_tokens`` real tokens, ``step.request_ids``), and
-    ``mamba_states`` has one row per request. Such a context may also offer
+    (``step.query_lengths`` each; ``step.num_tokens`` real tokens, ``step.request_ids``;
+    ``step.decode_only``: one token per request row, on the host), and ``mamba_states`` has one
+    row per request. Such a context may also offer
     ``mamba_state_slots(layer_number) -> (conv_slots [S, ...], ssm_slots [S, ...], slot_ids [R])``:
     the layer's slot tensors themselves and the step's slot of each request (on the device), for
     the Triton kernels that update the slots in place (a layer uses one of the two hooks per step).
@@ -197,6 +198,11 @@ class MambaMixer(nn.Module):
     ``"triton"``; it may be changed on the module between calls.
     """
 
+    # A decode-only packed step reads nothing back to the host and branches only on shapes and
+    # host facts of the step (Triton: :func:`inference_triton.packed_recurrence`; torch:
+    # :meth:`_packed_decode`), so the engine may capture it in a CUDA graph.
+    graph_capturable_decode = True
+
     def __init__(self, config: TransformerConfig, layer_number: int, pg_collection=None, ssm_backend: str = "auto"):
         super().__init__()
         self.config = config
@@ -311,7 +317,7 @@ class MambaMixer(nn.Module):
         chunked scan from its state (:meth:`_prefill`).
         """
         step = inference_context.step
-        if not is_batch_invariant() and step.num_tokens > len(step.request_ids):
+        if not is_batch_invariant() and not step.decode_only:
             return self._packed_chunked_prefill(backend, xBC, dt, inference_context)
         if kernel_backend(xBC.device) == "triton" and hasattr(inference_context, "mamba_state_slots"):
             from megatron.core.ssm.inference_triton import packed_recurrence
@@ -332,7 +338,27 @@ class MambaMixer(nn.Module):
                 step.cu_query_lengths,
                 self.dims.local(self.dims.ngroups),
             )
+        if step.decode_only:
+            return self._packed_decode(backend, xBC, dt, inference_context)
         return self._packed_token_by_token(backend, xBC, dt, inference_context)
+
+    def _packed_decode(self, backend, xBC, dt, inference_context):
+        """The one-token update of a decode-only packed step in torch: row ``r < R`` is request
+        ``r``'s token, the rows past ``R`` padding tokens. All ``T`` rows run together (padding
+        rows from zero states, their outputs zeroed and their states dropped), so the update has
+        the step's padded shape, as in :meth:`_packed_token_by_token`; the states are gathered
+        and written back by the step's slot ids on the device and nothing is read on the host:
+        this is what a CUDA graph of a decode step replays."""
+        conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
+        num_requests, num_rows = conv_state.shape[0], xBC.shape[0]
+        conv = conv_state.new_zeros(num_rows, *conv_state.shape[1:])
+        ssm = ssm_state.new_zeros(num_rows, *ssm_state.shape[1:])
+        conv[:num_requests], ssm[:num_requests] = conv_state, ssm_state
+        y = self._step(backend, xBC[:, None], dt[:, None], conv, ssm)[:, 0].to(xBC.dtype)
+        conv_state.copy_(conv[:num_requests])
+        ssm_state.copy_(ssm[:num_requests])
+        y[num_requests:] = 0
+        return y
 
     def _packed_token_by_token(self, backend, xBC, dt, inference_context):
         """The recurrence of :meth:`_packed_step` in torch: the ``j``-th token of every request
@@ -389,6 +415,6 @@ class MambaMixer(nn.Module):
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv]
         conv_state.copy_(window[..., 1:])
         conv_out = (window * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias
-        x, B, C = self.dims.split_conv(F.silu(conv_out))
+        x, B, C = self.dims.split_conv(rowwise(F.silu, conv_out))  # rows batch invariant
         y = backend.state_update(ssm_state, x, dt[:, 0], self.weights().A, B, C, self.D, self.dt_bias)
         return y.flatten(-2).unsqueeze(1)

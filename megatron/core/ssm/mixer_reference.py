@@ -6,8 +6,27 @@ Like :mod:`ssd_reference`, these are the CPU path and the oracle the Triton kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+# Elements per row that any CPU elementwise loop covers in whole vector chunks (2 x 16 fp32 lanes
+# on AVX-512, fewer elsewhere).
+ROW_INVARIANT_WIDTH = 64
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` of ``x [..., n]``, each row's bits independent of the
+    number of rows. torch's CPU loops compute the elements past a tensor's last whole vector chunk
+    with scalar code, which rounds softplus or SiLU differently from the vector code; a row padded
+    to a multiple of :data:`ROW_INVARIANT_WIDTH` elements is never in that tail. Other devices get
+    ``fn(x)`` (their kernels compute every element alike)."""
+    width = x.shape[-1]
+    pad = -width % ROW_INVARIANT_WIDTH
+    if x.device.type != "cpu" or not pad:
+        return fn(x)
+    return fn(F.pad(x, (0, pad)))[..., :width]
 
 
 def causal_conv1d_silu(

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.ssm.mixer_reference import rowwise
+
 
 def _heads_from_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
     """Expand ``[..., ngroups, n]`` to ``[..., nheads, n]`` (each group feeds consecutive heads)."""
@@ -126,9 +128,11 @@ def ssd_step(
     dtf = dt.float()
     Bh = _heads_from_groups(B.float(), nheads)
     Ch = _heads_from_groups(C.float(), nheads)
-    decay = torch.exp(dtf * A.float())[:, :, None, None]
-    new_state = decay * state.float() + torch.einsum("bh,bhp,bhn->bhpn", dtf, x.float(), Bh)
-    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)
+    decay = rowwise(torch.exp, dtf * A.float())[:, :, None, None]  # each row alike whatever b
+    # Elementwise products and a sum over n, not einsum: its batched matmul computes one row
+    # differently from many (a decode row must not depend on the batch).
+    new_state = decay * state.float() + (dtf[:, :, None] * x.float())[..., None] * Bh[:, :, None, :]
+    y = (new_state * Ch[:, :, None, :]).sum(-1)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), new_state

@@ -1,0 +1,158 @@
+"""Hybrid (Mamba + attention) models under bucket padding and CUDA-graph decode: the Mamba
+decode step is row invariant (checked by the engine's bucket check, which catches a step that is
+not), bucket-padded steps give the outputs of unpadded ones (bitwise on the CPU), padding rows
+never touch a live request's Mamba state, the static-buffer decode step reads nothing back to the
+host, and decode steps from graphs (replayed on CUDA, the same static-buffer step run eagerly on
+the CPU) give exactly the tokens and log-probs of eager steps."""
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron.core.inference import kernels
+from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.engines.step_buckets import StepBuckets, row_invariant_buckets
+from megatron.core.inference.sampling import SamplingParams
+from megatron.core.ssm.mamba_mixer import MambaMixer
+from tests.unit_tests.dist_harness import device
+from tests.unit_tests.inference.engines.common import assert_same_outputs, collect, hybrid_model, prompts, run
+from tests.unit_tests.transformer.single_rank import on_single_rank
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=True, return_prompt_logprobs=True)
+ARGS = dict(block_size=4, num_blocks=128, max_requests=8, max_tokens_per_step=32, max_sequence_length=96)
+LENGTHS = [9, 3, 14, 6, 2]
+# Requests ending at different times: decode steps of 5, 4, 3 and 2 requests.
+STAGGERED = [dataclasses.replace(GREEDY, max_tokens=n) for n in (10, 3, 8, 5, 10)]
+
+
+def _record_steps(engine) -> list[tuple[int, int]]:
+    """``(tokens, padded tokens)`` of every step the engine builds from now on."""
+    steps = []
+    build_step = engine.context.build_step
+
+    def recording(schedule, **kwargs):
+        batch = build_step(schedule, **kwargs)
+        steps.append((sum(n for _, n in schedule), batch.num_padded_tokens))
+        return batch
+
+    engine.context.build_step = recording
+    return steps
+
+
+@on_single_rank
+def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg):
+    model = hybrid_model(pg)
+    padded = DynamicInferenceEngine(
+        model, enable_cuda_graphs=False, enable_chunked_prefill=True, pg_collection=pg, **ARGS
+    )
+    assert len(padded.buckets.sizes) > 2, padded.buckets  # the Mamba step passed the check at several sizes
+    unpadded = DynamicInferenceEngine(
+        model, enable_cuda_graphs=False, enable_chunked_prefill=True, pg_collection=pg, **ARGS
+    )
+    unpadded.buckets = StepBuckets(list(range(1, ARGS["max_tokens_per_step"] + 1)))  # every size: no padding
+    padded_steps, unpadded_steps = _record_steps(padded), _record_steps(unpadded)
+    want = run(unpadded, prompts(LENGTHS), STAGGERED)
+    got = run(padded, prompts(LENGTHS), STAGGERED)
+    assert all(tokens == rows for tokens, rows in unpadded_steps)
+    assert any(rows > tokens for tokens, rows in padded_steps)
+    assert any(rows > tokens == 3 for tokens, rows in padded_steps)  # a decode step of 3 ran at bucket 4
+    assert_same_outputs(got, want)  # bitwise on the CPU
+
+
+@on_single_rank
+def test_bucket_check_drops_the_sizes_where_a_mamba_decode_step_is_not_row_invariant(pg, monkeypatch):
+    model = hybrid_model(pg)
+    candidates = [1, 2, 4, 8]
+    with kernels.batch_invariant(True):
+        assert row_invariant_buckets(model, candidates, pg) == candidates
+        packed_step = MambaMixer._packed_step
+
+        def batch_dependent_step(self, backend, xBC, dt, inference_context):
+            # A step whose rows depend on the others (a mean over the batch), as a kernel that
+            # splits its work by the row count would.
+            y = packed_step(self, backend, xBC, dt, inference_context)
+            return y + 1e-3 * y.mean(dim=0, keepdim=True)
+
+        monkeypatch.setattr(MambaMixer, "_packed_step", batch_dependent_step)
+        assert row_invariant_buckets(model, candidates, pg) == [8]
+
+
+def _decode_all(engine, requests) -> dict:
+    """Add ``requests`` and step until each of them has a token to decode."""
+    results = {}
+    for index, prompt in enumerate(requests):
+        engine.add_request(str(index), prompt, GREEDY)
+    while any(not results.get(str(i), {}).get("tokens") for i in range(len(requests))):
+        collect(results, engine.step())
+    return results
+
+
+@on_single_rank
+def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
+    engine = DynamicInferenceEngine(
+        hybrid_model(pg), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
+    )
+    _decode_all(engine, prompts([5, 7, 3]))
+    context, slots = engine.context, engine.context.mamba_slots
+    live = {rid: context.request(rid).mamba_slot for rid in ("0", "1", "2")}
+    before = slots.conv.clone(), slots.ssm.clone()
+    batch = context.build_step([("1", 1)], pad_to_tokens=4, pad_to_requests=4)
+    assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * 3
+    engine.graphs.run(batch)
+    context.commit_step()
+    for rid, slot in live.items():
+        changed = [
+            not torch.equal(now[:, slot], then[:, slot])
+            for now, then in zip((slots.conv, slots.ssm), before, strict=True)
+        ]
+        assert changed == [rid == "1"] * 2, rid  # only the stepped request's state moved
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's values back to the host or size a result by them."""
+
+    READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@on_single_rank
+def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
+    # A Mamba + MLP model: the torch paged attention of the CPU reads lengths (a CUDA graph takes
+    # the Triton one), the Mamba decode step must not.
+    engine = DynamicInferenceEngine(
+        hybrid_model(pg, pattern="M-M"), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
+    )
+    _decode_all(engine, prompts([5, 7, 3]))
+    batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=4, pad_to_requests=4)
+    with kernels.batch_invariant(True), _HostReads() as watch:
+        engine.graphs.run(batch)
+    engine.context.commit_step()
+    assert watch.reads == []
+
+
+@on_single_rank
+def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
+    model = hybrid_model(pg)
+    engines = {
+        "graphs": DynamicInferenceEngine(model, enable_cuda_graphs=True, pg_collection=pg, **ARGS),
+        "eager": DynamicInferenceEngine(model, enable_cuda_graphs=False, pg_collection=pg, **ARGS),
+    }
+    graphs = engines["graphs"].graphs
+    assert graphs is not None and engines["eager"].graphs is None
+    # On CUDA the decode steps are captured and replayed; on the CPU the same static-buffer step runs eagerly.
+    assert graphs.capturing == (device().type == "cuda")
+    assert engines["graphs"].cuda_graphs_blocker is None or device().type == "cpu"
+    results = {name: run(engine, prompts(LENGTHS), STAGGERED) for name, engine in engines.items()}
+    assert engines["graphs"].stats["graph_steps"] > 0 and engines["eager"].stats["graph_steps"] == 0
+    for request_id, expected in results["eager"].items():
+        for key in ("tokens", "log_probs", "prompt_log_probs", "finish_reason"):
+            assert results["graphs"][request_id][key] == expected[key], (request_id, key)
