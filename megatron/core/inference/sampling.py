@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +24,8 @@ from megatron.core.inference.stop_words import normalize_stop_sequences
 from megatron.core.inference.structured_output.params import StructuredOutputParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| accepted per token, as OpenAI's API
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| accepted, as OpenAI's API
 _SEED_LIMIT = 2**64
 
 
@@ -59,9 +61,26 @@ class SamplingParams:
         logprobs: return the log-probability of each generated token.
         top_logprobs: with ``logprobs``, also the this-many most likely tokens, in [0, 20].
         return_prompt_logprobs: return the log-probability of each prompt token after the first.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token generated so far.
+        frequency_penalty: in [-2, 2]; times the number of times a token was generated so far,
+            subtracted from its logit.
+        repetition_penalty: > 0 (1 disables); CTRL-style over prompt and generated tokens: the
+            logit of a token seen there is divided by it when positive, multiplied when not.
+        min_p: in [0, 1] (0 disables); drop tokens whose probability (after temperature) is
+            below min_p times the most likely one's. Unused when greedy.
+        min_tokens: >= 0, at most ``max_tokens``; EOS cannot be sampled and stop sequences do not
+            end generation before this many tokens were generated.
+        logit_bias: token id -> bias in [-100, 100], added to the token's logit before sampling
+            (a mapping, or ``(id, bias)`` pairs; kept as sorted pairs).
+        stop_token_ids: tokens that end generation like EOS (reported as tokens, without text;
+            not affected by ``ignore_eos``).
         structured_output: the grammar the output must match (JSON schema, JSON object, tool
             call; see :mod:`~megatron.core.inference.structured_output`); None for free text.
             Its dict form (``dataclasses.asdict``) is accepted too.
+
+    Log-probabilities are those of the model's logits, before these controls and sampling
+    filters (vLLM's default). The order on the logits is vLLM's: logit bias and min_tokens, then
+    repetition, frequency and presence penalties, then temperature, min_p, top-k and top-p.
 
     Raises:
         InvalidSamplingParamsError: for a field out of range (``stop``: InvalidStopSequencesError).
@@ -77,6 +96,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     return_prompt_logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
     structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self):
@@ -103,10 +129,69 @@ class SamplingParams:
             raise InvalidSamplingParamsError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop", normalize_stop_sequences(self.stop))
         object.__setattr__(self, "structured_output", StructuredOutputParams.coerce(self.structured_output))
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidSamplingParamsError(
+                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables), got {value!r}"
+                )
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidSamplingParamsError(
+                f"repetition_penalty must be a finite number > 0 (1 disables), got {self.repetition_penalty!r}"
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidSamplingParamsError(f"min_p must be a number in [0, 1] (0 disables), got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidSamplingParamsError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParamsError(
+                f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
+            )
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(ids))))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts (a penalty is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the logits change before sampling (:mod:`sampling_controls`)."""
+        return bool(self.logit_bias or self.min_tokens or self.has_penalties)
+
+
+def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as pairs sorted by token id, each id once, each bias in [-100, 100]."""
+    items = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if not isinstance(items, (list, tuple)):
+        raise InvalidSamplingParamsError(f"logit_bias must map token ids to biases, got {bias!r}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, Sequence) or len(item) != 2:
+            raise InvalidSamplingParamsError(f"logit_bias must map token ids to biases, got the entry {item!r}")
+        token, value = item
+        if not _is_int(token) or token < 0:
+            raise InvalidSamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidSamplingParamsError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value!r} for token {token}"
+            )
+        if token in pairs:
+            raise InvalidSamplingParamsError(f"logit_bias holds token {token} twice")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 class CounterGenerator:
@@ -190,6 +275,7 @@ class SamplingRows:
     top_p: torch.Tensor | None
     keys: torch.Tensor | None
     draws: torch.Tensor | None
+    min_p: torch.Tensor | None = None  # None: no drawing row uses min_p
 
     @classmethod
     def build(
@@ -214,7 +300,15 @@ class SamplingRows:
         # float64 holds every field exactly (keys < 2**32, indices and top_k are small integers).
         packed = torch.tensor(
             [
-                [row, params[row].temperature, params[row].top_k, params[row].top_p, *generators[row].keys, draws[row]]
+                [
+                    row,
+                    params[row].temperature,
+                    params[row].top_k,
+                    params[row].top_p,
+                    *generators[row].keys,
+                    draws[row],
+                    params[row].min_p,
+                ]
                 for row in drawing
             ],
             dtype=torch.float64,
@@ -229,21 +323,29 @@ class SamplingRows:
             top_p=packed[:, 3].float(),
             keys=ints[:, 2:4],
             draws=ints[:, 4],
+            min_p=packed[:, 7].float() if any(params[row].min_p for row in drawing) else None,
         )
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-row distribution after temperature, top-k, then top-p; fp32, in vocabulary order.
+    """Per-row distribution after temperature, min-p, top-k, then top-p; fp32, in vocabulary order.
 
     Args:
-        logits: [n, V]; temperature: [n] (> 0); top_k: [n] (0 = off); top_p: [n] (1 = off).
+        logits: [n, V]; temperature: [n] (> 0); top_k: [n] (0 = off); top_p: [n] (1 = off);
+        min_p: [n] (0 = off; None: off for every row).
     """
     logits = logits.float()
     vocab = logits.shape[-1]
     # Shift by the max first so that a tiny temperature cannot overflow.
     scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature.float()[:, None]
+    if min_p is not None:
+        scaled = _apply_min_p(scaled, min_p)
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(order.device)
     kth_logit = sorted_logits.gather(1, (k - 1)[:, None])
@@ -254,6 +356,12 @@ def filtered_probs(
     keep &= (mass_before < top_p.float()[:, None]) | (top_p >= 1)[:, None]
     sorted_probs = sorted_logits.masked_fill(~keep, -math.inf).softmax(dim=-1)
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask the tokens of ``scaled`` [n, V] (temperature-scaled logits whose row max is 0) whose
+    probability is below ``min_p`` [n] times the row's largest: exp(scaled) is that ratio."""
+    return scaled.masked_fill(scaled.exp() < min_p.float()[:, None], -math.inf)
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -271,7 +379,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     if rows.drawing_rows is None:
         return tokens
-    probs = filtered_probs(logits.index_select(0, rows.drawing_rows), rows.temperature, rows.top_k, rows.top_p)
+    probs = filtered_probs(
+        logits.index_select(0, rows.drawing_rows), rows.temperature, rows.top_k, rows.top_p, rows.min_p
+    )
     cdf = probs.double().cumsum(dim=-1)
     targets = (counter_uniforms(rows.keys, rows.draws) * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)

@@ -58,12 +58,14 @@ class StopSequenceMatcher:
         """Characters held back as a possible start of a stop sequence (< longest stop)."""
         return len(self._pending)
 
-    def feed(self, delta: str) -> StopCheck:
-        """Add the next text delta; return the text now safe to emit and whether to stop."""
+    def feed(self, delta: str, can_stop: bool = True) -> StopCheck:
+        """Add the next text delta; return the text now safe to emit and whether to stop.
+        ``can_stop=False``: stop sequences completed in this text are not stops (they are
+        emitted); a possible start of one is still held back for the next delta."""
         if self._done:
             raise StopSequenceFinishedError("feed() was called after the output stopped or finished")
         text = self._pending + delta
-        stop_at = _earliest_completed_stop(text, self._stops)
+        stop_at = _earliest_completed_stop(text, self._stops) if can_stop else None
         if stop_at is not None:
             self._pending, self._done = "", True
             return StopCheck(text[:stop_at], stopped=True)

@@ -95,9 +95,10 @@ class TextStream:
         self._matcher = StopSequenceMatcher(stop) if stop else None
         self._settled: list[str] = []
 
-    def add_token(self, token_id: int) -> bool:
-        """Add the next generated token; True when a stop sequence completed with it."""
-        return self._settle(self._detokenizer.add(token_id))
+    def add_token(self, token_id: int, can_stop: bool = True) -> bool:
+        """Add the next generated token; True when a stop sequence completed with it.
+        ``can_stop=False`` (before ``min_tokens``): a stop sequence completed now is output as text."""
+        return self._settle(self._detokenizer.add(token_id), can_stop)
 
     def finish(self) -> bool:
         """Generation ended without a stop sequence so far (EOS, length): settle the held-back text.
@@ -114,10 +115,10 @@ class TextStream:
         self._settled.clear()
         return text
 
-    def _settle(self, delta: str) -> bool:
+    def _settle(self, delta: str, can_stop: bool = True) -> bool:
         if self._matcher is None:
             self._settled.append(delta)
             return False
-        check = self._matcher.feed(delta)
+        check = self._matcher.feed(delta, can_stop)
         self._settled.append(check.text)
         return check.stopped

@@ -3,12 +3,15 @@
 ``add_request`` validates and queues; each ``step`` schedules (see :mod:`scheduler`: growth,
 pausing, eviction, admission, chunked prefill), runs the model over the packed step
 (:mod:`model_runner`, any TP/PP layout; decode-only steps from CUDA graphs, see
-:mod:`cuda_graphs`), samples on the last pipeline stage, on the device (greedy, temperature,
-top-k, top-p, counter-based per-request seeds; log-probs and top-k log-probs; speculative drafts
-verified, see :mod:`speculative`), shares those decisions with every stage as one tensor (see
+:mod:`cuda_graphs`), samples on the last pipeline stage, on the device (logit bias, min_tokens,
+presence / frequency / repetition penalties over device token counts, see
+:mod:`~megatron.core.inference.sampling_controls`; greedy, temperature, min-p, top-k, top-p,
+counter-based per-request seeds; log-probs and top-k log-probs; speculative drafts verified, see
+:mod:`speculative`), shares those decisions with every stage as one tensor (see
 :mod:`step_decisions`), and returns streaming outputs. Every stage then derives each request's
-finish from the shared tokens by the same code: EOS, the length budget, or a stop sequence
-completed in the request's text (each request's :class:`~megatron.core.inference.text_stream.TextStream`
+finish from the shared tokens by the same code: EOS or a stop token id, the length budget, or a
+stop sequence completed in the request's text (none before ``min_tokens``; each request's
+:class:`~megatron.core.inference.text_stream.TextStream`
 detokenizes incrementally on every stage; outputs carry its text deltas). Every rank of a
 model-parallel group runs its own engine with the same calls in the same order; all stay in
 lockstep.
@@ -56,8 +59,10 @@ from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_bloc
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
+    LogitBiasTokenOutOfRangeError,
     MaxSequenceLengthOverflowError,
     StopSequencesNeedTokenizerError,
+    StopTokenIdsOutOfRangeError,
 )
 from megatron.core.inference.engines.requests import EngineRequest, RequestOutput, RequestStatus
 from megatron.core.inference.engines.scheduler import ScheduledRequest, Scheduler
@@ -69,6 +74,7 @@ from megatron.core.inference.host_copies import DeviceToHost, to_device
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import LogitsProcessor, SamplingParams, SamplingRows, make_generator, sample
+from megatron.core.inference.sampling_controls import ControlRow, TokenCounts, apply_sampling_controls
 from megatron.core.inference.structured_output.batch import StructuredOutputs
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
@@ -200,6 +206,7 @@ class DynamicInferenceEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
         self.seed = seed
         self.logits_processors = list(logits_processors)
+        self.token_counts = TokenCounts(self.context.capacity.max_requests, model.vocab_size, self.runner.device)
         self.structured_outputs = StructuredOutputs(tokenizer, model.vocab_size, self.eos_token_id)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
         # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
@@ -314,6 +321,12 @@ class DynamicInferenceEngine:
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range", vocab_size=vocab)
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise LogitBiasTokenOutOfRangeError(token_ids=outside[:5], vocab_size=vocab)
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise StopTokenIdsOutOfRangeError(token_ids=outside[:5], vocab_size=vocab)
         room = self.max_sequence_length - len(prompt)
         if len(prompt) <= self.max_sequence_length and (room < 1 or (params.max_tokens or 0) > room):
             raise MaxSequenceLengthOverflowError(
@@ -335,6 +348,7 @@ class DynamicInferenceEngine:
         until the caller gives it back with ``context.release_detached``."""
         request = self._requests.pop(request_id)
         self.scheduler.remove(request)
+        self.token_counts.release(request_id)
         request.status = RequestStatus.FINISHED
         return request, self.context.detach_request(request_id)
 
@@ -489,6 +503,7 @@ class DynamicInferenceEngine:
         the logits processors, sampling, the prompt log-probs asked for, and the read-back of
         all of it in one copy. Every stage records which requests sample (no device work)."""
         rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
+        draft_prefixes = []  # per row: the drafts before its depth
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
@@ -511,6 +526,7 @@ class DynamicInferenceEngine:
                         requests.append(request)
                         draws.append(len(request.generated_tokens) + depth)
                         drafts.append(request_drafts)
+                        draft_prefixes.append(request_drafts[:depth])
             step.sample_rows.append(range(first_row, len(rows)))
             step.prompt_counts.append(prompt_count)
             step.top_widths.append(request.sampling_params.top_logprobs)
@@ -521,6 +537,7 @@ class DynamicInferenceEngine:
         if rows:
             logits = step.logits.index_select(0, to_device(torch.tensor(rows), device))
             log_probs = torch.log_softmax(logits, dim=-1)
+            self._apply_sampling_controls(logits, requests, draft_prefixes)
             for processor in self.logits_processors:
                 processor(logits, [r.request_id for r in requests])
             self.structured_outputs.mask_logits(logits, requests, drafts)
@@ -537,6 +554,18 @@ class DynamicInferenceEngine:
             targets = to_device(torch.tensor(prompt_targets), device)
             parts.append(torch.log_softmax(prompt_logits, dim=-1).gather(1, targets[:, None])[:, 0].double())
         step.readback = DeviceToHost(torch.cat(parts))
+
+    def _apply_sampling_controls(
+        self, logits: torch.Tensor, requests: list[EngineRequest], drafts: list[list[int]]
+    ) -> None:
+        """Logit bias, min_tokens and penalties of the sampled rows (see :mod:`sampling_controls`)."""
+        if not any(r.sampling_params.has_logit_controls for r in requests):
+            return
+        rows = [
+            ControlRow(r.request_id, r.sampling_params, r.prompt_tokens, r.generated_tokens, row_drafts)
+            for r, row_drafts in zip(requests, drafts, strict=True)
+        ]
+        apply_sampling_controls(logits, rows, self.token_counts, self.eos_token_id)
 
     def _decisions(self, step: _Step) -> list[Decision]:
         """The step's decisions from its read-back (waits for it): tokens per request in depth
@@ -601,7 +630,10 @@ class DynamicInferenceEngine:
         return decisions if decisions is not None else layout.unpack(shared)
 
     def _is_eos(self, request: EngineRequest, token: int) -> bool:
-        return token == self.eos_token_id and not request.sampling_params.ignore_eos
+        """Whether ``token`` ends ``request`` as an end of sequence: EOS (unless ``ignore_eos``)
+        or one of its ``stop_token_ids``."""
+        params = request.sampling_params
+        return (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
 
     def _propose_drafts(self, step: _Step, decisions: list[Decision]) -> None:
         wanted = []  # (decision, row its last token was sampled from, number of drafts)
@@ -677,7 +709,10 @@ class DynamicInferenceEngine:
             if text is not None:
                 text.finish()
             return "stop"
-        if text is not None and text.add_token(token):
+        # Stop sequences end nothing before min_tokens (vLLM): their text is output then.
+        if text is not None and text.add_token(
+            token, can_stop=len(request.generated_tokens) >= request.sampling_params.min_tokens
+        ):
             return "stop"
         if len(request.generated_tokens) >= request.max_new_tokens:
             return "stop" if text is not None and text.finish() else "length"
@@ -685,6 +720,7 @@ class DynamicInferenceEngine:
 
     def _finish(self, request: EngineRequest) -> None:
         request.status = RequestStatus.FINISHED
+        self.token_counts.release(request.request_id)
         self.scheduler.remove(request)
         del self._requests[request.request_id]
         self._pending.append(request.take_output(finished=True))

@@ -38,6 +38,24 @@ class InvalidPromptError(RequestRejectedError):
         return f"invalid prompt: {reason}; send a non-empty list of token ids in [0, {vocab_size})"
 
 
+class LogitBiasTokenOutOfRangeError(RequestRejectedError):
+    """``logit_bias`` names token ids outside the model's vocabulary."""
+
+    fields = ("token_ids", "vocab_size")
+
+    def describe(self, token_ids, vocab_size):
+        return f"logit_bias holds token ids {token_ids} outside the vocabulary; send ids in [0, {vocab_size})"
+
+
+class StopTokenIdsOutOfRangeError(RequestRejectedError):
+    """``stop_token_ids`` names token ids outside the model's vocabulary."""
+
+    fields = ("token_ids", "vocab_size")
+
+    def describe(self, token_ids, vocab_size):
+        return f"stop_token_ids holds token ids {token_ids} outside the vocabulary; send ids in [0, {vocab_size})"
+
+
 class StopSequencesNeedTokenizerError(RequestRejectedError):
     """Stop sequences sent to an engine without a tokenizer (it cannot see text)."""
 

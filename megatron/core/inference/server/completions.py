@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -57,19 +58,37 @@ class _CompletionChoice:
         return {"index": self.choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
+def _best_of(body: CompletionRequest) -> int:
+    """Candidates per prompt: ``best_of`` (at least ``n``; not with streaming, as OpenAI's API),
+    else ``n``."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise bad_request(f"best_of={body.best_of} must be at least n={body.n}", param="best_of")
+    if body.stream:
+        raise bad_request(
+            f"best_of={body.best_of} > n={body.n} cannot be streamed (the best candidates are known only at "
+            "the end); send stream=false or best_of=n",
+            param="best_of",
+        )
+    return body.best_of
+
+
 async def completions(service: OpenAIService, body: CompletionRequest) -> Response:
     service.check_model(body.model)
-    prompts = prompt_token_lists(service, body.prompt, body.n)
+    candidates = _best_of(body)
+    prompts = prompt_token_lists(service, body.prompt, candidates)
     want_logprobs = body.logprobs is not None
     params = service.sampling_params(
         body,
         max_tokens=body.max_tokens,
-        logprobs=want_logprobs,
+        # best_of ranks candidates by cumulative log-prob, so it needs them either way.
+        logprobs=want_logprobs or candidates > body.n,
         top_logprobs=body.logprobs or 0,
         echo_logprobs=body.echo and want_logprobs,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices = await service.start_choices(request_id, prompts, params, body.n)
+    choices = await service.start_choices(request_id, prompts, params, candidates)
     renderers = _Renderers(service, body)
     created = R.now()
     if body.stream:
@@ -80,17 +99,33 @@ async def completions(service: OpenAIService, body: CompletionRequest) -> Respon
         )
     service.metrics.running.inc()
     try:
-        rendered: dict[int, list[dict[str, Any]]] = {index: [] for index in range(choices.size)}
+        received: dict[int, tuple[Choice, list]] = {}
         async with aclosing(choices.deltas()) as deltas:
             async for choice, delta in deltas:
                 if delta.finish_reason == "error":
                     raise error_from_output(delta.error)
-                rendered[choice.index].append(renderers.render(choice, delta))
+                received.setdefault(choice.index, (choice, []))[1].append(delta)
     finally:
         service.metrics.running.dec()
-    result = [_join(parts) for _, parts in sorted(rendered.items())]
+    kept = _best_candidates(received, len(prompts), candidates, body.n)
+    result = [_join([renderers.render(choice, delta) for delta in deltas]) for choice, deltas in kept]
+    # Usage counts every generated token, the candidates not returned too (as vLLM does).
     usage = service.account(choices.choices, prompts)
     return JSONResponse(R.envelope("text_completion", request_id, body.model, created, result, usage=usage))
+
+
+def _best_candidates(received: dict[int, tuple[Choice, list]], num_prompts: int, candidates: int, n: int) -> list:
+    """Per prompt, the ``n`` candidates of highest cumulative log-prob (the earlier on a tie), in
+    that order, renumbered as choices ``prompt * n + i``."""
+    kept = []
+    for prompt in range(num_prompts):
+        group = [received[prompt * candidates + i] for i in range(candidates)]
+        if candidates > n:
+            group.sort(key=lambda entry: -sum(lp for delta in entry[1] for lp in delta.log_probs))
+        kept += [
+            (dataclasses.replace(choice, index=prompt * n + i), deltas) for i, (choice, deltas) in enumerate(group[:n])
+        ]
+    return kept
 
 
 class _Renderers:

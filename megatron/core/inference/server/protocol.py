@@ -86,6 +86,14 @@ class _GenerationRequest(_Model):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # Sampling controls; their ranges are SamplingParams' (one owner), checked when it is built.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end generation like EOS")
 
     @field_validator("stop")
     @classmethod
@@ -124,6 +132,9 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(
+        None, ge=1, description="candidates generated per prompt; the n of highest cumulative log-prob are returned"
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod

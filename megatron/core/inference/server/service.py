@@ -13,7 +13,7 @@ from typing import Any
 from megatron.core.errors import MegatronConfigError
 from megatron.core.inference.coordinator.client import InferenceClient, RequestHandle
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, UnknownParserError
-from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.sampling import InvalidSamplingParamsError, SamplingParams
 from megatron.core.inference.server import responses as R
 from megatron.core.inference.server.chat_template import ChatTemplate, check_chat_template
 from megatron.core.inference.server.errors import APIError, bad_request
@@ -243,6 +243,7 @@ class OpenAIService:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             return_prompt_logprobs=echo_logprobs,
+            **_control_params(body),
         )
 
     # -- engine requests -----------------------------------------------------------------
@@ -378,6 +379,21 @@ class ChoiceSet:
         for choice in self.choices:
             if not choice.handle.done:
                 choice.handle.abort()
+
+
+def _control_params(body) -> dict:
+    """The sampling controls a request set (SamplingParams checks their values)."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids")
+    controls = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if body.logit_bias:
+        controls["logit_bias"] = {_token_id_key(key): bias for key, bias in body.logit_bias.items()}
+    return controls
+
+
+def _token_id_key(key: str) -> int:
+    if not key.isdigit() or not key.isascii():
+        raise InvalidSamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+    return int(key)
 
 
 def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
