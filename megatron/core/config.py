@@ -127,6 +127,26 @@ class TransformerConfig(ModelParallelConfig):
     mtp_loss_scaling_factor: float = 0.1
     # Activation recomputation: None, "full" or "selective"
     recompute_granularity: str | None = None
+    # Mixture of experts (Megatron's names; num_moe_experts None: dense MLPs)
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss", "seq_aux_loss" or "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_score_function: str = "softmax"  # or "sigmoid"
+    moe_router_pre_softmax: bool = False
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    # Group-limited routing (DeepSeek-V3, NemotronH): experts in num_groups groups, top-k within
+    # the group_topk groups of highest (top-2 summed) scores.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # routing weights scaled by it
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_dispatcher_type: str = "allgather"  # or "alltoall"
+    moe_grouped_gemm: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -185,8 +205,57 @@ class TransformerConfig(ModelParallelConfig):
             ),
         ]
         errors = [message for ok, message in checks if not ok]
+        if self.num_moe_experts is not None:
+            errors += self._moe_errors()
         if errors:
             raise ConfigError("; ".join(errors))
+
+    def _moe_errors(self) -> list[str]:
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        checks = [
+            (isinstance(experts, int) and experts >= 1, f"num_moe_experts must be an integer >= 1, got {experts!r}"),
+            (
+                isinstance(topk, int) and 1 <= topk <= (experts if isinstance(experts, int) else 0),
+                f"moe_router_topk must be in [1, num_moe_experts ({experts})], got {topk!r}",
+            ),
+            (
+                self.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
+                "moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss' or 'none', "
+                f"got {self.moe_router_load_balancing_type!r}",
+            ),
+            (
+                self.moe_router_score_function in ("softmax", "sigmoid"),
+                f"moe_router_score_function must be 'softmax' or 'sigmoid', got {self.moe_router_score_function!r}",
+            ),
+            (
+                self.moe_token_dispatcher_type in ("allgather", "alltoall"),
+                f"moe_token_dispatcher_type must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher_type!r}",
+            ),
+            (
+                self.moe_expert_capacity_factor is None or self.moe_expert_capacity_factor > 0,
+                f"moe_expert_capacity_factor must be None (dropless) or > 0, got {self.moe_expert_capacity_factor!r}",
+            ),
+            (
+                (self.moe_router_num_groups is None) == (self.moe_router_group_topk is None)
+                and (
+                    self.moe_router_num_groups is None
+                    or (
+                        experts % self.moe_router_num_groups == 0
+                        and 1 <= self.moe_router_group_topk <= self.moe_router_num_groups
+                    )
+                ),
+                "moe_router_num_groups and moe_router_group_topk go together: num_moe_experts "
+                f"({experts}) divisible by moe_router_num_groups ({self.moe_router_num_groups}) and "
+                f"1 <= moe_router_group_topk ({self.moe_router_group_topk}) <= moe_router_num_groups",
+            ),
+            (
+                self.moe_aux_loss_coeff >= 0,
+                f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff!r}",
+            ),
+        ]
+        return [message for ok, message in checks if not ok]
 
     def to_dict(self) -> dict:
         """JSON-safe description (dtype and activation by name) for checkpoints."""

@@ -279,6 +279,29 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
 
 
+def _add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (GPT: every MLP becomes MoE)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument(
+        "--moe-grouped-gemm", action="store_true", help="accepted: experts always run as grouped GEMMs where supported"
+    )
+
+
 def _add_megatron_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (more Megatron flags)")
     g.add_argument(
@@ -361,6 +384,7 @@ def build_parser(model_family: str, description: str | None = None) -> argparse.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     _add_parallel_args(parser)
     _add_model_args(parser)
+    _add_moe_args(parser)
     _add_training_args(parser)
     _add_data_args(parser)
     _add_logging_and_checkpoint_args(parser)
@@ -677,7 +701,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
             MambaDims.from_config(config, tp)
             pattern = resolve_hybrid_pattern(
-                config.num_layers, config.mtp_num_layers, args.hybrid_layer_pattern, None, None, None
+                config.num_layers,
+                config.mtp_num_layers,
+                args.hybrid_layer_pattern,
+                None,
+                None,
+                None,
+                config.num_moe_experts,
             )
             select_stage_layers(pattern, pp, 0, args.virtual_pipeline_model_parallel_size or 1)
     except ValueError as error:
@@ -801,6 +831,23 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         recompute_granularity=args.recompute_granularity,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
     )
 
 

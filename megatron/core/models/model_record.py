@@ -70,7 +70,7 @@ class ModelRecordError(CheckpointingError):
 
 
 def _gpt_local_spec(config: TransformerConfig) -> dict:
-    layer = get_gpt_layer_local_spec()
+    layer = get_gpt_layer_local_spec(config.num_moe_experts)
     return {
         "transformer_layer_spec": layer,
         "mtp_block_spec": get_gpt_mtp_block_spec(layer) if config.mtp_num_layers else None,

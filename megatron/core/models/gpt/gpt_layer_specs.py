@@ -5,15 +5,24 @@ from __future__ import annotations
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe import MoELayer, MoESubmodules
 from megatron.core.transformer.multi_token_prediction import get_mtp_block_spec
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 
-def get_gpt_layer_local_spec() -> ModuleSpec:
+def get_gpt_layer_local_spec(num_experts: int | None = None) -> ModuleSpec:
     """Pre-norm attention + MLP layer from plain torch parts (SDPA attention); the norm
-    (LayerNorm/RMSNorm) and activation (GELU/SwiGLU) follow the config."""
+    (LayerNorm/RMSNorm) and activation (GELU/SwiGLU) follow the config. With ``num_experts``
+    the MLP is an MoE layer (router, grouped experts, shared experts when the config sizes them)."""
+    mlp = (
+        ModuleSpec(module=MoELayer, submodules=MoESubmodules())
+        if num_experts
+        else ModuleSpec(
+            module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        )
+    )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -26,9 +35,7 @@ def get_gpt_layer_local_spec() -> ModuleSpec:
                 ),
             ),
             pre_mlp_layernorm=build_norm,
-            mlp=ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
+            mlp=mlp,
         ),
     )
 

@@ -1,4 +1,4 @@
-"""The hybrid stack of one pipeline stage (Mamba / attention / MLP layers from a pattern),
+"""The hybrid stack of one pipeline stage (Mamba / attention / MLP / MoE layers from a pattern),
 and the layers of one multi-token-prediction depth of a hybrid model."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from megatron.core.models.hybrid.hybrid_layer_pattern import (
     ATTENTION,
     MAMBA,
     MLP,
+    MOE,
     HybridLayerPattern,
     select_stage_layers,
 )
-from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer
+from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer, MLPLayerSubmodules
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.spec import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import StageLayerStack, virtual_pipeline_size, virtual_stage_index
 
@@ -32,6 +34,11 @@ class HybridStackSubmodules:
     mamba_layer: Any = field(default_factory=lambda: ModuleSpec(module=MambaLayer))
     attention_layer: Any = field(default_factory=lambda: ModuleSpec(module=AttentionLayer))
     mlp_layer: Any = field(default_factory=lambda: ModuleSpec(module=MLPLayer))
+    moe_layer: Any = field(
+        default_factory=lambda: ModuleSpec(
+            module=MLPLayer, submodules=MLPLayerSubmodules(mlp=ModuleSpec(module=MoELayer))
+        )
+    )
 
 
 def build_hybrid_layer(
@@ -42,7 +49,12 @@ def build_hybrid_layer(
     pg_collection: ProcessGroupCollection,
 ) -> nn.Module:
     """The layer for pattern character ``symbol`` (already validated by the pattern parser)."""
-    spec = {MAMBA: submodules.mamba_layer, ATTENTION: submodules.attention_layer, MLP: submodules.mlp_layer}[symbol]
+    spec = {
+        MAMBA: submodules.mamba_layer,
+        ATTENTION: submodules.attention_layer,
+        MLP: submodules.mlp_layer,
+        MOE: submodules.moe_layer,
+    }[symbol]
     return build_module(spec, config=config, layer_number=layer_number, pg_collection=pg_collection)
 
 

@@ -1,7 +1,7 @@
 """Hybrid layer patterns: parsing, legacy ratio allocation, and per-stage layer selection.
 
-A pattern is one character per layer: ``M`` Mamba-2, ``*`` attention, ``-`` MLP (``E`` MoE is
-reserved). ``|`` marks pipeline-stage boundaries in the main pattern, and ``/`` starts each
+A pattern is one character per layer: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE
+(needs ``config.num_moe_experts``). ``|`` marks pipeline-stage boundaries in the main pattern, and ``/`` starts each
 multi-token-prediction (MTP) pattern after it, e.g. ``"M*M-|M*M-/*-"``: two pipeline segments of
 four layers and one MTP depth made of an attention and an MLP layer.
 
@@ -17,9 +17,10 @@ from megatron.core.config import ConfigError
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 STAGE_SEPARATOR, MTP_SEPARATOR = "|", "/"
-LAYER_SYMBOLS = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP"}
+LAYER_SYMBOLS = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
 _ACCEPTED = (
-    "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), '|' (pipeline stage boundary), '/' (starts an MTP pattern)"
+    "accepted: 'M' (Mamba), '*' (attention), '-' (MLP), 'E' (MoE), '|' (pipeline stage boundary), "
+    "'/' (starts an MTP pattern)"
 )
 
 
@@ -57,11 +58,6 @@ def parse_hybrid_pattern(pattern: str) -> HybridLayerPattern:
     main_end = len(pattern) if main_end < 0 else main_end
     for index, char in enumerate(pattern):
         in_mtp = index > main_end
-        if char == MOE:
-            raise HybridPatternError(
-                f"MoE layers ('E') are not supported yet, found at index {index} of hybrid layer pattern "
-                f"{pattern!r}; use 'M', '*' or '-'" + _pointing_at(pattern, index)
-            )
         if char == STAGE_SEPARATOR and in_mtp:
             raise HybridPatternError(
                 f"pipeline stage boundary '|' at index {index} is inside an MTP pattern (after '/'); "
@@ -127,13 +123,15 @@ def resolve_hybrid_pattern(
     hybrid_attention_ratio: float | None = None,
     hybrid_mlp_ratio: float | None = None,
     hybrid_override_pattern: str | None = None,
+    num_moe_experts: int | None = None,
 ) -> HybridLayerPattern:
     """The model's pattern from HybridModel's arguments, checked against the config.
 
     ``hybrid_layer_pattern`` (may hold ``|`` and ``/``) and the legacy
     ``hybrid_override_pattern`` are alternatives; without either the pattern is allocated from
     the ratios (all Mamba by default). The main pattern must have ``num_layers`` layers and
-    the MTP patterns must number ``mtp_num_layers`` (None counts as 0).
+    the MTP patterns must number ``mtp_num_layers`` (None counts as 0); MoE layers (``E``) need
+    ``num_moe_experts``.
     """
     if hybrid_layer_pattern is not None and hybrid_override_pattern is not None:
         raise HybridPatternError(
@@ -154,6 +152,12 @@ def resolve_hybrid_pattern(
         raise HybridPatternError(
             f"hybrid layer pattern {text!r} has {len(parsed.mtp_patterns)} MTP pattern(s) after '/' but "
             f"config.mtp_num_layers is {mtp_num_layers}; give one '/'-pattern per MTP depth"
+        )
+    if MOE in text and num_moe_experts is None:
+        index = text.index(MOE)
+        raise HybridPatternError(
+            f"MoE layer ('E') at index {index} of hybrid layer pattern {text!r} needs config.num_moe_experts "
+            "(--num-experts)" + _pointing_at(text, index)
         )
     return parsed
 

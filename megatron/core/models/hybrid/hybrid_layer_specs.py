@@ -15,14 +15,15 @@ from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe import MoELayer, MoESubmodules
 from megatron.core.transformer.multi_token_prediction import get_mtp_block_spec
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec
 
 
 def get_hybrid_stack_local_spec() -> ModuleSpec:
-    """Mamba-2 (``M``), causal SDPA attention (``*``) and MLP (``-``) layers, each pre-norm
-    (LayerNorm/RMSNorm from the config) with a residual add."""
+    """Mamba-2 (``M``), causal SDPA attention (``*``), MLP (``-``) and MoE (``E``) layers, each
+    pre-norm (LayerNorm/RMSNorm from the config) with a residual add."""
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
@@ -52,6 +53,12 @@ def get_hybrid_stack_local_spec() -> ModuleSpec:
                         module=MLP,
                         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                     ),
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=MLPLayerSubmodules(
+                    norm=build_norm, mlp=ModuleSpec(module=MoELayer, submodules=MoESubmodules())
                 ),
             ),
         ),

@@ -62,6 +62,7 @@ class HybridModel(LanguageModule):
             hybrid_attention_ratio,
             hybrid_mlp_ratio,
             hybrid_override_pattern,
+            config.num_moe_experts,
         )
         check_context_parallel_config(config, pg_collection)
         mtp_block_spec = (

@@ -1,0 +1,193 @@
+"""Top-k router: scores, expert choice, capacity, and the auxiliary losses.
+
+Megatron's semantics: ``softmax`` scores take the top-k of the logits and softmax over the k
+chosen (``pre_softmax``: softmax over all experts first, the k chosen probabilities unnormalized);
+``sigmoid`` scores take the top-k of ``sigmoid(logits)`` and normalize the k chosen to sum to one.
+With an expert bias (aux-loss-free balancing) the bias shifts only the choice, never the weights.
+
+The load-balancing loss and the z-loss join the training loss through
+:class:`MoEAuxLossAutoScaler`: the forward returns the routing weights untouched, the backward
+adds the loss's gradient, so no caller has to carry the loss to the criterion.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megatron.core.config import TransformerConfig
+from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
+from megatron.core.transformer.init_methods import init_method
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output``; its backward seeds ``aux_loss`` with ``main_loss_backward_scale``.
+
+    Set the scale (e.g. to ``1 / num_microbatches``) when the main loss is scaled the same way.
+    """
+
+    main_loss_backward_scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, MoEAuxLossAutoScaler.main_loss_backward_scale)
+
+
+def load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """Megatron's ``aux_loss``: ``E * coeff / (k T^2) * sum_e P_e N_e`` with ``P_e`` the summed
+    (normalized) scores of expert ``e`` over the ``T`` tokens and ``N_e`` the tokens routed to it."""
+    num_tokens, num_experts = scores.shape
+    tokens_per_expert = routing_map.sum(0).to(scores.dtype)
+    return (scores.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
+def sequence_load_balancing_loss(
+    scores: torch.Tensor, routing_map: torch.Tensor, seq_length: int, topk: int, coeff: float
+) -> torch.Tensor:
+    """Megatron's ``seq_aux_loss``: the ``aux_loss`` of each sequence (tokens ``[s, b]`` flattened
+    s-major), averaged over the batch."""
+    num_experts = scores.shape[-1]
+    scores = scores.view(seq_length, -1, num_experts)
+    fraction = routing_map.view(seq_length, -1, num_experts).sum(0).to(scores.dtype) * (
+        num_experts / (seq_length * topk)
+    )
+    return (fraction * scores.mean(0)).sum(-1).mean() * coeff
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """``coeff * mean(logsumexp(logits)^2)`` (ST-MoE), keeps router logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Tokens one expert keeps at most: ``ceil(T * k / E * capacity_factor)``."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+class TopKRouter(nn.Module):
+    """``forward(hidden [T, h], seq_length=None) -> (probs [T, k], expert_of_slot [T, k])``.
+
+    ``expert_of_slot`` holds the global ids of each token's chosen experts, ``num_experts`` for
+    a slot dropped by the capacity factor (none when dropless); ``probs`` the weight of each slot
+    (fp32, zero where dropped). ``seq_length`` (tokens ``[s, b]`` flattened) is for ``seq_aux_loss``.
+    The last step's losses (detached) are in :attr:`aux_losses` for logging, and the
+    tokens routed per expert accumulate in ``local_tokens_per_expert`` for the bias update.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        if config.perform_initialization:
+            init_method(config)(self.weight.data)
+        else:
+            nn.init.zeros_(self.weight)
+        self.weight.data = self.weight.data.to(config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer(
+                "local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False
+            )
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.aux_losses: dict[str, torch.Tensor] = {}
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs [T, k], indices [T, k], normalized scores of every expert [T, E])`` for the
+        expert choice and the load-balancing loss."""
+        config, bias = self.config, self.expert_bias
+        if config.moe_router_score_function == "sigmoid":
+            all_scores = torch.sigmoid(logits)
+            indices = self._choose(all_scores if bias is None else all_scores + bias)
+            probs = all_scores.gather(-1, indices)
+            if self.topk > 1:
+                probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+            normalized = all_scores / (all_scores.sum(-1, keepdim=True) + 1e-20)
+        else:
+            normalized = torch.softmax(logits, dim=-1)
+            if config.moe_router_pre_softmax or bias is not None or config.moe_router_num_groups:
+                indices = self._choose(normalized if bias is None else normalized + bias)
+                probs = normalized.gather(-1, indices)
+            else:
+                values, indices = logits.topk(self.topk, dim=-1)
+                probs = torch.softmax(values, dim=-1)
+        if config.moe_router_topk_scaling_factor is not None:
+            probs = probs * config.moe_router_topk_scaling_factor
+        return probs, indices, normalized
+
+    def _choose(self, choice: torch.Tensor) -> torch.Tensor:
+        """Top-k expert ids by ``choice [T, E]``; with groups, only experts of the
+        ``moe_router_group_topk`` groups whose two best scores sum highest compete."""
+        groups = self.config.moe_router_num_groups
+        if groups:
+            per_group = choice.view(choice.shape[0], groups, -1)
+            group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+            best_groups = group_score.topk(self.config.moe_router_group_topk, dim=-1).indices
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best_groups, True)
+            choice = per_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(choice)
+        return choice.topk(self.topk, dim=-1).indices
+
+    def forward(self, hidden_states: torch.Tensor, seq_length: int | None = None):
+        config = self.config
+        linear = invariant_linear if is_batch_invariant() else torch.nn.functional.linear
+        logits = linear(hidden_states.float(), self.weight.float())
+        losses = {}
+        if config.moe_z_loss_coeff:
+            losses["z_loss"] = z_loss(logits, config.moe_z_loss_coeff)
+        probs, indices, all_scores = self.scores(logits)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, indices, True)
+        expert_of_slot = indices
+        if config.moe_expert_capacity_factor is not None:
+            keep = self._within_capacity(probs, indices, routing_map)
+            probs = probs * keep
+            expert_of_slot = indices.masked_fill(~keep, self.num_experts)
+        if self.training and config.moe_aux_loss_coeff:
+            kind = config.moe_router_load_balancing_type
+            if kind == "aux_loss":
+                losses["load_balancing_loss"] = load_balancing_loss(
+                    all_scores, routing_map, self.topk, config.moe_aux_loss_coeff
+                )
+            elif kind == "seq_aux_loss":
+                losses["load_balancing_loss"] = sequence_load_balancing_loss(
+                    all_scores, routing_map, seq_length or logits.shape[0], self.topk, config.moe_aux_loss_coeff
+                )
+        if self.training and self.local_tokens_per_expert is not None:
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(0).float()
+        self.aux_losses = {name: loss.detach() for name, loss in losses.items()}
+        if self.training and losses and torch.is_grad_enabled():
+            probs = MoEAuxLossAutoScaler.apply(probs, sum(losses.values()))
+        return probs, expert_of_slot
+
+    def _within_capacity(self, probs, indices, routing_map) -> torch.Tensor:
+        """Slots kept under the capacity factor: each expert keeps its highest-probability tokens."""
+        num_tokens = routing_map.shape[0]
+        capacity = min(
+            num_tokens,
+            expert_capacity(num_tokens, self.num_experts, self.topk, self.config.moe_expert_capacity_factor),
+        )
+        dense = torch.zeros_like(routing_map, dtype=probs.dtype).scatter_(-1, indices, probs.detach())
+        dense = dense.masked_fill(~routing_map, -1.0)
+        top_tokens = dense.topk(capacity, dim=0).indices  # [capacity, E]
+        kept = torch.zeros_like(routing_map).scatter_(0, top_tokens, True) & routing_map
+        return kept.gather(-1, indices)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean load - load)``, then reset the
+        counts. ``tokens_per_expert`` overrides the local counts (e.g. summed over data parallel)."""
+        counts = self.local_tokens_per_expert if tokens_per_expert is None else tokens_per_expert
+        self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(counts.mean() - counts)
+        self.local_tokens_per_expert.zero_()
