@@ -100,14 +100,20 @@ def _python_shims() -> str:
     return _SHIMS
 
 
+def subprocess_env(**extra: str) -> dict:
+    """The environment a test's subprocess runs in: this one without torchrun's variables (the
+    subprocess starts its own world), this checkout importable, single-threaded ranks."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
+    return env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | extra
+
+
 def command_env(**extra: str) -> dict:
-    """The environment README commands run in: this one without torchrun's variables (each
-    command starts its own world), this checkout importable, single-threaded ranks."""
+    """The environment README commands run in: :func:`subprocess_env` with the console scripts
+    (and ``python``) on ``PATH`` and unbuffered output."""
     for name in CONSOLE_SCRIPTS:
         console_script(name)
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
-    path = os.pathsep.join([_python_shims(), *_scripts_dirs(), env.get("PATH", "")])
-    return env | {"PATH": path, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+    path = os.pathsep.join([_python_shims(), *_scripts_dirs(), os.environ.get("PATH", "")])
+    return subprocess_env(PATH=path, PYTHONUNBUFFERED="1", **extra)
 
 
 def needs_a_device_per_rank(num_ranks: int) -> None:

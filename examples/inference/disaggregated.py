@@ -60,14 +60,14 @@ def _engine(args, role: str, num_blocks: int, num_requests: int):
     )
 
 
-def prefill_process(args, num_blocks: int, num_requests: int, addresses) -> None:
+def prefill_process(args, num_blocks: int, num_requests: int, keys, addresses) -> None:
     from megatron.core.inference.handoff.prefill_side import PrefillSide
     from megatron.core.inference.handoff.serving import HandoffChannel, PrefillWorker
     from megatron.core.inference.handoff.transport import NixlTransport
 
     die_with_parent(mp.parent_process().pid)
     engine = _engine(args, "prefill", num_blocks, num_requests)
-    channel = HandoffChannel("tcp://127.0.0.1:0", bind=True)
+    channel = HandoffChannel("tcp://127.0.0.1:0", bind=True, keys=keys)  # only the decode process gets in
     worker = PrefillWorker(PrefillSide(engine, NixlTransport(f"prefill-{os.getpid()}")), channel)
     addresses.put(channel.address)
     worker.run()
@@ -82,7 +82,7 @@ def decode_process(args, num_blocks: int, num_requests: int, prefill_address: st
 
     die_with_parent(mp.parent_process().pid)
     engine = _engine(args, "decode", num_blocks, num_requests)
-    channel = HandoffChannel(prefill_address, bind=False)
+    channel = HandoffChannel(prefill_address, bind=False, keys=keys)
     disaggregated = DisaggregatedEngine(DecodeSide(engine, NixlTransport(f"decode-{os.getpid()}")), channel)
     EngineEndpoint(disaggregated, coordinator, engine_id="decode", keys=keys).run()
     channel.send("stop")
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     spawn = mp.get_context("spawn")
     addresses, results = spawn.Queue(), spawn.Queue()
     with InferenceCoordinator(heartbeat_timeout_s=None) as coordinator:
-        prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), addresses))
+        engine_keys = coordinator.keys.for_role(Role.ENGINE)  # over the spawn pipes, to the two children only
+        prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), engine_keys, addresses))
         prefill.start()
         decode = spawn.Process(
             target=decode_process,
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
                 len(prompts),
                 addresses.get(timeout=300),
                 coordinator.address,
-                coordinator.keys.for_role(Role.ENGINE),  # over the spawn pipe, to this child only
+                engine_keys,
                 results,
             ),
         )

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.core.ssm.triton_launch import backward_programs, check_channel_view, with_channel_stride_1
+
 BLOCK_T = 32  # tokens per tile
 BLOCK_C = 128  # channels per tile (256 contiguous bytes of bf16)
 BWD_TILES_PER_PROGRAM = 8  # token tiles one backward program walks (fewer weight-grad partials)
@@ -172,8 +174,7 @@ def conv1d_silu_forward(
     ``out`` (allocated in x's token order when None)."""
     batch, seqlen, channels, width = _check(x, weight, bias)
     out = empty_like_token_order(x) if out is None else out
-    if out.shape != x.shape or out.stride(-1) != 1:
-        raise ValueError(f"conv1d output must be {tuple(x.shape)} with channel stride 1")
+    check_channel_view("conv1d", "out", out, x.shape)
     grid = (triton.cdiv(seqlen, BLOCK_T), triton.cdiv(channels, BLOCK_C), batch)
     _conv1d_silu_fwd_kernel[grid](
         x,
@@ -205,15 +206,11 @@ def conv1d_silu_backward(
     """Gradients of :func:`conv1d_silu_forward` given ``grad_out [b, s, c]``: ``(grad_x, grad_weight,
     grad_bias)``, grad_x written into ``grad_x`` when given (any token strides, channel stride 1)."""
     batch, seqlen, channels, width = _check(x, weight, bias)
-    if grad_out.shape != x.shape:
-        raise ValueError(f"conv1d output gradient must be {tuple(x.shape)}, got {tuple(grad_out.shape)}")
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    grad_out = with_channel_stride_1(grad_out)
     grad_x = empty_like_token_order(x) if grad_x is None else grad_x
-    if grad_x.shape != x.shape or grad_x.stride(-1) != 1:
-        raise ValueError(f"conv1d input gradient must be {tuple(x.shape)} with channel stride 1")
-    token_programs = triton.cdiv(seqlen, BLOCK_T * BWD_TILES_PER_PROGRAM)
-    tiles = triton.cdiv(seqlen, BLOCK_T * token_programs)
+    for name, t in (("grad_out", grad_out), ("grad_x", grad_x)):
+        check_channel_view("conv1d", name, t, x.shape)
+    token_programs, tiles = backward_programs(seqlen, BLOCK_T, BLOCK_T * BWD_TILES_PER_PROGRAM)
     parts = batch * token_programs
     dw_part = torch.empty(parts, channels, width, dtype=torch.float32, device=x.device)
     db_part = torch.empty(parts, channels, dtype=torch.float32, device=x.device)

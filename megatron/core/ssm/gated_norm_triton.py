@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.core.ssm.triton_launch import backward_programs, check_channel_view, with_channel_stride_1
+
 ELEMENTS_PER_TILE = 2048  # rows x group channels per tile (registers per live fp32 tensor)
 BWD_ROWS_PER_PROGRAM = 64  # rows one backward program walks (fewer weight-grad partials)
 
@@ -132,11 +134,6 @@ def _tiling(channels: int, group_size: int) -> tuple[int, int, int]:
     return channels // group_size, block_g, max(1, ELEMENTS_PER_TILE // block_g)
 
 
-def _check_view(name: str, t: torch.Tensor, shape: torch.Size) -> None:
-    if t.shape != shape or t.stride(-1) != 1:
-        raise ValueError(f"gated norm: {name} must be {tuple(shape)} with channel stride 1, got {tuple(t.shape)}")
-
-
 def gated_rms_norm_forward(
     x: torch.Tensor,
     gate: torch.Tensor,
@@ -151,7 +148,7 @@ def gated_rms_norm_forward(
     ngroups, block_g, block_r = _tiling(channels, group_size)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     for name, t in (("x", x), ("gate", gate), ("out", out)):
-        _check_view(name, t, x.shape)
+        check_channel_view("gated norm", name, t, x.shape)
     grid = (triton.cdiv(d0 * d1, block_r), ngroups)
     _gated_rms_norm_fwd_kernel[grid](
         x,
@@ -189,16 +186,13 @@ def gated_rms_norm_backward(
     tensors otherwise)."""
     d0, d1, channels = x.shape
     ngroups, block_g, block_r = _tiling(channels, group_size)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    grad_out = with_channel_stride_1(grad_out)
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if grad_x is None else grad_x
     grad_gate = torch.empty(x.shape, dtype=gate.dtype, device=x.device) if grad_gate is None else grad_gate
     for name, t in (("x", x), ("gate", gate), ("grad_out", grad_out), ("grad_x", grad_x), ("grad_gate", grad_gate)):
-        _check_view(name, t, x.shape)
+        check_channel_view("gated norm", name, t, x.shape)
     num_rows = d0 * d1
-    row_programs = triton.cdiv(num_rows, BWD_ROWS_PER_PROGRAM)
-    tiles = triton.cdiv(triton.cdiv(num_rows, row_programs), block_r)
-    row_programs = triton.cdiv(num_rows, tiles * block_r)
+    row_programs, tiles = backward_programs(num_rows, block_r, BWD_ROWS_PER_PROGRAM)
     dw_part = torch.empty(row_programs, channels, dtype=torch.float32, device=x.device)
     _gated_rms_norm_bwd_kernel[(row_programs, ngroups)](
         x,

@@ -12,11 +12,10 @@ from megatron.core.dist_checkpointing.optimizer_state import load_optimizer_stat
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.training.arguments import parse_args
-from megatron.training.training import pretrain
 from tests.unit_tests.dist_checkpointing.tiny_models import gpt_model, layout, tokens
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import losses_by_iteration
+from tests.unit_tests.training.tiny_training import train_tiny
 
 
 def _trained(distributed: bool, pg):
@@ -80,35 +79,15 @@ def test_loading_a_chain_of_another_length_is_refused():
     assert message == "the checkpoint holds the state of 2 chained optimizer(s) but this run has 1"
 
 
-COMMON = [
+RUN = [
     "--num-layers",
     "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "3e-3",
     "--lr-decay-iters",
     "4",
-    "--mock-data",
-    # Megatron's defaults are dropout 0.1 and 100 evaluation batches at the end: this run pins its own.
     "--hidden-dropout",
-    "0.0",
-    "--attention-dropout",
     "0.0",
     "--eval-iters",
     "0",
-    "--vocab-size",
-    "64",
-    "--distributed-backend",
-    "gloo",
     "--use-distributed-optimizer",
     "--log-interval",
     "100",
@@ -117,14 +96,9 @@ COMMON = [
 ]
 
 
-def _train(flags, metrics_jsonl):
-    args = parse_args(COMMON + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl], "gpt", world_size=4)
-    pretrain(args)
-
-
 def _losses(flags, metrics_jsonl) -> dict[int, float]:
     """Each iteration's loss, as the run's logging rank recorded it."""
-    run_distributed(_train, 4, flags, str(metrics_jsonl))
+    run_distributed(train_tiny, 4, RUN + flags, "gpt", 4, str(metrics_jsonl))
     return losses_by_iteration(metrics_jsonl)
 
 

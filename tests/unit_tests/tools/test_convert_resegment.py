@@ -3,18 +3,18 @@ must describe the same layers; a NemotronH model converted from HF (its pattern 
 runs offline inference at PP2 (torchrun, a subprocess) with HF's prompt log-probs."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import NemotronHConfig, NemotronHForCausalLM
+from transformers import NemotronHForCausalLM
 
 from megatron.core.models.hybrid.hybrid_layer_pattern import HybridPatternError, segment_for_pipeline
 from megatron.core.models.model_record import read_model_record
+from tests.readme import subprocess_env
+from tests.unit_tests.models.hybrid.test_hf_nemotron import hf_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PATTERN = "M*-M*M-"
 
 
@@ -38,35 +38,9 @@ def test_an_override_must_describe_the_same_layers():
         segment_for_pipeline("M*", 3)
 
 
-def _env() -> dict:
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
 def _nemotron_h():
     torch.manual_seed(0)
-    config = NemotronHConfig(
-        vocab_size=259,
-        hidden_size=32,
-        layers_block_type=None,
-        hybrid_override_pattern=PATTERN,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        mlp_hidden_act="relu2",
-        mamba_num_heads=8,
-        mamba_head_dim=8,
-        n_groups=2,
-        ssm_state_size=8,
-        conv_kernel=4,
-        chunk_size=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        time_step_min=1e-3,
-    )
-    model = NemotronHForCausalLM(config).eval()
+    model = NemotronHForCausalLM(hf_config(vocab_size=259, hybrid_override_pattern=PATTERN)).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
@@ -79,7 +53,7 @@ def test_nemotron_h_from_hf_runs_offline_inference_at_pp2_with_hf_prompt_log_pro
     convert = [sys.executable, "-m", "megatron.core.models.checkpoint_converter", "--loader", "hf", "--saver"]
     result = subprocess.run(
         [*convert, "megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ours")],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert read_model_record(str(tmp_path / "ours")).layer_pattern == PATTERN  # no '|': PP1 by default
@@ -90,7 +64,7 @@ def test_nemotron_h_from_hf_runs_offline_inference_at_pp2_with_hf_prompt_log_pro
          "-m", "megatron.core.inference.offline_inference", "--load", str(tmp_path / "ours"),
          "--pipeline-model-parallel-size", "2", "--prompt-token-ids-file", str(tmp_path / "ids.jsonl"),
          "--num-tokens-to-generate", "1", "--kv-block-size", "4", "--output-json", str(tmp_path / "out.json")],
-        capture_output=True, text=True, env=_env(), timeout=600,
+        capture_output=True, text=True, env=subprocess_env(), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "for 2 pipeline stages it is split as 'M*-M|*M-'" in result.stderr

@@ -9,41 +9,22 @@ from megatron.core.activations import ACTIVATIONS, gelu_tanh, squared_relu
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.dist_checkpointing import write_latest_iteration
 from megatron.core.models.model_record import TokenizerRecord, load_model_weights, model_from_record, read_model_record
-from megatron.training.arguments import model_record_from_args, parse_args
-from megatron.training.training import pretrain
+from megatron.training.arguments import model_record_from_args
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+from tests.unit_tests.training.tiny_training import tiny_args, train_tiny
 
-COMMON = [
+RUN = [
     "--num-layers",
     "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "3e-3",
     "--lr-warmup-iters",
     "2",
     "--lr-decay-iters",
     "20",
-    "--mock-data",
-    "--vocab-size",
-    "64",
     "--hidden-dropout",
     "0.1",
-    "--attention-dropout",
-    "0.0",
     "--eval-iters",
     "0",
-    "--distributed-backend",
-    "gloo",
     "--use-distributed-optimizer",
     "--log-interval",
     "100",
@@ -51,10 +32,7 @@ COMMON = [
 
 
 def _train(flags, world_size, metrics_jsonl=None):
-    metrics = ["--log-interval", "1", "--metrics-jsonl", str(metrics_jsonl)] if metrics_jsonl else []
-    args = parse_args(COMMON + flags + metrics, model_family="gpt", world_size=world_size)
-    state = pretrain(args)
-    return state.iteration, state.consumed_samples
+    return train_tiny(RUN + flags, world_size=world_size, metrics_jsonl=metrics_jsonl)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +96,7 @@ def _logits_from_record(path):
 def _logits_from_flags(path, flags):
     from megatron.core import parallel_state
 
-    args = parse_args(COMMON + flags, model_family="gpt", world_size=1)
+    args = tiny_args(RUN + flags)
     pg = parallel_state.initialize_model_parallel()
     model = model_from_record(model_record_from_args(args, 64), pg, parallel_output=False).eval()
     load_model_weights(model, path)

@@ -3,41 +3,22 @@ single-process loss curve for GPT and hybrid models, and resuming across VPP <->
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.training import pretrain
+from megatron.training.arguments import ArgumentError
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+from tests.unit_tests.training.tiny_training import tiny_args, train_tiny
 
-COMMON = [
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "3e-3",
+RUN = [
     "--lr-warmup-iters",
     "2",
     "--lr-decay-iters",
     "8",
-    "--mock-data",
-    "--vocab-size",
-    "64",
     "--hidden-dropout",
-    "0",
-    "--attention-dropout",
     "0",
     "--log-interval",
     "1",
     "--clip-grad",
     "1.0",
-    "--distributed-backend",
-    "gloo",
 ]
 GPT = ["--num-layers", "4"]
 HYBRID = [
@@ -56,10 +37,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 def _train(family, flags, world_size, metrics_jsonl):
-    args = parse_args(
-        COMMON + flags + ["--metrics-jsonl", str(metrics_jsonl)], model_family=family, world_size=world_size
-    )
-    pretrain(args)
+    train_tiny(RUN + flags, family, world_size, metrics_jsonl)
 
 
 def _curve(family, flags, world_size, metrics_jsonl):
@@ -88,7 +66,7 @@ def test_gpt_pp2_vp2_reproduces_the_single_process_curve(gpt_reference, tmp_path
     ],
 )
 def test_either_flag_sets_the_virtual_pipeline_size(flags, virtual_size):
-    args = parse_args(COMMON + GPT + ["--train-iters", "1"] + PP2 + flags, model_family="gpt", world_size=2)
+    args = tiny_args(RUN + GPT + ["--train-iters", "1"] + PP2 + flags, world_size=2)
     assert args.virtual_pipeline_model_parallel_size == virtual_size
 
 
@@ -134,13 +112,13 @@ def test_resume_across_virtual_and_plain_pipeline_is_exact(first, then, tmp_path
 )
 def test_bad_virtual_pipeline_flags_are_argument_errors(flags, message):
     with pytest.raises(ArgumentError, match=message):
-        parse_args(COMMON + GPT + ["--train-iters", "1"] + flags, model_family="gpt", world_size=2)
+        tiny_args(RUN + GPT + ["--train-iters", "1"] + flags, world_size=2)
 
 
 def test_hybrid_segments_must_divide_among_the_virtual_stages():
     flags = HYBRID + ["--train-iters", "1"] + PP2 + ["--virtual-pipeline-model-parallel-size", "4"]
     with pytest.raises(ArgumentError, match=r"4 pipeline segment\(s\) .* among 2 pipeline stage\(s\) x 4 virtual"):
-        parse_args(COMMON + flags, model_family="hybrid", world_size=2)
+        tiny_args(RUN + flags, "hybrid", world_size=2)
 
 
 def _inference_params(path, pp):

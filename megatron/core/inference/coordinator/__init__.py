@@ -20,7 +20,7 @@ from megatron.core.inference.coordinator.coordinator import (
     WaitingQueueFullError,
 )
 from megatron.core.inference.coordinator.engine_endpoint import EngineEndpoint
-from megatron.core.inference.coordinator.messages import ControlSignal, MessageKind, ProtocolError
+from megatron.core.inference.coordinator.messages import ControlSignal, EngineStoppingError, MessageKind, ProtocolError
 from megatron.core.inference.coordinator.routing import LoadRouter, RoutingError
 from megatron.core.inference.errors import DuplicateRequestIdError
 
@@ -36,6 +36,7 @@ __all__ = [
     "DuplicateRequestIdError",
     "EngineEndpoint",
     "EngineLostError",
+    "EngineStoppingError",
     "InferenceClient",
     "InferenceCoordinator",
     "LoadRouter",

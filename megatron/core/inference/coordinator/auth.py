@@ -8,6 +8,10 @@ through, and the role of a known key becomes the ``User-Id`` of every message th
 connection delivers, so an engine key cannot submit requests and a client key cannot
 register as an engine. CURVE also encrypts the traffic.
 
+The handoff channel between a prefill worker and its decode engine uses the same key material
+(:meth:`ControlPlaneKeys.secure_engine_link`): only a holder of the engine key pair gets a
+frame through.
+
 Keys are generated at launch (:meth:`ControlPlaneKeys.generate`) and handed to the processes
 that need them in a key file (JSON, z85 keys, mode 0600 in a private directory), named by the
 ``MEGATRON_CONTROL_PLANE_KEYS`` environment variable; each process gets only its role's pair
@@ -110,6 +114,21 @@ class ControlPlaneKeys:
         socket.curve_publickey = public
         socket.curve_secretkey = secret
 
+    def secure_engine_link(self, socket: zmq.Socket, *, server: bool) -> None:
+        """Make ``socket`` one end of a CURVE link between two engines of this launch (the
+        handoff channel between a prefill worker and its decode engine): both ends hold the
+        engine key pair, and the server's key is the engine public key. The server end (before
+        it binds) needs a :class:`ZapHandler` accepting :attr:`Role.ENGINE` in its context."""
+        public, secret = self.pair(Role.ENGINE)
+        socket.curve_publickey = public
+        socket.curve_secretkey = secret
+        if server:
+            socket.curve_server = True
+            socket.zap_domain = ZAP_DOMAIN
+            socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        else:
+            socket.curve_serverkey = public
+
     # -- files ---------------------------------------------------------------------------
 
     def save(self, path: str) -> str:
@@ -163,10 +182,12 @@ class ZapHandler:
 
     Bind it before the socket it guards binds; poll :attr:`socket` and call :meth:`handle`
     when it is readable (the coordinator does this in its loop, so no thread is added).
+    ``roles``: the roles let in (a key of another role is denied like an unknown one).
     """
 
-    def __init__(self, context: zmq.Context, keys: ControlPlaneKeys):
+    def __init__(self, context: zmq.Context, keys: ControlPlaneKeys, roles: frozenset[Role] = frozenset(Role)):
         self.keys = keys
+        self.roles = roles
         self.denied = 0
         self.socket = context.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -178,7 +199,7 @@ class ZapHandler:
         version, request_id = (request + [b"", b""])[:2]
         mechanism = request[5] if len(request) > 5 else b""
         role = self.keys.role_of(request[6]) if mechanism == b"CURVE" and len(request) == 7 else None
-        if role is None:
+        if role not in self.roles:
             self.denied += 1
             self.socket.send_multipart([version, request_id, b"400", b"unknown key", b"", b""])
         else:

@@ -16,8 +16,14 @@ heartbeat as often; clients send heartbeats and are answered with the engines re
 engine silent for ``heartbeat_timeout_s`` is dropped; a client silent as long has its requests
 aborted. When an engine leaves or is dropped, a request of it that has streamed nothing yet
 is run again on another engine (once; it waits for one when none is left), every other one
-gets an :class:`EngineLostError` reply. With ``request_timeout_s`` a request not finished that
-long after its submit ends with a :class:`RequestTimeoutError` reply (and its engine aborts it).
+gets an :class:`EngineLostError` reply. A stopping engine refuses new submits
+(:class:`~megatron.core.inference.coordinator.messages.EngineStoppingError`): from then on it
+gets nothing new, and the refused request goes to another engine, or gets a
+:class:`NoEngineAvailableError` reply when every engine left is stopping. With
+``request_timeout_s`` a request not finished that long after its submit ends with a
+:class:`RequestTimeoutError` reply (and its engine aborts it). A client's abort is honoured
+whatever happens to its engine meanwhile (a request aborted before a rerun or a reroute is
+not run again).
 
 Every request gets exactly one terminal reply, and nothing a peer sends stops the loop: a
 message that is not one well-formed frame is dropped and counted (``protocol_errors`` in
@@ -50,6 +56,7 @@ from megatron.core.inference.coordinator.messages import (
     encode,
     error_dict,
     error_output,
+    is_stopping_refusal,
     submitted_request_id,
 )
 from megatron.core.inference.coordinator.routing import LoadRouter
@@ -129,6 +136,7 @@ class _Request:
     submitted_at: float  # monotonic seconds
     streamed: bool = False  # an output of it reached its client
     reruns: int = 0
+    aborted: bool = False  # its client asked for an abort (a rerun or reroute answers it instead)
 
 
 class InferenceCoordinator:
@@ -173,6 +181,7 @@ class InferenceCoordinator:
         self.poll_interval_s = poll_interval_s
         self.protocol_errors = 0
         self.internal_errors = 0
+        self.refused_submits = 0  # refused by stopping engines (and routed again)
         # A context of its own: its authentication handler answers for this socket alone.
         self._context = zmq.Context()
         self._zap = ZapHandler(self._context, self.keys)
@@ -335,7 +344,7 @@ class InferenceCoordinator:
         if request_id in self._requests:
             self._reply(client, [error_output(request_id, error_dict(DuplicateRequestIdError(request_id=request_id)))])
             return
-        if not self.router.engines and len(self._waiting) >= self.max_waiting_requests:
+        if not self.router.live_engines and len(self._waiting) >= self.max_waiting_requests:
             error = WaitingQueueFullError(
                 f"no engine replica is registered and {len(self._waiting)} requests already wait for one; retry later"
             )
@@ -363,6 +372,7 @@ class InferenceCoordinator:
             del self._waiting[request_id], self._requests[request_id]
             self._reply(client, [abort_output(request_id)])
         else:
+            request.aborted = True
             self._send(self.router.lookup(request_id).engine, MessageKind.ABORT, request_id=request_id)
 
     def _on_control(self, client: bytes, payload: dict[str, Any]) -> None:
@@ -380,13 +390,14 @@ class InferenceCoordinator:
         requests in flight and waiting for an engine, and the counters of refused messages."""
         return {
             "engines": [
-                {"engine_id": load.engine_id, "pending": load.pending, "stats": load.stats}
+                {"engine_id": load.engine_id, "pending": load.pending, "draining": load.draining, "stats": load.stats}
                 for load in self.router.engines.values()
             ],
             "in_flight": len(self.router.routes),
             "unrouted": len(self._waiting),
             "clients": len(self._clients),
             "protocol_errors": self.protocol_errors,
+            "refused_submits": self.refused_submits,
             "auth_failures": self._zap.denied,
             "internal_errors": self.internal_errors,
         }
@@ -428,6 +439,9 @@ class InferenceCoordinator:
                 if not output["finished"]:
                     self._send(engine, MessageKind.ABORT, request_id=request_id)
                 continue
+            if is_stopping_refusal(output):
+                self._on_refusal(engine, request_id)
+                continue
             self._requests[request_id].streamed = True
             if output["finished"]:
                 self.router.finish(request_id)
@@ -435,6 +449,25 @@ class InferenceCoordinator:
             by_client[route.client].append(output)
         for client, outputs in by_client.items():
             self._reply(client, outputs)
+
+    def _on_refusal(self, engine: bytes, request_id: str) -> None:
+        """A stopping engine refused a submit: route nothing new to it, and run the request on a
+        live engine (or answer :class:`NoEngineAvailableError` when none is left)."""
+        self.refused_submits += 1
+        self.router.finish(request_id)
+        self.router.drain(engine)
+        request = self._requests[request_id]
+        if request.aborted:
+            del self._requests[request_id]
+            self._reply(request.client, [abort_output(request_id)])
+        elif not self.router.live_engines:
+            name = self._engine_name(engine)
+            self._fail(
+                request_id,
+                NoEngineAvailableError(f"engine {name} is stopping and no other engine replica takes requests"),
+            )
+        else:
+            self._route(request_id)
 
     def _fail_malformed(self, engine: bytes, output: Any, exc: ProtocolError) -> None:
         """A malformed output ends its own request (when it names one of this engine's) with an error."""
@@ -456,7 +489,10 @@ class InferenceCoordinator:
         self._engine_ids = tuple(load.engine_id for load in self.router.engines.values())
         for request_id, _ in orphans:
             request = self._requests[request_id]
-            if not request.streamed and request.reruns < MAX_RERUNS:
+            if request.aborted:
+                del self._requests[request_id]
+                self._reply(request.client, [abort_output(request_id)])
+            elif not request.streamed and request.reruns < MAX_RERUNS:
                 request.reruns += 1
                 self._route(request_id)
             else:

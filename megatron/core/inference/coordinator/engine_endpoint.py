@@ -15,6 +15,11 @@ request (no reply could reach its client) and registers again every heartbeat in
 coordinator that comes back (or a new one at the same address) finds the engine. A message
 that is not one well-formed frame is dropped and counted (``protocol_errors``).
 
+Stopping (a ``stop`` signal or :meth:`EngineEndpoint.request_stop`) aborts the in-flight
+requests, and the loop ends once each has its terminal output. Meanwhile a new submit is
+refused with an :class:`EngineStoppingError` output, which the coordinator answers by routing
+the request to another replica: a stopping engine never keeps a request waiting for its stop.
+
 The loop blocks, never spins: with no work the leader waits up to ``idle_wait_s`` for a
 message. An engine whose requests wait on peers (a disaggregated decode engine waiting for its
 prefill worker or a transfer) may say so with two optional members: ``step_wait_s()``, how
@@ -39,6 +44,7 @@ from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, lau
 from megatron.core.inference.coordinator.messages import (
     HEARTBEAT_INTERVAL_S,
     ControlSignal,
+    EngineStoppingError,
     MessageKind,
     ProtocolError,
     decode,
@@ -126,6 +132,7 @@ class EngineEndpoint:
             while True:
                 self._apply(self._exchange(self._receive() if self.is_leader else []))
                 if self.stopping and not self.in_flight:
+                    self._publish([])  # the refusals of this last batch go out before the deregister
                     break
                 if self._has_work():
                     self._abort_since_step = False
@@ -233,6 +240,10 @@ class EngineEndpoint:
 
     def _add_request(self, payload: dict[str, Any]) -> None:
         request_id = payload["request_id"]
+        if self.stopping:  # the coordinator sends it to another replica
+            error = EngineStoppingError(f"engine {self.engine_id} is stopping and takes no new requests")
+            self._replies.append(error_output(request_id, error_dict(error)))
+            return
         try:
             params = sampling_params_from_dict(payload["sampling_params"])
             self.engine.add_request(request_id, list(payload["prompt_tokens"]), params)

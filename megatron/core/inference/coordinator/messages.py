@@ -28,6 +28,11 @@ class ProtocolError(MegatronRuntimeError):
     their own)."""
 
 
+class EngineStoppingError(MegatronRuntimeError):
+    """The engine replica is stopping and takes no new request; the coordinator sends the
+    request to another replica (never to a client, unless no live replica is left)."""
+
+
 class MessageKind(enum.StrEnum):
     """What a message asks for or reports."""
 
@@ -189,6 +194,17 @@ def error_output(request_id: str, error: dict[str, Any], prompt_tokens: int = 0)
         "prompt_tokens": prompt_tokens,
         "generated_tokens": 0,
     }
+
+
+def is_stopping_refusal(output: dict[str, Any]) -> bool:
+    """Whether ``output`` is an engine's refusal of a submit because it is stopping (see
+    :class:`EngineStoppingError`): the request never started there."""
+    error = output["error"]
+    return (
+        output["finish_reason"] == "error"
+        and isinstance(error, dict)
+        and error.get("type") == EngineStoppingError.__name__
+    )
 
 
 def abort_output(request_id: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class EngineLoad:
     # Chained hashes of prompt-prefix blocks routed here, oldest first (bounded LRU).
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     stats: dict = field(default_factory=dict)
+    draining: bool = False  # stopping: serves what it has, gets nothing new
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,25 @@ class LoadRouter:
             del self.routes[rid]
         return orphans
 
+    def drain(self, engine: Hashable) -> None:
+        """Route nothing new to ``engine`` (it is stopping); what it serves stays routed to it."""
+        self.engines[engine].draining = True
+
+    @property
+    def live_engines(self) -> list[Hashable]:
+        """The registered engines that take new requests (not draining), in registration order."""
+        return [engine for engine, load in self.engines.items() if not load.draining]
+
     def route(self, request_id: str, client: Hashable, prompt_tokens: Sequence[int]) -> Hashable | None:
-        """Pick the engine of a new request and count its load; None when no engine is registered."""
+        """Pick the engine of a new request among the live ones and count its load; None when
+        no engine takes new requests."""
         if request_id in self.routes:
             raise DuplicateRequestIdError(request_id=request_id)
-        if not self.engines:
+        candidates = self.live_engines
+        if not candidates:
             return None
         blocks = prefix_block_hashes(prompt_tokens, self.prefix_block_size) if self.prefix_weight else []
-        engine = min(self.engines, key=lambda e: self._score(self.engines[e], blocks))
+        engine = min(candidates, key=lambda e: self._score(self.engines[e], blocks))
         load = self.engines[engine]
         load.pending += 1
         self.routes[request_id] = Route(client, engine)

@@ -36,6 +36,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, ZapHandler, launch_keys
 from megatron.core.inference.coordinator.messages import (
     ProtocolError,
     check_output,
@@ -73,12 +74,29 @@ class HandoffChannel:
     Sends never block: :meth:`send` returns False when the message cannot be queued (no peer,
     or ``max_queued`` messages already waiting for one). :meth:`receive` returns only messages
     of :data:`MESSAGE_FIELDS` (a string ``request_id`` where there is one); it drops the rest,
-    counting them in ``num_dropped``."""
+    counting them in ``num_dropped``.
 
-    def __init__(self, address: str, *, bind: bool, max_queued: int = 10_000):
-        self._socket = zmq.Context.instance().socket(zmq.PAIR)
+    Authenticated and encrypted with CURVE by the engine key pair of the launch (``keys``, None:
+    :func:`~megatron.core.inference.coordinator.auth.launch_keys`), as engines are on the
+    control plane: the binding end answers ZeroMQ's authentication requests (in a thread of
+    its own), and a peer without that key pair never gets a frame in (counted in
+    ``auth_failures``)."""
+
+    def __init__(self, address: str, *, bind: bool, keys: ControlPlaneKeys | None = None, max_queued: int = 10_000):
+        keys = keys if keys is not None else launch_keys()
+        self._zap: ZapHandler | None = None
+        if bind:  # a context of its own: its authentication handler answers for this socket alone
+            self._context = zmq.Context()
+            self._zap = ZapHandler(self._context, keys, roles=frozenset({Role.ENGINE}))
+            self._closing = threading.Event()
+            self._zap_thread = threading.Thread(target=self._serve_zap, name="handoff-zap", daemon=True)
+            self._zap_thread.start()
+        else:
+            self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PAIR)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.setsockopt(zmq.SNDHWM, max_queued)
+        keys.secure_engine_link(self._socket, server=bind)
         if bind:
             if address.endswith(":0"):
                 self._socket.bind_to_random_port(address.rsplit(":", 1)[0])
@@ -119,8 +137,23 @@ class HandoffChannel:
         """The underlying socket, for polling it together with others (it stays this channel's)."""
         return self._socket
 
+    @property
+    def auth_failures(self) -> int:
+        """Connections refused for want of the engine key pair (on the binding end; else 0)."""
+        return self._zap.denied if self._zap is not None else 0
+
+    def _serve_zap(self) -> None:
+        while not self._closing.is_set():
+            if self._zap.socket.poll(50):
+                self._zap.handle()
+
     def close(self) -> None:
         self._socket.close()
+        if self._zap is not None:
+            self._closing.set()
+            self._zap_thread.join()
+            self._zap.close()
+            self._context.term()
 
 
 def _parse(frames: list[bytes]) -> tuple[str, dict[str, Any]] | None:

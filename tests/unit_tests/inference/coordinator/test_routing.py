@@ -49,6 +49,20 @@ def test_deregister_hands_back_the_orphans():
     router.check_invariants()
 
 
+def test_a_draining_engine_gets_nothing_new_and_keeps_what_it_serves():
+    router = LoadRouter()
+    router.register("a", "A")
+    router.register("b", "B")
+    router.route("r0", "client", [])
+    router.drain("b")
+    assert [router.route(f"r{i}", "client", [i]) for i in range(1, 3)] == ["a", "a"]
+    assert router.live_engines == ["a"] and router.engines["b"].draining
+    router.drain("a")
+    assert router.route("r3", "client", []) is None and router.live_engines == []
+    assert sorted(router.routes) == ["r0", "r1", "r2"] and router.finish("r0").engine == "a"
+    router.check_invariants()
+
+
 def test_prefix_aware_scoring_prefers_the_engine_that_saw_the_prefix():
     router = LoadRouter(prefix_weight=1.0, prefix_block_size=4)
     router.register("a", "A")

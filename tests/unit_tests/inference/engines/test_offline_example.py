@@ -13,9 +13,9 @@ from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import model_from_record, save_model_checkpoint
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
+from tests.readme import ROOT, subprocess_env
 from tests.unit_tests.dist_harness import device, run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 EXAMPLE = os.path.join(ROOT, "examples", "inference", "offline_inference.py")
 FLAGS = [
     "--num-tokens-to-generate",
@@ -36,13 +36,6 @@ FLAGS = [
     "--seed",
     "7",
 ]
-
-
-def _plain_env() -> dict:
-    """This environment without torchrun's variables: the example starts its own world."""
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
 def example_model(ids_file: str, pg):
@@ -78,7 +71,7 @@ def test_offline_example_writes_the_report_of_an_llm_run(tmp_path):
     ids_file = tmp_path / "prompts.jsonl"
     ids_file.write_text("".join(json.dumps(p) + "\n" for p in token_prompts))
     report_file = tmp_path / "out.json"
-    env = _plain_env()
+    env = subprocess_env()
     done = subprocess.run(
         [sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json", str(report_file), *FLAGS],
         env=env,
@@ -115,7 +108,7 @@ def test_load_reads_config_and_weights_from_a_checkpoint(tmp_path):
         out = tmp_path / f"out{len(reports)}.json"
         done = subprocess.run(
             [sys.executable, EXAMPLE, "--prompt-token-ids-file", str(ids_file), "--output-json", str(out), *source],
-            env=_plain_env(),
+            env=subprocess_env(),
             capture_output=True,
             text=True,
             timeout=120,

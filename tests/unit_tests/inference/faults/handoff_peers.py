@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role, launch_keys
 from megatron.core.inference.handoff.metadata import HandoffRecord
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
@@ -266,7 +267,7 @@ class DecodePeer(_Peer):
         self.ask("submit", ([r.to_dict() for r in records], params))
 
 
-def _worker_main(conn, pg, kind: str, engine_overrides: dict, model_overrides: dict) -> None:
+def _worker_main(conn, pg, kind: str, engine_overrides: dict, model_overrides: dict, keys) -> None:
     from megatron.core.inference.handoff.prefill_side import PrefillSide
     from megatron.core.inference.handoff.serving import HandoffChannel, PrefillWorker
     from megatron.core.inference.handoff.transport import NixlTransport
@@ -275,7 +276,7 @@ def _worker_main(conn, pg, kind: str, engine_overrides: dict, model_overrides: d
     try:
         pg = _collection(pg)
         engine = build_engine(build_model(kind, pg, **model_overrides), pg, prefix_caching=False, **engine_overrides)
-        channel = HandoffChannel("tcp://127.0.0.1:0", bind=True)
+        channel = HandoffChannel("tcp://127.0.0.1:0", bind=True, keys=keys)
         worker = PrefillWorker(PrefillSide(engine, NixlTransport(f"prefill-worker-{os.getpid()}")), channel)
         conn.send((True, channel.address))
         threading.Thread(target=_exit_when_closed, args=(conn,), daemon=True).start()
@@ -293,10 +294,20 @@ def _exit_when_closed(conn) -> None:
 
 
 class PrefillWorkerPeer(_Peer):
-    """The serving path's prefill worker in a child process; ``address`` is its channel's."""
+    """The serving path's prefill worker in a child process; ``address`` is its channel's,
+    authenticated by the engine key pair of ``keys`` (None: this process's launch keys)."""
 
-    def __init__(self, kind: str = "gpt", *, pg=None, model_overrides: dict | None = None, **engine_overrides):
-        super().__init__(_worker_main, kind, engine_overrides, model_overrides or {}, pg=pg)
+    def __init__(
+        self,
+        kind: str = "gpt",
+        *,
+        pg=None,
+        model_overrides: dict | None = None,
+        keys: ControlPlaneKeys | None = None,
+        **engine_overrides,
+    ):
+        keys = (keys if keys is not None else launch_keys()).for_role(Role.ENGINE)
+        super().__init__(_worker_main, kind, engine_overrides, model_overrides or {}, keys, pg=pg)
         self.address = self.hello
 
 
@@ -315,13 +326,11 @@ def _replica_main(conn, pg, kind: str, engine_overrides: dict, model_overrides: 
 
     def serve(argument):
         """Serve the coordinator and prefill worker named in ``argument`` from a thread."""
-        channel = HandoffChannel(argument["prefill_address"], bind=False)
+        keys = ControlPlaneKeys.load(argument["keys_file"])
+        channel = HandoffChannel(argument["prefill_address"], bind=False, keys=keys)
         disaggregated = DisaggregatedEngine(decode, channel, prefill_timeout_s=argument["prefill_timeout_s"])
         endpoint = EngineEndpoint(
-            disaggregated,
-            argument["coordinator_address"],
-            engine_id=argument["engine_id"],
-            keys=ControlPlaneKeys.load(argument["keys_file"]),
+            disaggregated, argument["coordinator_address"], engine_id=argument["engine_id"], keys=keys
         )
         serving.update(endpoint=endpoint, thread=threading.Thread(target=endpoint.run, daemon=True))
         serving["thread"].start()
@@ -355,7 +364,8 @@ class DisaggregatedReplicaPeer(_Peer):
         engine_id: str,
         prefill_timeout_s: float,
     ) -> None:
-        """``keys_file``: control-plane keys holding the engine key pair (``ControlPlaneKeys.save``)."""
+        """``keys_file``: control-plane keys holding the engine key pair (``ControlPlaneKeys.save``),
+        for the coordinator and the prefill worker's channel."""
         self.ask(
             "serve",
             dict(

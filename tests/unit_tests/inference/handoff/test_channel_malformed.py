@@ -6,6 +6,7 @@ Neither end stops serving, and a prompt the worker cannot read gets one error re
 import msgpack
 import zmq
 
+from megatron.core.inference.coordinator.auth import Role, launch_keys
 from megatron.core.inference.handoff.decode_side import DecodeSide
 from megatron.core.inference.handoff.serving import DisaggregatedEngine, HandoffChannel
 from tests.unit_tests.inference.faults.handoff_peers import PrefillWorkerPeer, wait_until
@@ -24,11 +25,16 @@ GARBAGE = [
 
 
 def _raw_pair(address: str | None = None) -> zmq.Socket:
+    """A plain PAIR socket holding the launch's engine key pair (so the channel lets it in):
+    the worker's peer when ``address`` is given, else a CURVE server in the worker's place."""
     socket = zmq.Context.instance().socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
     if address is None:
+        socket.curve_publickey, socket.curve_secretkey = launch_keys().pair(Role.ENGINE)
+        socket.curve_server = True  # no authentication handler in this context: any client with the server key
         socket.bind("tcp://127.0.0.1:*")
     else:
+        launch_keys().secure_engine_link(socket, server=False)
         socket.connect(address)
     return socket
 

@@ -1,0 +1,110 @@
+"""The handoff channel is authenticated like the control plane (CURVE, the launch's engine key
+pair), through real sockets: a prefill worker's channel lets in only a peer holding that pair
+(not a plain ZeroMQ peer, not one of another launch, not a client of this launch, not raw TCP
+bytes), none of the others' frames ever arrives, and the real peer's do; a decode end does
+not talk to an impostor worker without the pair."""
+
+import socket
+import urllib.parse
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from megatron.core.inference.coordinator.auth import ControlPlaneKeys, Role
+from megatron.core.inference.handoff.serving import HandoffChannel
+
+TIMEOUT_S = 30.0
+
+
+class _HandshakeFailures:
+    """The handshake failures of a bound channel, read from its socket's monitor."""
+
+    def __init__(self, channel: HandoffChannel):
+        events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._monitor = channel.socket.get_monitor_socket(events | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.seen: list[zmq.Event] = []
+
+    def wait_for(self, event: zmq.Event) -> None:
+        while event not in self.seen:
+            assert self._monitor.poll(int(TIMEOUT_S * 1000)), f"no {event.name} within {TIMEOUT_S}s; saw {self.seen}"
+            self.seen.append(zmq.Event(recv_monitor_message(self._monitor)["event"]))
+
+    def close(self) -> None:
+        self._monitor.close(linger=0)
+
+
+def _plain_pair(address: str) -> zmq.Socket:
+    peer = zmq.Context.instance().socket(zmq.PAIR)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(address)
+    return peer
+
+
+def _receive_one(channel: HandoffChannel) -> list:
+    messages = []
+    while not messages:
+        received = channel.receive(int(TIMEOUT_S * 1000))
+        assert received, f"nothing arrived within {TIMEOUT_S}s"
+        messages += received
+    return messages
+
+
+def test_only_a_holder_of_the_engine_key_pair_gets_a_frame_through():
+    launch = ControlPlaneKeys.generate()
+    worker = HandoffChannel("tcp://127.0.0.1:0", bind=True, keys=launch.for_role(Role.ENGINE))
+    failures = _HandshakeFailures(worker)
+    stop = msgpack.packb(["stop", {}])
+    try:
+        plain = _plain_pair(worker.address)  # no CURVE at all
+        plain.send(stop)
+        failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        plain.close()
+
+        stranger = HandoffChannel(worker.address, bind=False, keys=ControlPlaneKeys.generate().for_role(Role.ENGINE))
+        assert stranger.send("stop")  # queued: it never gets through the handshake
+        failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        stranger.close()
+
+        client = zmq.Context.instance().socket(zmq.PAIR)
+        client.setsockopt(zmq.LINGER, 0)
+        client.curve_publickey, client.curve_secretkey = launch.pair(Role.CLIENT)  # this launch, wrong role
+        client.curve_serverkey = launch.engine_public
+        client.connect(worker.address)
+        client.send(stop)
+        failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        client.close()
+        assert worker.auth_failures == 1
+
+        parsed = urllib.parse.urlparse(worker.address)
+        with socket.create_connection((parsed.hostname, parsed.port)) as raw:
+            raw.sendall(b"\xff" * 4096)
+        failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+        decode = HandoffChannel(worker.address, bind=False, keys=launch.for_role(Role.ENGINE))
+        try:
+            assert decode.send("abort", request_id="r")
+            assert _receive_one(worker) == [("abort", {"request_id": "r"})]
+            assert worker.send("release", request_id="r")
+            assert _receive_one(decode) == [("release", {"request_id": "r"})]
+        finally:
+            decode.close()
+        assert worker.num_dropped == 0 and worker.receive(0) == []  # no stranger's "stop", ever
+    finally:
+        failures.close()
+        worker.close()
+
+
+def test_a_decode_end_does_not_talk_to_an_impostor_worker():
+    launch = ControlPlaneKeys.generate()
+    impostor = HandoffChannel("tcp://127.0.0.1:0", bind=True, keys=ControlPlaneKeys.generate().for_role(Role.ENGINE))
+    failures = _HandshakeFailures(impostor)
+    decode = HandoffChannel(impostor.address, bind=False, keys=launch.for_role(Role.ENGINE))
+    try:
+        assert decode.send("prefill", request_id="r", prompt_tokens=[1, 2], sampling_params={})
+        failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)  # the decode end expects this launch's key
+        assert impostor.receive(0) == [] and impostor.num_dropped == 0
+    finally:
+        decode.close()
+        failures.close()
+        impostor.close()
