@@ -117,10 +117,10 @@ class MappedStateDict(Mapping):
 
 
 def tensor_shape(state_dict: Mapping, key: str) -> tuple[int, ...]:
-    """The shape of ``state_dict[key]``, without reading the tensor where the mapping can tell."""
-    if isinstance(state_dict, (MappedStateDict, SafetensorsStateDict, _WithTiedHead)):
-        return state_dict.shape(key)
-    return tuple(state_dict[key].shape)
+    """The shape of ``state_dict[key]``, without reading the tensor when the mapping can tell
+    (it has a ``shape(key)`` method, as the lazy ones here do)."""
+    shape = getattr(state_dict, "shape", None)
+    return tuple(shape(key)) if callable(shape) else tuple(state_dict[key].shape)
 
 
 class SafetensorsStateDict(Mapping):
