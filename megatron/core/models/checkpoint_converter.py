@@ -155,7 +155,11 @@ def load_mcore(load_dir: str) -> Converted:
             f"{checkpoint_dir} has no Megatron-LM 'args' in its common state, so the model it holds is unknown"
         )
     config, kwargs = mcore_checkpoint.record_fields_from_args(common["args"])
-    record = ModelRecord(family="gpt", config=config, **kwargs)
+    search_dirs = list(dict.fromkeys(os.path.abspath(d) for d in (load_dir, checkpoint_dir)))
+    tokenizer, note = mcore_checkpoint.tokenizer_from_args(common["args"], search_dirs)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
+    record = ModelRecord(family="gpt", config=config, tokenizer=tokenizer, **kwargs)
     shapes = {key: tensor.shape for key, tensor in model_skeleton(record).state_dict().items()}
     state_dict = mcore_checkpoint.state_dict_from_mcore(checkpoint, shapes.keys(), config)
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # our vocabulary padding may be larger
