@@ -4,7 +4,7 @@ PyTorch loop of the same model, eager and ``torch.compile``-d, in the same proce
 
     python benchmarks/gpu_train.py [--config gpt2|llama|hybrid|all] [--quick] [--output-json out.json]
 
-Configurations (bf16, seq 2048, micro-batch 8, mock data, AdamW, grad clipping 1.0):
+Configurations (bf16, seq 2048, micro-batch 8, mock data, AdamW, grad clipping 1.0, no dropout):
 
 - gpt2: 24 layers, hidden 2048, 16 heads, ffn 8192, vocab 50304, LayerNorm, GeLU, learned
   positions, biases, tied embeddings (1.32B);
@@ -59,6 +59,8 @@ def common_flags() -> list[str]:
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
         "--train-iters", "100000", "--lr", "1e-4", "--lr-decay-style", "constant", "--clip-grad", "1.0",
         "--weight-decay", "0.01", "--bf16", "--mock-data", "--vocab-size", str(VOCAB), "--log-interval", "1000000000",
+        # The plain loop has no dropout: the same model here means none either (Megatron's default is 0.1).
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     ]  # fmt: skip
 
 

@@ -203,8 +203,8 @@ def gemm_section(timer: Timer, copy_bw: float, checks: dict) -> dict:
         want = x_all.float() @ w.float().t()
         close = (full.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
         checks[f"GEMM {name}: rows bitwise equal across M, close to fp32"] = invariant and close
-        config = tile_config(n, k, 2, sms)
         for m in ROWS:
+            config = tile_config(n, k, m, 2, sms)
             x = x_all[:m].contiguous()
             times = timer(
                 {

@@ -21,6 +21,7 @@ import torch
 from megatron.core.errors import MegatronInputError
 from megatron.core.inference.host_copies import to_device
 from megatron.core.inference.stop_words import normalize_stop_sequences
+from megatron.core.inference.structured_output.params import StructuredOutputParams
 
 MAX_TOP_LOGPROBS = 20
 _SEED_LIMIT = 2**64
@@ -58,6 +59,9 @@ class SamplingParams:
         logprobs: return the log-probability of each generated token.
         top_logprobs: with ``logprobs``, also the this-many most likely tokens, in [0, 20].
         return_prompt_logprobs: return the log-probability of each prompt token after the first.
+        structured_output: the grammar the output must match (JSON schema, JSON object, tool
+            call; see :mod:`~megatron.core.inference.structured_output`); None for free text.
+            Its dict form (``dataclasses.asdict``) is accepted too.
 
     Raises:
         InvalidSamplingParamsError: for a field out of range (``stop``: InvalidStopSequencesError).
@@ -73,6 +77,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     return_prompt_logprobs: bool = False
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -97,6 +102,7 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise InvalidSamplingParamsError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop", normalize_stop_sequences(self.stop))
+        object.__setattr__(self, "structured_output", StructuredOutputParams.coerce(self.structured_output))
 
     @property
     def greedy(self) -> bool:

@@ -76,8 +76,13 @@ def unscale_and_find_nonfinite(
     return bool(_reduce(flag, max_groups, dist.ReduceOp.MAX).item())
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor that brings a global norm of ``total_norm`` down to ``max_norm`` (>= 1: no clipping)."""
+    return max_norm / (total_norm + 1e-6)
+
+
 def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale ``grads`` in place so that a global norm of ``total_norm`` becomes at most ``max_norm``."""
-    coefficient = max_norm / (total_norm + 1e-6)
+    coefficient = clip_coefficient(max_norm, total_norm)
     if coefficient < 1.0 and grads:
         torch._foreach_mul_(grads, coefficient)

@@ -5,10 +5,13 @@ tensors. For an fp32 model parameter the master is the parameter itself (a view,
 for bf16/fp16 parameters it is an fp32 copy, written back to the parameter after each step.
 Gradients come from ``param.main_grad`` (DDP buffers) or ``param.grad``.
 
-One step (:func:`step_optimizers`, shared with the chained optimizer): copy and unscale the
-gradients, agree on inf/nan over the whole job (MAX over ``mp`` then ``dp_cp``), update the
-loss scaler, skip the step if anything overflowed; otherwise compute the true global gradient
-norm (see :mod:`clip_grads`), clip, step and copy back.
+One step (:func:`step_optimizers`, shared with the chained optimizer): with a loss scaler, unscale
+the gradients, agree on inf/nan over the whole job (MAX over ``mp`` then ``dp_cp``), update the
+scaler and skip the step if anything overflowed; then compute the true global gradient norm (see
+:mod:`clip_grads`), skip the step if it is not finite (how bf16/fp32 runs, which have nothing to
+unscale, find inf/nan without a pass over the gradients of their own), clip, step and copy back.
+With torch's fused AdamW (CUDA) the clipping factor rides in the step's ``grad_scale`` instead of a
+pass of its own.
 
 The torch optimizer's state is indexed by position in :attr:`MegatronOptimizer.master_params`,
 whose entries name the model parameter (and flat element range) each master stands for.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.optimizer.clip_grads import (
+    clip_coefficient,
     clip_grads_by_total_norm,
     count_zeros_fp32,
     get_grad_norm_fp32,
@@ -153,8 +157,11 @@ class MegatronOptimizer:
                 continue
             grad = entry.model_view(grad)
             entry.master.grad = grad if grad.dtype == torch.float32 else grad.float()
-        inv_scale = 1.0 if self.grad_scaler is None else self.grad_scaler.inv_scale
-        return unscale_and_find_nonfinite(self._master_grads(), inv_scale, self._job_groups(), self.device)
+        if self.grad_scaler is None:
+            return False  # nothing to unscale: a non-finite gradient shows in the global norm
+        return unscale_and_find_nonfinite(
+            self._master_grads(), self.grad_scaler.inv_scale, self._job_groups(), self.device
+        )
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the prepared gradients, each parameter counted once."""
@@ -164,12 +171,19 @@ class MegatronOptimizer:
         return count_zeros_fp32(self._master_grads(counted_only=True), self._sum_groups(), self.device)
 
     def clip_grad_norm(self, total_norm: float) -> None:
-        clip_grads_by_total_norm(self._master_grads(), self.config.clip_grad, total_norm)
+        if not all(group.get("fused") for group in self.optimizer.param_groups):
+            clip_grads_by_total_norm(self._master_grads(), self.config.clip_grad, total_norm)
+            return
+        # Fused AdamW divides each gradient by ``grad_scale`` as it reads it: no pass of its own.
+        coefficient = clip_coefficient(self.config.clip_grad, total_norm)
+        if coefficient < 1.0:
+            self.optimizer.grad_scale = torch.full((1,), 1.0 / coefficient, device=self.master_params[0].master.device)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Step the masters and write them back into the model parameters."""
         self.optimizer.step()
+        self.optimizer.grad_scale = None  # a clipping factor holds for one step
         copies = [entry for entry in self.master_params if entry.is_copy]
         if copies:
             torch._foreach_copy_([e.model_view(e.model_param.data) for e in copies], [e.master for e in copies])
@@ -239,6 +253,8 @@ def step_optimizers(optimizers: list) -> tuple[bool, float | None, int | None]:
     if skipped:
         return False, None, None
     grad_norm = math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in optimizers))
+    if not math.isfinite(grad_norm):  # the norm is global: every rank skips together
+        return False, None, None
     for opt in optimizers:
         if opt.config.clip_grad > 0:
             opt.clip_grad_norm(grad_norm)

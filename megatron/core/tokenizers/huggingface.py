@@ -85,6 +85,11 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (vocabulary, added tokens, decoder)."""
+        return self._tokenizer
+
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

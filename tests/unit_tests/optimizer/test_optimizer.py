@@ -114,6 +114,55 @@ def test_fp16_loss_scale_grows_and_halves_and_an_inf_on_one_rank_skips_every_ran
     assert run_distributed(_fp16_scaling_and_skipped_step, 2) == [([True, True, False], [16.0, 32.0, 16.0])] * 2
 
 
+def _bf16_nonfinite_gradient_skips_through_the_norm(distributed_optimizer):
+    pgc = dp_collection(2)
+    model = tiny_mlp(torch.bfloat16)
+    ddp, opt = build(model, pgc, distributed_optimizer=distributed_optimizer, clip_grad=1.0, bf16=True)
+    rank, outcomes = pgc.rank("dp_cp"), []
+    for step in range(3):
+        x, y = batch(8, step, torch.bfloat16)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss_fn(ddp, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]).backward()
+        ddp.finish_grad_sync()
+        if step == 1:  # as an all-reduce spreads it: every rank holds the nan
+            next(model.parameters()).main_grad.view(-1)[0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        outcomes.append(opt.step())
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        assert unchanged == (step == 1), step
+    return [ok for ok, _, _ in outcomes], outcomes[1]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_bf16_without_a_scaler_skips_a_nonfinite_step_on_every_rank(distributed_optimizer):
+    """No loss scaler: no unscale pass; the global grad norm finds the nan and every rank skips."""
+    results = run_distributed(_bf16_nonfinite_gradient_skips_through_the_norm, 2, distributed_optimizer)
+    assert results == [([True, False, True], (False, None, None))] * 2
+
+
+def _fused_adamw_clips_through_grad_scale():
+    pgc = dp_collection(1)
+    runs = []
+    for fused in (False, True):
+        model = tiny_mlp()
+        ddp, opt = build(model, pgc, clip_grad=0.05)
+        if fused:  # torch's fused AdamW (what CUDA masters get) runs on CPU too
+            groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.optimizer.param_groups]
+            opt.optimizer = torch.optim.AdamW(groups, fused=True)
+        results = train_dp(ddp, opt, pgc, STEPS)
+        assert opt.optimizer.grad_scale is None  # the clipping factor never outlives its step
+        runs.append(([norm for _, norm, _ in results], [p.detach().clone() for p in model.parameters()]))
+    (norms, params), (fused_norms, fused_params) = runs
+    assert norms[0] > 0.05 and fused_norms == pytest.approx(norms, rel=1e-6)
+    for param, fused_param in zip(params, fused_params, strict=True):
+        torch.testing.assert_close(fused_param, param, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_adamw_applies_the_clipping_factor_as_its_grad_scale():
+    run_distributed(_fused_adamw_clips_through_grad_scale, 1)
+
+
 def test_dynamic_scaler_waits_for_hysteresis_and_respects_the_floor():
     scaler = DynamicGradScaler(initial_scale=8.0, min_scale=2.0, growth_interval=3, hysteresis=2)
     history = []

@@ -17,7 +17,7 @@ One step, in this order::
 
     schedule N+1 -> build its inputs -> launch its forward (device) -> commit it (host books)
     -> read back the decisions of step N, apply them (tokens, finishes, outputs)
-    -> sample N+1 (device; logits processors first) and start reading its decisions back
+    -> sample N+1 (device; logits processors, then grammar bitmasks first) and start reading its decisions back
 
 With overlapped steps (``overlap_steps``, the default on one CUDA pipeline stage without
 speculation) step N is the previous call's, so the host prepares N+1 while the device still
@@ -27,7 +27,9 @@ any, is a private page of the ``async_preparation`` path), except requests N end
 A request N ends otherwise (EOS, a stop sequence, an abort) has its storage released when its
 decision is applied, and its row of N+1 is not sampled; a row whose token is no longer the
 request's next one (it was evicted and re-admitted meanwhile) is not sampled either. Sampling
-of N+1 comes after N is applied, so per-request logits processors see every token so far.
+of N+1 comes after N is applied, so per-request logits processors see every token so far, and the
+grammar bitmasks of N+1 (:mod:`~megatron.core.inference.structured_output`) are filled on the host
+from every accepted token while the device runs N+1's forward.
 Without overlap, N is the step just launched, and the order is the plain one.
 
 Steps are padded to step buckets (``batch_invariant``, the default; see :mod:`step_buckets`):
@@ -67,6 +69,7 @@ from megatron.core.inference.host_copies import DeviceToHost, to_device
 from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid, stage_cache_spec
 from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import LogitsProcessor, SamplingParams, SamplingRows, make_generator, sample
+from megatron.core.inference.structured_output.batch import StructuredOutputs
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
@@ -197,6 +200,7 @@ class DynamicInferenceEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos", None)
         self.seed = seed
         self.logits_processors = list(logits_processors)
+        self.structured_outputs = StructuredOutputs(tokenizer, model.vocab_size, self.eos_token_id)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
         if batch_invariant and model_is_hybrid(model):
             # The Mamba recurrence batches a step's rows at its padded size, and its ops are not
@@ -311,6 +315,7 @@ class DynamicInferenceEngine:
             raise DuplicateRequestIdError(request_id=request_id)
         if params.stop and self.tokenizer is None:
             raise StopSequencesNeedTokenizerError(stop=list(params.stop))
+        self.structured_outputs.check(params)
         vocab = self.model.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise InvalidPromptError(reason="empty prompt" if not prompt else "token id out of range", vocab_size=vocab)
@@ -488,7 +493,7 @@ class DynamicInferenceEngine:
         one row per speculative depth), and queue on the device: their log-probs (and top-k),
         the logits processors, sampling, the prompt log-probs asked for, and the read-back of
         all of it in one copy. Every stage records which requests sample (no device work)."""
-        rows, requests, draws, prompt_rows, prompt_targets = [], [], [], [], []
+        rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
@@ -505,10 +510,12 @@ class DynamicInferenceEngine:
                 if offset + entry.num_tokens == len(state.tokens):
                     num_drafts = state.num_draft_tokens
                     base = start + entry.num_tokens - 1 - num_drafts
+                    request_drafts = state.tokens[len(state.tokens) - num_drafts :]
                     for depth in range(num_drafts + 1):
                         rows.append(base + depth)
                         requests.append(request)
                         draws.append(len(request.generated_tokens) + depth)
+                        drafts.append(request_drafts)
             step.sample_rows.append(range(first_row, len(rows)))
             step.prompt_counts.append(prompt_count)
             step.top_widths.append(request.sampling_params.top_logprobs)
@@ -521,6 +528,7 @@ class DynamicInferenceEngine:
             log_probs = torch.log_softmax(logits, dim=-1)
             for processor in self.logits_processors:
                 processor(logits, [r.request_id for r in requests])
+            self.structured_outputs.mask_logits(logits, requests, drafts)
             params = [r.sampling_params for r in requests]
             tokens = sample(logits, SamplingRows.build(params, [r.generator for r in requests], draws, device))
             step.sampled_tokens = tokens

@@ -1,19 +1,20 @@
 """Batch-invariant Triton GEMM for the inference linears: ``out = x @ W.T (+ bias)``.
 
 cuBLAS picks its algorithm (tile shape, split-K, stream-K) from the problem size, so the bits of
-one row of ``x @ W.T`` change with the number of rows it is computed with. Here the tile shape,
-the K step and the warp layout are a function of the weight's shape ``(N, K)`` only
-(:func:`tile_config`), never of ``M``: every output element is one program's fp32 accumulator,
-fed by tensor-core products of the same ``BLOCK_K`` slices in the same K order (no split-K, no
-atomics), so a row's result is bitwise the same in a batch of any size and at any position in it.
-``M`` only changes how many row tiles the grid has (and is not a specialization key, so one
-binary serves every batch size).
+one row of ``x @ W.T`` change with the number of rows it is computed with. Here every output
+element is one program's fp32 accumulator, fed by tensor-core products of the same ``BLOCK_K``
+slices in the same K order (no split-K, no atomics), with the same row tile and warp layout for
+every batch: how one element is computed is a function of the weight's shape ``(N, K)`` only, so a
+row's result is bitwise the same in a batch of any size and at any position in it. The row count
+only picks the column tile (:func:`tile_config`): which program computes an element, not how (the
+GPU test and ``benchmarks/inference_kernels_gpu.py`` check the bits at every bucket size).
 
-Decode is memory bound (M = 1..256 rows against weights of up to 50304 x 2048): the row tile is
-small (32 rows, enough for the tensor cores, wasting little at M = 1), the column tile is as wide
-as the column count allows while the grid still fills the GPU twice over, and programs that share
-a weight tile are adjacent in launch order, so the weights stream from HBM once and the other row
-tiles read them from L2. Inputs bf16/fp16 (fp32 accumulation) or fp32 (IEEE products, no TF32).
+Decode is memory bound (M = 1..256 rows against weights of up to 50304 x 2048): the weights must
+stream from HBM once per step. The column tile is the widest that still gives every SM a program
+(narrow tiles at one row tile, wider ones as the row tiles multiply, so the activations are not
+re-read once per narrow column tile), and programs that share a weight tile are adjacent in launch
+order, so the other row tiles read it from L2. Inputs bf16/fp16 (fp32 accumulation) or fp32 (IEEE
+products, no TF32).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernel runs on CPU tensors.
 """
@@ -28,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 32  # < 64: the same (mma.sync) tensor-core instruction for every tile
+BLOCK_M = 64  # one row tile, warp layout and tensor-core instruction for every batch size
 COLUMN_TILES = (128, 64, 32, 16)
-PROGRAMS_PER_SM = 2
+MIN_SM_COVERAGE = 0.9  # the column tile is the widest whose grid gives >= 90% of the SMs a program
 INTERPRETER_SMS = 8  # stand-in SM count where there is no CUDA device
 # Triton's interpreter multiplies 16-bit operands of tl.dot wrongly: it gets them in fp32.
 UPCAST_DOT_OPERANDS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,16 +52,16 @@ def device_sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def tile_config(n: int, k: int, element_size: int, num_sms: int) -> TileConfig:
-    """Tiles for a weight of ``n`` output and ``k`` input features (independent of the row
-    count by design; see module doc): the widest column tile that still gives
-    ``PROGRAMS_PER_SM`` programs per SM at one row tile; narrow tiles take longer K steps, so
-    each program keeps as many weight bytes in flight (the K step is 64 for fp32)."""
-    block_n = next((b for b in COLUMN_TILES if triton.cdiv(n, b) >= PROGRAMS_PER_SM * num_sms), COLUMN_TILES[-1])
+def tile_config(n: int, k: int, m: int, element_size: int, num_sms: int) -> TileConfig:
+    """Tiles for ``m`` rows against a weight of ``n`` output and ``k`` input features. The K step
+    depends on the weight only (it fixes how an element is summed; see module doc); ``m`` only
+    widens the column tile: the widest of ``COLUMN_TILES`` whose grid still covers the SMs."""
+    row_tiles = triton.cdiv(max(m, 1), BLOCK_M)
+    wanted = MIN_SM_COVERAGE * num_sms
+    block_n = next((b for b in COLUMN_TILES if row_tiles * triton.cdiv(n, b) >= wanted), COLUMN_TILES[-1])
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    block_k = 64 if element_size >= 4 else 256 if block_n <= 32 else 128
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return TileConfig(block_n, block_k, num_warps=4, num_stages=3 if block_n >= 128 else 4)
+    block_k = min(64 if element_size >= 4 else 128, max(16, triton.next_power_of_2(k)))
+    return TileConfig(block_n, block_k, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -134,7 +135,7 @@ def triton_linear(
     device_index = x.device.index if x.device.type == "cuda" else None
     if device_index is None and x.device.type == "cuda":
         device_index = torch.cuda.current_device()
-    config = config or tile_config(n, k, x.element_size(), device_sm_count(device_index))
+    config = config or tile_config(n, k, m, x.element_size(), device_sm_count(device_index))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n),)
     _linear_kernel[grid](
         x2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -16,6 +17,7 @@ from megatron.core.inference.server.errors import bad_request
 from megatron.core.inference.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from megatron.core.inference.server.service import OpenAIService, error_from_output
 from megatron.core.inference.server.streaming import EventStreamResponse
+from megatron.core.inference.server.structured_output import structured_output
 from megatron.core.tokenizers import TokenizerError
 
 
@@ -25,7 +27,8 @@ def offered_tools(tools: list[Tool] | None) -> list[dict] | None:
 
 
 def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[dict] | None, list[dict] | None]:
-    """(tools shown to the model, tools whose calls are parsed out of the output)."""
+    """(tools shown to the model, tools whose calls are parsed out of the output); with
+    ``tool_choice: "none"`` neither."""
     tools = offered_tools(body.tools)
     choice = body.tool_choice
     if choice is not None and choice != "none" and not tools:
@@ -34,8 +37,9 @@ def _tools(service: OpenAIService, body: ChatCompletionRequest) -> tuple[list[di
         raise bad_request(
             f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
         )
-    parsed = None if choice == "none" or service.config.tool_call_parser is None else tools
-    return tools, parsed
+    if choice == "none":
+        return None, None
+    return tools, None if service.config.tool_call_parser is None else tools
 
 
 class _ChatChoice:
@@ -100,6 +104,8 @@ async def chat_completions(service: OpenAIService, body: ChatCompletionRequest) 
         top_logprobs=body.top_logprobs or 0,
         echo_logprobs=False,
     )
+    grammar = structured_output(body, tools, service.config.tool_call_parser)
+    params = dataclasses.replace(params, structured_output=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = await service.start_choices(request_id, [prompt], params, body.n)
     states = {index: _ChatChoice(service, body, parsed_tools) for index in range(choices.size)}

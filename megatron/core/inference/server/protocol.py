@@ -209,6 +209,20 @@ class ChatMessage(_Model):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Model):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -219,6 +233,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeCompletionRequest(_Model):

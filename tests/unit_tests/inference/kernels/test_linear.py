@@ -50,8 +50,9 @@ def test_triton_linear_keeps_bf16_and_agrees_to_its_rounding():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_are_bitwise_the_same_whatever_the_batch(backend):
-    x, w, b = operands(70, 40, 72)
+@pytest.mark.parametrize("n", [40, 520])  # 520: the column tile widens with the row count
+def test_rows_are_bitwise_the_same_whatever_the_batch(backend, n):
+    x, w, b = operands(70, n, 72)
     full = invariant_linear(x, w, b, backend=backend)
     for rows in (1, 7, 16, 33):
         assert torch.equal(invariant_linear(x[:rows], w, b, backend=backend), full[:rows]), rows
@@ -60,10 +61,13 @@ def test_rows_are_bitwise_the_same_whatever_the_batch(backend):
     assert torch.equal(invariant_linear(x[45:46], w, b, backend=backend)[0], full[45])
 
 
-def test_tile_shape_is_a_function_of_the_weight_only():
-    configs = {tile_config(50304, 2048, 2, 132), tile_config(50304, 2048, 2, 132)}
-    assert len(configs) == 1
-    assert tile_config(2048, 2048, 2, 132).block_n == 16 and tile_config(50304, 2048, 2, 132).block_n == 128
+def test_k_step_is_a_function_of_the_weight_and_the_column_tile_widens_with_rows():
+    assert {tile_config(2048, 5504, m, 2, 132).block_k for m in (1, 64, 65, 256)} == {128}
+    assert tile_config(2048, 5504, 1, 4, 132).block_k == 64  # fp32
+    # 2048 columns on 132 SMs: one row tile wants 16-wide tiles (128 programs), four want 64.
+    assert [tile_config(2048, 2048, m, 2, 132).block_n for m in (1, 64, 128, 256)] == [16, 16, 32, 64]
+    assert tile_config(50304, 2048, 1, 2, 132).block_n == 128
+    assert tile_config(520, 72, 1, 4, 8).block_n == 64 and tile_config(520, 72, 70, 4, 8).block_n == 128
 
 
 @on_single_rank
