@@ -12,6 +12,7 @@ from megatron.core.dist_checkpointing.core import (
 )
 from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError, CorruptCheckpointError
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
+from megatron.core.dist_checkpointing.lazy_tensor import LazyTensor
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.metadata import CheckpointMetadata, read_metadata
 from megatron.core.dist_checkpointing.recovery import adopt_untracked, verify_checkpoint, verify_files
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointIOError",
     "CheckpointingError",
     "CorruptCheckpointError",
+    "LazyTensor",
     "PreparedSave",
     "SAVE_PHASES",
     "ShardedObject",

@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.core import (
 from megatron.core.dist_checkpointing.dict_utils import iter_leaves, map_leaves
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
+from megatron.core.dist_checkpointing.lazy_tensor import LazyTensor
 from megatron.core.dist_checkpointing.mapping import (
     SHARDED_TYPES,
     ShardedObject,
@@ -214,6 +215,8 @@ def prepare_save(
                 )
             )
     if snapshot is not None:
+        if any(isinstance(piece.tensor, LazyTensor) for _, piece, _ in tensors):
+            raise CheckpointingError("a background save snapshots its tensors; lazy tensors are only read by a save")
         copies = snapshot.copy([piece.tensor for _, piece, _ in tensors])
         tensors = [(r, replace(piece, tensor=copy), w) for (r, piece, w), copy in zip(tensors, copies, strict=True)]
     piece = _bytes_piece(COMMON_STATE_KEY, object_codec.encode(_strip_sharded(tree), "common state"))

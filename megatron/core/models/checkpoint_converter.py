@@ -10,8 +10,10 @@ and ours, or re-target ours to another default layout
 
 HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, GPT2LMHeadModel or
 NemotronHForCausalLM (detected from config.json); their safetensors are read tensor by
-tensor. Runs in one CPU process (a gloo world of 1). Our checkpoints are layout-independent,
-so the target sizes only become the default layout of the saved model record; a hybrid
+tensor while our checkpoint is written, and no model is built (the peak memory is a few
+tensors, not the model). Runs in one CPU process (a gloo world of 1). Our checkpoints are
+layout-independent, so the target sizes only become the default layout of the saved model
+record; a hybrid
 pattern without ``|`` saved for PP > 1 gets its stage boundaries (balanced by layer count, or
 ``--hybrid-layer-pattern``), and the tool prints where it put them. A model converted from HF
 keeps its HF config in the record, so HF -> ours -> HF gives back the same config and
@@ -28,14 +30,15 @@ import dataclasses
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing import iteration_dir, read_latest_iteration
+from megatron.core.dist_checkpointing import LazyTensor, iteration_dir, read_latest_iteration
+from megatron.core.dist_checkpointing.model_state import checkpoint_params, describe_tensor, vocab_rows
 from megatron.core.errors import MegatronError, MegatronInputError
 from megatron.core.models import hf_mapping, mcore_checkpoint
 from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
@@ -152,12 +155,16 @@ def load_mcore(load_dir: str) -> Converted:
             f"{checkpoint_dir} has no Megatron-LM 'args' in its common state, so the model it holds is unknown"
         )
     config, kwargs = mcore_checkpoint.record_fields_from_args(common["args"])
-    record = ModelRecord(family="gpt", config=config, **kwargs)
-    model = model_from_record(record, parallel_state.get_process_group_collection())
-    state_dict = mcore_checkpoint.state_dict_from_mcore(checkpoint, model.state_dict().keys(), config)
+    search_dirs = list(dict.fromkeys(os.path.abspath(d) for d in (load_dir, checkpoint_dir)))
+    tokenizer, note = mcore_checkpoint.tokenizer_from_args(common["args"], search_dirs)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
+    record = ModelRecord(family="gpt", config=config, tokenizer=tokenizer, **kwargs)
+    shapes = {key: tensor.shape for key, tensor in model_skeleton(record).state_dict().items()}
+    state_dict = mcore_checkpoint.state_dict_from_mcore(checkpoint, shapes.keys(), config)
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # our vocabulary padding may be larger
         if key in state_dict:
-            rows = model.state_dict()[key].shape[0] - state_dict[key].shape[0]
+            rows = shapes[key][0] - state_dict[key].shape[0]
             state_dict[key] = torch.cat([state_dict[key], state_dict[key].new_zeros(rows, state_dict[key].shape[1])])
     return Converted(state_dict, record, int(common.get("iteration", 0)))
 
@@ -171,27 +178,51 @@ def load_megatron(load_dir: str) -> Converted:
     return Converted(model.state_dict(), record, iteration or 0)
 
 
-def _copy_into(model: torch.nn.Module, state_dict) -> None:
-    """``model.load_state_dict(state_dict, strict=True)`` one key at a time, so a lazy state dict
-    (HF safetensors) holds only one converted tensor at once."""
-    targets = model.state_dict(keep_vars=True)
-    if set(targets) != set(state_dict.keys()):
-        missing, unexpected = (
-            sorted(set(targets) - set(state_dict.keys())),
-            sorted(set(state_dict.keys()) - set(targets)),
+def model_skeleton(record: ModelRecord) -> torch.nn.Module:
+    """The model ``record`` describes with its parameters on the meta device: their names,
+    shapes and sharding attributes, and no memory."""
+    skeleton = record.replace(config=dataclasses.replace(record.config, perform_initialization=False))
+    with torch.device("meta"):
+        return model_from_record(skeleton, parallel_state.get_process_group_collection())
+
+
+def _lazy_tensor(state_dict: Mapping, key: str, dtype: torch.dtype) -> LazyTensor:
+    """``state_dict[key]`` cast to ``dtype``, read when the save writes it (an HF mapping reads
+    only the HF tensors of the rows written)."""
+    if isinstance(state_dict, hf_mapping.MappedStateDict):
+        return LazyTensor(
+            state_dict.shape(key), dtype, lambda start, stop: state_dict.rows(key, start, stop).to(dtype), name=key
         )
+    tensor = state_dict[key]
+    return LazyTensor(tuple(tensor.shape), dtype, lambda start, stop: tensor[start:stop].to(dtype), name=key)
+
+
+def lazy_sharded_state_dict(model: torch.nn.Module, state_dict: Mapping) -> dict:
+    """``model.sharded_state_dict()`` with ``state_dict``'s tensors (cast to the parameters'
+    dtypes) as the data, each read only when the save writes it: ``model`` may be a
+    :func:`model_skeleton`, and a lazy ``state_dict`` (HF safetensors) holds only the tensors
+    of the piece being written. Keys and shapes are checked before anything is read."""
+    names = set(model.state_dict().keys())  # a tied output layer is a second name of the embedding
+    if names != set(state_dict.keys()):
+        missing, unexpected = sorted(names - set(state_dict.keys())), sorted(set(state_dict.keys()) - names)
         raise ConversionError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for key, target in targets.items():
-            source = state_dict[key]
-            if source.shape != target.shape:
-                raise ConversionError(f"{key!r} has shape {tuple(source.shape)}, the model needs {tuple(target.shape)}")
-            target.copy_(source)
+    specs = checkpoint_params(model, "", vocab_rows(model))
+    for spec in specs:
+        shape = hf_mapping.tensor_shape(state_dict, spec.name)
+        if shape != tuple(spec.param.shape):
+            raise ConversionError(f"{spec.name!r} has shape {shape}, the model needs {tuple(spec.param.shape)}")
+    pg = model.pg_collection
+    return {
+        spec.name: describe_tensor(spec.key, _lazy_tensor(state_dict, spec.name, spec.param.dtype), spec, pg)
+        for spec in specs
+    }
 
 
 def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybrid_layer_pattern=None) -> str:
     """Save as a checkpoint of ours whose record names ``target_sizes`` as the default layout
-    (a hybrid pattern re-segmented for its pipeline size, saying where the boundaries went)."""
+    (a hybrid pattern re-segmented for its pipeline size, saying where the boundaries went).
+    No model is materialized: the tensors go from the converted state dict to disk one piece
+    at a time."""
     record = converted.record.replace(config=dataclasses.replace(converted.record.config, **target_sizes))
     if record.family == "hybrid":
         pattern, placed = segment_for_pipeline(
@@ -202,9 +233,8 @@ def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybri
         record = record.replace(layer_pattern=pattern)
     elif hybrid_layer_pattern is not None:
         raise ConversionError("--hybrid-layer-pattern is only valid for hybrid models; this is a gpt model")
-    model = model_from_record(record, parallel_state.get_process_group_collection())
-    _copy_into(model, converted.state_dict)
-    return save_model_checkpoint({"model": model.sharded_state_dict()}, save_dir, converted.iteration, record)
+    pieces = lazy_sharded_state_dict(model_skeleton(record), converted.state_dict)
+    return save_model_checkpoint({"model": pieces}, save_dir, converted.iteration, record)
 
 
 def native_hf_architecture(record: ModelRecord) -> str:

@@ -62,7 +62,8 @@ class Rule:
 class MappedStateDict(Mapping):
     """Our state dict from an HF one by ``rules``, made one key at a time on access: with a lazy
     ``hf_state_dict`` (e.g. :class:`SafetensorsStateDict`) only the HF tensors of the key being
-    read are in memory. Key sets are checked up front."""
+    read are in memory, and :meth:`rows` reads only those of the rows asked for (one part of a
+    packed QKV). Key sets are checked up front; :meth:`shape` reads no tensor."""
 
     def __init__(self, rules: list[Rule], hf_state_dict: Mapping):
         missing = sorted(k for rule in rules for k in rule.hf if k not in hf_state_dict)
@@ -75,14 +76,36 @@ class MappedStateDict(Mapping):
         self._rules = {rule.ours: rule for rule in rules}
         self._hf = hf_state_dict
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def _part_shapes(self, rule: Rule) -> list[tuple[int, ...]]:
+        shapes = [tensor_shape(self._hf, k) for k in rule.hf]
+        return [(*s[:-2], s[-1], s[-2]) for s in shapes] if rule.transpose else shapes  # last two dims swap
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``self[key]``, from the HF tensors' shapes."""
         rule = self._rules[key]
-        parts = [self._hf[k].transpose(-2, -1) if rule.transpose else self._hf[k] for k in rule.hf]
-        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-        if rule.vocab:
-            padded = pad_vocab_size(tensor.shape[0], 1)
-            tensor = torch.cat([tensor, tensor.new_zeros((padded - tensor.shape[0],) + tuple(tensor.shape[1:]))])
-        return tensor.contiguous().clone()
+        shapes = self._part_shapes(rule)
+        rows = sum(s[0] for s in shapes)
+        return (pad_vocab_size(rows, 1) if rule.vocab else rows,) + tuple(shapes[0][1:])
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``self[key]``, contiguous, reading only the HF tensors that
+        hold them (it may share memory with them)."""
+        rule = self._rules[key]
+        parts, first = [], 0
+        for hf_key, shape in zip(rule.hf, self._part_shapes(rule), strict=True):
+            lo, hi = max(start, first), min(stop, first + shape[0])
+            if lo < hi:
+                tensor = self._hf[hf_key].transpose(-2, -1) if rule.transpose else self._hf[hf_key]
+                parts.append(tensor[lo - first : hi - first])
+            first += shape[0]
+        padding = stop - max(start, first)
+        if padding > 0:  # vocabulary rows past the HF ones are zeros
+            like = parts[0] if parts else self._hf[rule.hf[-1]]
+            parts.append(like.new_zeros((padding,) + tuple(like.shape[1:])))
+        return (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.rows(key, 0, self.shape(key)[0]).clone()
 
     def __contains__(self, key) -> bool:
         return key in self._rules
@@ -92,6 +115,13 @@ class MappedStateDict(Mapping):
 
     def __len__(self) -> int:
         return len(self._rules)
+
+
+def tensor_shape(state_dict: Mapping, key: str) -> tuple[int, ...]:
+    """The shape of ``state_dict[key]``, without reading the tensor when the mapping can tell
+    (it has a ``shape(key)`` method, as the lazy ones here do)."""
+    shape = getattr(state_dict, "shape", None)
+    return tuple(shape(key)) if callable(shape) else tuple(state_dict[key].shape)
 
 
 class SafetensorsStateDict(Mapping):
@@ -126,6 +156,14 @@ class SafetensorsStateDict(Mapping):
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(stored_key)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``self[key]``, from the file's header (no tensor is read)."""
+        from safetensors import safe_open
+
+        path, stored_key = self._stored[key]
+        with safe_open(path, framework="pt") as f:
+            return tuple(f.get_slice(stored_key).get_shape())
+
     def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
         return key in self._stored
 
@@ -144,6 +182,9 @@ class _WithTiedHead(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._hf[self._embed_key if key == "lm_head.weight" else key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tensor_shape(self._hf, self._embed_key if key == "lm_head.weight" else key)
 
     def __contains__(self, key) -> bool:
         return key == "lm_head.weight" or key in self._hf

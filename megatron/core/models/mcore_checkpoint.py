@@ -7,6 +7,10 @@ only DCP's metadata classes, every stored chunk (a ``torch.save`` of a tensor) a
 state (Megatron-LM's ``args``, iteration, checkpoint version) load with ``weights_only=True``,
 the latter with ``argparse.Namespace`` as the only extra allowed global.
 
+The run's tokenizer arguments (``--tokenizer-type`` and its ``--vocab-file`` / ``--merge-file`` /
+``--tokenizer-model`` / ``--vocab-size``) are carried too, with the files looked up where the run
+had them and, by name, next to the checkpoint.
+
 The model is described by the run's Megatron-LM arguments (``args`` in the common state) and
 its weights keyed as megatron-core's GPTModel names them (layers stacked on a leading dim;
 ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` for the TE spec's fused
@@ -28,10 +32,13 @@ import torch.nn.functional as F
 
 from megatron.core.config import TransformerConfig
 from megatron.core.errors import MegatronInputError
+from megatron.core.models.model_record import TokenizerRecord
+from megatron.core.tokenizers.factory import TOKENIZER_TYPES, tokenizer_inputs
 
 DCP_INDEX_FILENAME = ".metadata"
 COMMON_STATE_PREFIX = "common_state"
 _ALLOWED_INDEX_CLASSES = {
+    ("pathlib", "PosixPath"),  # DCP's FileSystemWriter records the checkpoint path it was given as one
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -176,6 +183,46 @@ def record_fields_from_args(args: argparse.Namespace) -> tuple[TransformerConfig
         "share_embeddings_and_output_weights": not _arg(args, "untie_embeddings_and_output_weights", False),
     }
     return config, kwargs
+
+
+# Megatron-LM's argument -> TokenizerRecord field, for the inputs a tokenizer type reads
+_TOKENIZER_FIELDS = {"tokenizer_model": "model", "vocab_file": "vocab_file", "merge_file": "merge_file"}
+
+
+def tokenizer_from_args(args: argparse.Namespace, search_dirs: list[str]) -> tuple[TokenizerRecord | None, str | None]:
+    """The tokenizer a Megatron-LM run's ``args`` name (``--tokenizer-type`` and the files or
+    ``--vocab-size`` it reads), each file found where the run had it or, by its name, in one of
+    ``search_dirs`` (next to the checkpoint). Returns (record, None), or (None, a one-line note
+    saying why the tokenizer cannot be carried) when the type is unsupported or a file is not
+    found; (None, None) when the args name no tokenizer."""
+    tokenizer_type = _arg(args, "tokenizer_type")
+    if tokenizer_type is None:
+        return None, None
+    if tokenizer_type not in TOKENIZER_TYPES:
+        return None, (
+            f"the checkpoint's --tokenizer-type {tokenizer_type} is not supported here (supported: "
+            f"{', '.join(TOKENIZER_TYPES)}); converted without a tokenizer"
+        )
+    fields, missing = {}, []
+    for name in tokenizer_inputs(tokenizer_type):
+        if name == "vocab_size":
+            fields["vocab_size"] = _arg(args, "vocab_size")
+            continue
+        given = _arg(args, name)
+        name_only = None if given is None else os.path.basename(os.path.normpath(given))
+        candidates = [] if given is None else [given] + [os.path.join(d, name_only) for d in search_dirs]
+        found = next((c for c in candidates if os.path.exists(c)), None)
+        if found is None:
+            missing.append(f"--{name.replace('_', '-')} {given}")
+        else:
+            fields[_TOKENIZER_FIELDS[name]] = os.path.abspath(found)
+    if missing:
+        return None, (
+            f"the checkpoint's tokenizer ({tokenizer_type}, {', '.join(missing)}) is found neither where the run had "
+            f"it nor next to the checkpoint in {', '.join(search_dirs)}; converted without a tokenizer (put the "
+            "file(s) there to carry it)"
+        )
+    return TokenizerRecord(tokenizer_type, **fields), None
 
 
 def _qkv_from_grouped(qkv: torch.Tensor, config: TransformerConfig) -> torch.Tensor:

@@ -38,6 +38,12 @@ _FLAGS = {
 }
 
 
+def tokenizer_inputs(tokenizer_type: str) -> tuple[str, ...]:
+    """The inputs ``tokenizer_type`` reads (names of :func:`build_tokenizer` arguments); () for an
+    unknown type."""
+    return _INPUTS.get(tokenizer_type, ())
+
+
 def check_tokenizer_inputs(tokenizer_type: str, **inputs) -> None:
     """Raise TokenizerError when ``tokenizer_type`` is unknown, or when an input it does not read
     is given (``inputs``: tokenizer_model, vocab_file, merge_file; None means not given).

@@ -160,6 +160,12 @@ class SequentialWriter:
         while copied:
             write_oldest()
 
+    def drain(self) -> None:
+        """Wait for every write submitted so far (the tensors they read may then be freed)."""
+        self._flush_pending()
+        while self._futures:
+            self._futures.popleft().result()
+
     def close(self, fsync: bool = True) -> None:
         """Wait for every write, fsync (on the I/O thread) and close; raises the first write error."""
         try:

@@ -51,6 +51,7 @@ from megatron.core.dist_checkpointing import dist_utils
 from megatron.core.dist_checkpointing.checksums import Checksum, new_hasher
 from megatron.core.dist_checkpointing.core import reached
 from megatron.core.dist_checkpointing.errors import CheckpointingError, CheckpointIOError, CorruptCheckpointError
+from megatron.core.dist_checkpointing.lazy_tensor import LazyTensor
 from megatron.core.dist_checkpointing.metadata import StoredSlice, StoredTensor
 from megatron.core.dist_checkpointing.strategies.stream_io import (
     SequentialWriter,
@@ -69,7 +70,7 @@ class PieceWrite:
     """One piece this rank writes: ``tensor`` at ``global_offset`` of the global tensor ``fqn``."""
 
     fqn: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | LazyTensor
     global_offset: tuple[int, ...]
     global_shape: tuple[int, ...]
 
@@ -111,7 +112,12 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+        tensor = self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+        return tensor.materialize() if isinstance(tensor, LazyTensor) else tensor.detach()
+
+    def reads_lazily(self, write_item: WriteItem) -> bool:
+        """Whether the piece's tensor is read only now (a :class:`LazyTensor`)."""
+        return isinstance(self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor, LazyTensor)
 
 
 class _ItemStream:
@@ -172,7 +178,10 @@ class HashingFileSystemWriter(FileSystemWriter):
                 try:
                     for item in plan.items:
                         start = writer.position
+                        lazy = planner.reads_lazily(item)
                         length, data_offset, checksum = write_item(writer, planner.resolve_data(item))
+                        if lazy:  # its writes done, the tensor read for it is freed before the next is read
+                            writer.drain()
                         index = (item.index.fqn, tuple(item.index.offset))
                         self.written[index] = StoredSlice(relative_path, start, length, checksum, data_offset)
                         results.append(WriteResult(item.index, length, _StorageInfo(relative_path, start, length)))
