@@ -77,7 +77,7 @@ def test_model_linears_are_batch_invariant_inside_the_mode_only(pg, monkeypatch,
     linear adds its bias in the GEMM's epilogue, and that GEMM must be the invariant one."""
     monkeypatch.setenv(BACKEND_ENV, kernels)
     config = TransformerConfig(num_layers=1, hidden_size=72, num_attention_heads=2, add_bias_linear=True)
-    layer = ColumnParallelLinear(72, 40, config=config, init_method=init_method(config), pg_collection=pg)
+    layer = ColumnParallelLinear(72, 40, config=config, init_method=init_method(config), pg_collection=pg).to(DEVICE)
     x = torch.randn(50, 1, 72, generator=torch.Generator().manual_seed(1)).to(next(layer.parameters()).device)
     assert not is_batch_invariant()
     with torch.no_grad(), fusion_backend(kernels), batch_invariant():
