@@ -7,11 +7,11 @@ import pytest
 
 from megatron.core.dist_checkpointing import CheckpointingError, iteration_dir, load, write_latest_iteration
 from megatron.training import checkpointing
-from megatron.training.arguments import parse_args
 from megatron.training.training import TrainState, pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import losses_by_iteration
-from tests.unit_tests.training.test_checkpointing import COMMON
+from tests.unit_tests.training.test_checkpointing import RUN
+from tests.unit_tests.training.tiny_training import tiny_args
 
 
 def test_the_state_is_counters_only():
@@ -49,7 +49,7 @@ _original_train_state_object = checkpointing.train_state_object
 def _train(flags, metrics_jsonl, legacy_save=False):
     if legacy_save:  # this rank is a forked process: the patch dies with it
         checkpointing.train_state_object = _save_like_earlier_versions
-    args = parse_args(COMMON + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl], "gpt", world_size=1)
+    args = tiny_args(RUN + flags + ["--log-interval", "1", "--metrics-jsonl", metrics_jsonl])
     state = pretrain(args)
     return dataclasses.asdict(state)
 
