@@ -74,8 +74,20 @@ def _best_of(body: CompletionRequest) -> int:
     return body.best_of
 
 
+def refuse_unsupported(body: CompletionRequest) -> None:
+    """A 400 for parameters OpenAI or vLLM define that this server does not implement."""
+    if body.suffix is not None:
+        raise bad_request("suffix is not supported (no fill-in-the-middle); leave it out", param="suffix")
+    if body.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs is not supported; send echo=true with logprobs for the prompt's log-probs",
+            param="prompt_logprobs",
+        )
+
+
 async def completions(service: OpenAIService, body: CompletionRequest) -> Response:
     service.check_model(body.model)
+    refuse_unsupported(body)
     candidates = _best_of(body)
     prompts = prompt_token_lists(service, body.prompt, candidates)
     want_logprobs = body.logprobs is not None

@@ -135,6 +135,9 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = Field(
         None, ge=1, description="candidates generated per prompt; the n of highest cumulative log-prob are returned"
     )
+    # Declared so that they are refused (400) rather than silently ignored: see completions.refuse_unsupported.
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -145,6 +145,9 @@ def test_every_sampling_control_through_the_openai_client(pg):
             (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids must be a list of token ids"),
             (dict(extra_body={"stop_token_ids": [500]}), "stop_token_ids holds token ids [500] outside the vocabulary"),
             (dict(best_of=2, stream=True), "best_of=2 > n=1 cannot be streamed"),
+            # Defined by OpenAI / vLLM but not implemented here: refused, never silently ignored.
+            (dict(suffix="}"), "suffix is not supported (no fill-in-the-middle)"),
+            (dict(extra_body={"prompt_logprobs": 2}), "prompt_logprobs is not supported; send echo=true"),
         ]
         for request, message in bad:
             request = dict(dict(prompt=prompt, max_tokens=4), **request)
