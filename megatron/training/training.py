@@ -28,6 +28,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.transformer.moe.router import set_aux_loss_scale, update_expert_biases
 from megatron.training import startup_summary as summary
 from megatron.training.arguments import model_record_from_args, tokenizer_record_from_args
 from megatron.training.data import build_datasets, microbatches
@@ -363,8 +364,11 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        args = self.args
+        set_aux_loss_scale(self.optimizer.get_loss_scale(), args.num_microbatches, args.calculate_per_token_loss)
         loss, num_tokens = self._run_schedule(data_iterator, forward_only=False)
         finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
+        update_expert_biases(self.model_chunks, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(1)

@@ -62,3 +62,27 @@ def test_checkpoint_saved_at_ep4_resumes_at_ep1_and_ep2xtp2(tmp_path):
         resumed = losses_by_iteration(metrics)
         assert sorted(resumed) == [3, 4], name  # it picks up at iteration 3
         assert all(abs(resumed[i] - straight[i - 1]) <= 1e-5 for i in (3, 4)), (name, resumed, straight)
+
+
+def _expert_biases_after_training(flags, world_size):
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import Trainer
+    from tests.unit_tests.training.tiny_training import tiny_args
+
+    args = tiny_args(["--num-layers", "2", *MOE, "--moe-router-enable-expert-bias", *flags], world_size=world_size)
+    trainer = Trainer(args, initialize_megatron(args))
+    trainer.train()
+    return [
+        m.expert_bias.tolist() for chunk in trainer.model_chunks for m in chunk.modules() if hasattr(m, "expert_bias")
+    ]
+
+
+def test_expert_bias_balances_from_the_counts_of_every_data_parallel_rank():
+    """--moe-router-enable-expert-bias: the trainer takes one balancing step per iteration from
+    token counts summed over the data-parallel ranks (each routed other tokens), so the replicas
+    keep one bias."""
+    from tests.unit_tests.dist_harness import run_distributed
+
+    first, second = run_distributed(_expert_biases_after_training, 2, [], 2)
+    assert len(first) == 2 and any(b != 0.0 for bias in first for b in bias)  # the bias moved
+    assert first == second

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.core.config import TransformerConfig
@@ -191,3 +192,26 @@ class TopKRouter(nn.Module):
         counts = self.local_tokens_per_expert if tokens_per_expert is None else tokens_per_expert
         self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(counts.mean() - counts)
         self.local_tokens_per_expert.zero_()
+
+
+def set_aux_loss_scale(loss_scale: float, num_microbatches: int, per_token_loss: bool) -> None:
+    """Seed the routers' auxiliary losses as the main loss is scaled (Megatron's rule): by the
+    loss scale, and by ``1 / num_microbatches`` unless the loss is a per-token sum."""
+    MoEAuxLossAutoScaler.main_loss_backward_scale = loss_scale / (1 if per_token_loss else num_microbatches)
+
+
+@torch.no_grad()
+def update_expert_biases(modules, groups: list) -> None:
+    """One aux-loss-free balancing step of every router with an expert bias in ``modules``, from
+    its token counts summed over ``groups`` (every rank that routed other tokens: data, context,
+    sequence-parallel ranks), so that replicas keep identical biases. Ranks that routed the same
+    tokens add identical counts, which the sign of the update does not see."""
+    routers = [m for module in modules for m in module.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    counts = torch.stack([router.local_tokens_per_expert for router in routers])
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+    for router, router_counts in zip(routers, counts, strict=True):
+        router.update_expert_bias(router_counts)
