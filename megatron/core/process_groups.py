@@ -315,6 +315,12 @@ class ProcessGroupCollection:
         """Whether group ``name`` was provided."""
         return object.__getattribute__(self, name) is not None
 
+    def replace(self, **groups) -> ProcessGroupCollection:
+        """A copy with ``groups`` changed (None drops one). ``dataclasses.replace`` cannot copy a
+        collection with absent groups: reading them raises."""
+        current = {f.name: object.__getattribute__(self, f.name) for f in fields(self)}
+        return ProcessGroupCollection(**{**current, **groups})
+
     def size(self, name: str) -> int:
         """World size of group ``name``; an absent ``gtp`` counts as size 1."""
         if name in ("gtp", "ep") and not self.has(name):

@@ -60,6 +60,8 @@ class MimoOptimizer(ChainedOptimizer):
             return False, None, None
         squared = self._agree({name: opt.get_grad_norm() ** 2 for name, opt in self.optimizers.items()})
         grad_norm = math.sqrt(sum(squared))
+        if not math.isfinite(grad_norm):  # no loss scaler found it: every rank sees the same norm
+            return False, None, None
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0:
                 opt.clip_grad_norm(grad_norm)

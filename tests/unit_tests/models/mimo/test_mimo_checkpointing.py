@@ -263,7 +263,7 @@ def _records_with_and_without_gtp():
     forbid_global_groups()
     roles = MimoRoles.build(2, language={"tp": 2}, modalities={"images": {}})
     with_gtp = roles.build_collections()
-    without_gtp = {name: dataclasses.replace(pg, gtp=None, dp_cp_gtp=None) for name, pg in with_gtp.items()}
+    without_gtp = {name: pg.replace(gtp=None, dp_cp_gtp=None) for name, pg in with_gtp.items()}
     out = {}
     for label, collections in (("size-one gtp", with_gtp), ("no gtp", without_gtp)):
         job = build_job(roles, collections, seed=3)
