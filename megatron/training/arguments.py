@@ -48,7 +48,7 @@ IMPLEMENTATION_FLAGS = {
     ),
     "--cross-entropy-loss-fusion": (
         {"action": "store_true"},
-        "the loss is the vocab-parallel cross-entropy (fused where the backend switch has a kernel)",
+        "the loss is always fused where the backend switch has a kernel (see --cross-entropy-fusion-impl)",
     ),
     "--no-create-attention-mask-in-dataloader": (
         {"action": "store_true"},
@@ -204,6 +204,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--use-torch-compile",
         action="store_true",
         help="torch.compile each decoder layer (regional compilation; collectives stay outside)",
+    )
+    g.add_argument(
+        "--cross-entropy-fusion-impl",
+        choices=["linear", "native", "te"],
+        default="linear",
+        help="linear: the output layer and the loss in one chunked op where the fusion backend runs Triton "
+        "(the logits are never materialized); native: logits, then the fused cross-entropy kernel (te: the same, "
+        "no Transformer Engine here)",
     )
 
 

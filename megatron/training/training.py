@@ -155,7 +155,7 @@ def loss_func(
 def forward_step(data_iterator, model, per_token: bool = False, cp_group: dist.ProcessGroup | None = None):
     """One micro-batch through the model; the loss is computed on the last stage."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"], per_token=per_token, cp_group=cp_group)
 
 
@@ -278,8 +278,9 @@ class Trainer:
         self.record = model_record_from_args(args, self.vocab_size)
         chunks = model_chunks_from_record(self.record, pgc, args.virtual_pipeline_model_parallel_size)
         chunks = [chunk.to(self.device) for chunk in chunks]
-        if args.use_torch_compile:
-            for chunk in chunks:
+        for chunk in chunks:
+            chunk.linear_cross_entropy = args.cross_entropy_fusion_impl == "linear"
+            if args.use_torch_compile:
                 chunk.decoder.compile_layers()
         self.config = chunks[0].config
         # One DDP wrapper per model chunk (virtual pipeline stage); ``model`` is the first.

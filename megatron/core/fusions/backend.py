@@ -27,8 +27,17 @@ from megatron.core.errors import MegatronConfigError
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "MEGATRON_FUSION_BACKEND"
 # The fused ops, by the names disabled_ops takes. "linear_bias" is a column-parallel linear's
-# bias added by the GEMM (cuBLAS epilogue) rather than by a separate add.
-FUSED_OPS = ("norm", "bias_dropout_add", "activation", "rope", "cross_entropy", "linear_bias")
+# bias added by the GEMM (cuBLAS epilogue) rather than by a separate add; "linear_cross_entropy"
+# the output layer's GEMM and the loss in one chunked op (the logits never materialized).
+FUSED_OPS = (
+    "norm",
+    "bias_dropout_add",
+    "activation",
+    "rope",
+    "cross_entropy",
+    "linear_bias",
+    "linear_cross_entropy",
+)
 
 
 class FusionBackendError(MegatronConfigError):

@@ -174,12 +174,16 @@ class ColumnParallelLinear(torch.nn.Module):
                 partition_sizes=self.output_partition_sizes,
             )
 
+    def input_in_tp_region(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the GEMM reads it on every TP rank: all-gathered over the sequence under
+        sequence parallelism, else the whole input (its gradient all-reduced over TP)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp_group)
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         tp_group = self.tp_group
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, tp_group)
+        x = self.input_in_tp_region(x)
         add_bias = self.bias is not None and not self.skip_bias_add
         fuse_bias = add_bias and self.output_dtype is None and not self.weight.gtp_sharded
         if fuse_bias and fused_backend("linear_bias", x.device) == "triton":

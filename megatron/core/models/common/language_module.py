@@ -18,7 +18,9 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, vocab_rows
+from megatron.core.fusions.backend import fused_backend, needs_autograd
 from megatron.core.fusions.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.language_model_embedding import (
     LanguageModelEmbedding,
     check_position_embedding_type,
@@ -59,7 +61,14 @@ class LanguageModule(nn.Module):
 
     Subclasses build ``self.decoder`` (a stage's layer stack); :meth:`forward` composes
     :meth:`embed`, :meth:`rotary`, the decoder and :meth:`postprocess`.
+
+    ``linear_cross_entropy`` (True by default; ``--cross-entropy-fusion-impl native`` clears it):
+    a training forward given ``labels`` and ``loss_mask`` computes the loss with the fused
+    output-layer + cross-entropy op (:mod:`megatron.core.fusions.linear_cross_entropy`, the
+    logits never materialized) where the backend switch runs ``linear_cross_entropy`` in Triton.
     """
+
+    linear_cross_entropy = True
 
     def __init__(
         self,
@@ -179,13 +188,17 @@ class LanguageModule(nn.Module):
         inference_context=None,
         *,
         return_decoder_output: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
         hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
         embedding on the first stage; ``inference_context`` reaches every attention and Mamba
         layer of ``self.decoder`` (it must serve both protocols when a model mixes them).
         ``return_decoder_output``: the last stage returns ``(loss or logits, decoder output
-        [s, b, h])``, the decoder output being what multi-token prediction starts from."""
+        [s, b, h])``, the decoder output being what multi-token prediction starts from.
+        ``loss_mask`` [b, s] (Megatron's keyword): the weights the caller sums the per-token loss
+        with, up to one scalar factor (its gradient must be proportional to them); it lets the
+        loss take the fused linear cross-entropy (see the class)."""
         position_ids = self._default_position_ids(input_ids, position_ids, labels)
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
@@ -199,7 +212,13 @@ class LanguageModule(nn.Module):
         if not self.post_process:
             return hidden_states
         output = self.postprocess(
-            hidden_states, input_ids, position_ids, labels, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            hidden_states,
+            input_ids,
+            position_ids,
+            labels,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            loss_mask=loss_mask,
         )
         return (output, hidden_states) if return_decoder_output else output
 
@@ -258,6 +277,35 @@ class LanguageModule(nn.Module):
         )
         return loss.transpose(0, 1).contiguous()
 
+    def fuses_loss(self, hidden_states: torch.Tensor, loss_mask: torch.Tensor | None) -> bool:
+        """Whether the loss of ``hidden_states`` takes the fused linear cross-entropy: a training
+        forward with a loss mask, the op on Triton, a plain TP output weight (not GTP-sharded)."""
+        weight = self.output_layer.weight
+        return (
+            self.linear_cross_entropy
+            and loss_mask is not None
+            and not weight.gtp_sharded
+            and needs_autograd(hidden_states, weight)
+            and fused_backend("linear_cross_entropy", hidden_states.device) == "triton"
+        )
+
+    def fused_per_token_loss(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`per_token_loss` of the output layer's logits of ``hidden_states`` [s, b, h]
+        without materializing them: [b, s]."""
+        loss = linear_cross_entropy(
+            self.output_layer.input_in_tp_region(hidden_states),
+            self.output_layer.weight,
+            labels.transpose(0, 1),
+            self.pg_collection.tp,
+            vocab_size=self.vocab_size,
+            token_weight=loss_mask.transpose(0, 1),
+            logit_dtype=self.logit_dtype,
+            upcast=not self.fp16_lm_cross_entropy,
+        )
+        return loss.transpose(0, 1).contiguous()
+
     def postprocess(
         self,
         hidden_states: torch.Tensor,
@@ -266,15 +314,20 @@ class LanguageModule(nn.Module):
         labels: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Last stage: per-token loss [b, s] (with the MTP terms) when ``labels`` are given,
         else logits [b, s, V] (or [b, s, V_padded/tp] with ``parallel_output``)."""
-        logits = self.vocab_logits(hidden_states)
-        if labels is None:
-            if not self.parallel_output:
-                logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)[..., : self.vocab_size]
-            return logits.transpose(0, 1).contiguous()
-        loss = self.per_token_loss(logits, labels)
+        if labels is not None and self.fuses_loss(hidden_states, loss_mask):
+            loss = self.fused_per_token_loss(hidden_states, labels, loss_mask)
+        else:
+            logits = self.vocab_logits(hidden_states)
+            if labels is None:
+                if not self.parallel_output:
+                    logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)
+                    logits = logits[..., : self.vocab_size]
+                return logits.transpose(0, 1).contiguous()
+            loss = self.per_token_loss(logits, labels)
         if self.mtp is None:
             return loss
         if input_ids is None:
