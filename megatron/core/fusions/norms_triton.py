@@ -163,7 +163,7 @@ def _block_and_warps(n_cols: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _program_count(device: torch.device) -> int:
+def program_count(device: torch.device) -> int:
     """Programs of a backward grid: a few per SM on CUDA (one wave, good balance); a handful on
     the CPU interpreter."""
     if device.type != "cuda":
@@ -213,7 +213,7 @@ def add_norm_backward(dout, dsum, s, weight, mean, rstd, seed, p, has_norm_bias,
     ``d_sum`` itself without dropout; weight/bias grads None where absent)."""
     ref = dout if dout is not None else dsum
     rows, n_cols = ref.shape
-    programs = max(1, min(rows, _program_count(ref.device)))
+    programs = max(1, min(rows, program_count(ref.device)))
     rows_per_program = max(1, triton.cdiv(rows, programs))
     programs = max(1, triton.cdiv(rows, rows_per_program))
     ds = torch.empty_like(ref)

@@ -52,3 +52,15 @@ def test_forward_only_gated_call_builds_no_graph():
             out = activation(x, None, F.silu, True)
         assert out.grad_fn is None and out.device.type == DEVICE.type
         torch.testing.assert_close(out, activation_reference(x, None, F.silu, True).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_backward_programs_walk_several_row_tiles_and_sum_the_bias_over_splits(gated):
+    # 70 rows over the interpreter's 4 programs: 24 rows (3 tiles of 8) a split, the last short.
+    from megatron.core.fusions.activations_triton import backward_grid
+
+    assert backward_grid(70, 45, 4) == ((1, 3), 24)
+    gen = torch.Generator().manual_seed(1)
+    x = leaf(70, 2 * 45 if gated else 45, dtype=torch.bfloat16, generator=gen, scale=2.0)
+    bias = leaf(x.shape[-1], dtype=torch.bfloat16, generator=gen)
+    assert_triton_matches_torch(lambda x, b: activation(x, b, F.gelu, gated), [x, bias], torch.bfloat16)
