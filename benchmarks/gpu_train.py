@@ -447,6 +447,7 @@ def check_kernels(device) -> dict:
     and flag combinations the three configurations use, few tokens); an op that fails or
     disagrees is switched to torch for the rest of the run."""
     from megatron.core import fusions
+    from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy as linear_ce
     from megatron.core.transformer.rope import RotaryEmbedding
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -462,6 +463,7 @@ def check_kernels(device) -> dict:
     qkv = randn(s, b, (HEADS + 2 * CONFIGS["llama"]["plain"]["groups"]) * (HIDDEN // HEADS))
     logits, target = randn(s, b, VOCAB, scale=3.0), torch.randint(0, VOCAB, (s, b), device=device, generator=gen)
     fc1, fc1_bias, fc1_gated = randn(s, b, 8192), randn(8192), randn(s, b, 2 * CONFIGS["llama"]["plain"]["ffn"])
+    out_w, mask = randn(VOCAB, h, scale=0.02), (torch.rand(s, b, device=device, generator=gen) > 0.2).float()
     groups = CONFIGS["llama"]["plain"]["groups"]
     bda_norm = fusions.bias_dropout_add_norm
     cases = [  # (name, op, call): every flag combination a configuration takes
@@ -476,8 +478,14 @@ def check_kernels(device) -> dict:
         ("swiglu", "activation", lambda: fusions.activation(fc1_gated, None, F.silu, True)),
         ("rope_split", "rope", lambda: fusions.split_qkv(qkv, HEADS, groups, HIDDEN // HEADS, rot)),
         ("cross_entropy", "cross_entropy", lambda: fusions.vocab_parallel_cross_entropy(logits * 1, target, None)),
+        # Reduced with its loss mask, as training does: the op's gradient contract (see its module).
+        (
+            "linear_cross_entropy",
+            "linear_cross_entropy",
+            lambda: (linear_ce(x, out_w, target, None, token_weight=mask) * mask).sum(),
+        ),
     ]
-    leaves = [x, res, w, nb, bias, qkv, logits, fc1, fc1_bias, fc1_gated]
+    leaves = [x, res, w, nb, bias, qkv, logits, fc1, fc1_bias, fc1_gated, out_w]
     report, failed = {}, []
     for name, op, call in cases:
         try:

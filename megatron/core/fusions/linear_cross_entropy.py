@@ -8,7 +8,8 @@ target-logit reductions over the TP group of the vocab-parallel cross-entropy), 
 logits with their gradient ``w[t] * (softmax - onehot)`` (the Triton kernels of
 :mod:`cross_entropy_triton`, or torch ops on the torch backend) and turns it at once into this
 chunk's rows of ``d hidden`` and its term of ``d W`` (two GEMMs, ``d W`` summed in fp32 over the
-chunks). Backward only scales the two saved gradients.
+chunks). Backward only scales the two saved gradients (in place: a graph through this op is
+backpropagated once).
 
 That is exact when the gradient reaching the per-token loss is ``c * token_weight`` for one
 scalar ``c``: the loss is reduced as ``c * sum(loss * token_weight)``, which is what the
@@ -104,7 +105,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 loss[rows] = _stats_and_grad_triton(logits, local_target[rows], row_weight[rows], tp_group)
             else:
                 loss[rows] = _stats_and_grad_torch(logits, local_target[rows], row_weight[rows], tp_group, upcast)
-            grad_hidden[rows] = _mm(logits, weight, logit_dtype)
+            if logits.dtype == weight.dtype:
+                torch.mm(logits, weight, out=grad_hidden[rows])
+            else:
+                grad_hidden[rows] = _mm(logits, weight, logit_dtype)
             grad_weight += _mm(logits.t(), hidden[rows], torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight, row_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
@@ -115,11 +119,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight, row_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         scale = (grad_loss.float() * row_weight).sum() / (row_weight * row_weight).sum().clamp(min=1e-30)
-        return (
-            (grad_hidden * scale).to(hidden_dtype),
-            (grad_weight * scale).to(weight_dtype),
-            *(None,) * 7,
-        )
+        # The saved gradients are this function's own buffers: scaled in place, no copies.
+        return grad_hidden.mul_(scale).to(hidden_dtype), grad_weight.mul_(scale).to(weight_dtype), *(None,) * 7
 
 
 def linear_cross_entropy(
