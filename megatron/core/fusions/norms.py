@@ -1,5 +1,6 @@
 """LayerNorm / RMSNorm, bias-dropout-add, and the two fused (the residual add feeding the next
-norm): the torch reference and the dispatch to the Triton kernels of :mod:`norms_triton`.
+norm; a sub-block's norm whose input is also its residual, the two gradients added in the
+norm's backward): the torch reference and the dispatch to the Triton kernels of :mod:`norms_triton`.
 
 ``kind`` is ``"LayerNorm"`` or ``"RMSNorm"`` (``TransformerConfig.normalization``). The Triton
 path computes in fp32 and rounds once, so on bf16 it agrees with the reference (which rounds
@@ -70,6 +71,25 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: 
     if fused_backend("norm", x.device) == "torch" or not _triton_ready(x, weight, bias):
         return _norm_reference(x, weight, bias, eps, kind)
     return _add_norm_triton(x, None, None, 0.0, False, False, weight, bias, eps, kind, do_norm=True)[1]
+
+
+def norm_and_residual(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, norm(x))`` for a pre-norm sub-block, whose input is both the norm's input and the
+    residual of its closing add: use the first as that residual. On the Triton path the backward
+    adds the residual's gradient to the norm's input gradient in the norm's backward kernel; the
+    torch path is ``x`` itself and :func:`norm`."""
+    if (
+        fused_backend("norm", x.device) == "torch"
+        or not _triton_ready(x, weight, bias)
+        or not needs_autograd(x, weight, bias)
+    ):
+        return x, norm(x, weight, bias, eps, kind)
+    from megatron.core.fusions.norms_triton import NormWithResidualFunction
+
+    residual, out = NormWithResidualFunction.apply(_rows(x), weight, bias, eps, kind == "RMSNorm")
+    return residual.view(x.shape), out.view(x.shape)
 
 
 def bias_dropout_add(

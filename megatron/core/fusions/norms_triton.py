@@ -295,3 +295,29 @@ class AddNormFunction(torch.autograd.Function):
             do_norm,
         )
         return dx, dbias, ds if has_residual else None, dweight, dnorm_bias, None, None, None, None, None
+
+
+class NormWithResidualFunction(torch.autograd.Function):
+    """``(x, norm(x))`` where ``x`` also feeds the residual add of a pre-norm sub-block: the
+    backward receives both gradients of ``x`` at once and one kernel adds the residual's to the
+    norm's input gradient (``d_sum`` of :func:`add_norm_backward`), instead of autograd summing
+    the two in a separate pass. Tensors are 2-D ``[rows, n]`` and contiguous."""
+
+    @staticmethod
+    def forward(ctx, x, weight, norm_bias, eps, is_rms):
+        _, out, mean, rstd = add_norm_forward(x, None, None, None, 0.0, weight, norm_bias, eps, is_rms, True)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.flags = norm_bias is not None, is_rms
+        ctx.set_materialize_grads(False)  # an unused residual adds nothing (no zeros read)
+        return x, out  # x returned as is: autograd makes it a view with this node as its grad_fn
+
+    @staticmethod
+    def backward(ctx, d_residual, d_out):
+        x, weight, mean, rstd = ctx.saved_tensors
+        has_norm_bias, is_rms = ctx.flags
+        d_out = torch.zeros_like(x) if d_out is None else d_out.contiguous()
+        dsum = None if d_residual is None else d_residual.contiguous()
+        ds, _, dweight, dnorm_bias, _ = add_norm_backward(
+            d_out, dsum, x, weight, mean, rstd, None, 0.0, has_norm_bias, False, is_rms, True
+        )
+        return ds, dweight, dnorm_bias, None, None

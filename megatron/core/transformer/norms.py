@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megatron.core.config import TransformerConfig
-from megatron.core.fusions.norms import bias_dropout_add_norm, norm
+from megatron.core.fusions.norms import bias_dropout_add_norm, norm, norm_and_residual
 from megatron.core.tensor_parallel import set_parallel_attributes
 
 
@@ -51,6 +51,11 @@ class _Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.scale(), getattr(self, "bias", None), self.eps, self.kind)
+
+    def norm_and_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, self(x))``: the first is the sub-block's residual (its gradient is added to the
+        norm's input gradient in one backward kernel on the fused path)."""
+        return norm_and_residual(x, self.scale(), getattr(self, "bias", None), self.eps, self.kind)
 
     def add_and_norm(
         self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, config: TransformerConfig

@@ -2,7 +2,9 @@
 
 The attention's bias-dropout-add and the MLP's norm run as one fused op
 (:meth:`~megatron.core.transformer.norms.RMSNorm.add_and_norm`), the MLP's bias-dropout-add as
-another (:func:`megatron.core.fusions.norms.bias_dropout_add`).
+another (:func:`megatron.core.fusions.norms.bias_dropout_add`). The input norm also hands out
+the residual (:meth:`~megatron.core.transformer.norms.RMSNorm.norm_and_residual`), so the layer
+input's two gradients are added inside the norm's backward kernel.
 """
 
 from __future__ import annotations
@@ -66,13 +68,14 @@ class TransformerLayer(nn.Module):
         rotary_pos_emb: torch.Tensor | None = None,
         inference_context=None,
     ) -> torch.Tensor:
+        residual, normed = self.input_layernorm.norm_and_residual(hidden_states)
         attn_out, attn_bias = self.self_attention(
-            self.input_layernorm(hidden_states),
+            normed,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             inference_context=inference_context,
         )
-        hidden_states, normed = self.pre_mlp_layernorm.add_and_norm(attn_out, attn_bias, hidden_states, self.config)
+        hidden_states, normed = self.pre_mlp_layernorm.add_and_norm(attn_out, attn_bias, residual, self.config)
         mlp_out, mlp_bias = self.mlp(normed)
         config = self.config
         return bias_dropout_add(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.core.fusions import bias_dropout_add, bias_dropout_add_norm, fusion_backend, norm
-from megatron.core.fusions.norms import layer_norm_reference, rms_norm_reference
+from megatron.core.fusions.norms import layer_norm_reference, norm_and_residual, rms_norm_reference
 from tests.unit_tests.fusions.kernels import DEVICE, assert_triton_matches_torch, leaf
 
 KINDS = ("LayerNorm", "RMSNorm")
@@ -27,6 +27,24 @@ def _norm_inputs(kind, n, dtype, seed=0):
 def test_norm_matches_reference(kind, n, dtype):
     x, weight, norm_bias, _ = _norm_inputs(kind, n, dtype)
     assert_triton_matches_torch(lambda x, w, b: norm(x, w, b, 1e-5, kind), [x, weight, norm_bias], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual_used", [True, False])
+def test_norm_and_residual_adds_the_residual_gradient_in_the_norm_backward(kind, dtype, residual_used):
+    # The residual output's cotangent must reach x added to the norm's input gradient (one
+    # kernel on Triton, autograd's sum on torch); unused, the norm's gradient alone.
+    x, weight, norm_bias, _ = _norm_inputs(kind, 100, dtype)
+
+    def both(x, w, b):
+        residual, out = norm_and_residual(x, w, b, 1e-5, kind)
+        return (residual * 1, out) if residual_used else out
+
+    assert_triton_matches_torch(both, [x, weight, norm_bias], dtype)
+    with fusion_backend("triton"):
+        residual, _ = norm_and_residual(x, weight, norm_bias, 1e-5, kind)
+    assert torch.equal(residual, x) and residual.data_ptr() == x.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -54,13 +54,14 @@ class AttentionLayer(nn.Module):
         )
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        residual, normed = self.norm.norm_and_residual(hidden_states)
         out, bias = self.self_attention(
-            self.norm(hidden_states),
+            normed,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             inference_context=inference_context,
         )
-        return _bias_dropout_add(self.config, self.training, out, bias, hidden_states)
+        return _bias_dropout_add(self.config, self.training, out, bias, residual)
 
 
 @dataclass
@@ -87,5 +88,6 @@ class MLPLayer(nn.Module):
         self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        out, bias = self.mlp(self.norm(hidden_states))
-        return _bias_dropout_add(self.config, self.training, out, bias, hidden_states)
+        residual, normed = self.norm.norm_and_residual(hidden_states)
+        out, bias = self.mlp(normed)
+        return _bias_dropout_add(self.config, self.training, out, bias, residual)
