@@ -12,6 +12,9 @@ shapes (bf16, 16384 tokens = micro-batch 8 x seq 2048, hidden 2048, ffn 8192, vo
 - ``gelu_bias_backward`` [16384, 8192] and ``swiglu_backward`` [16384, 2 x 8192]: the activation
   backward kernel against ``aten.gelu_backward`` / the SiLU-gate ops (+ the bias sum) eager and
   compiled; achieved bandwidth of the three tensor passes.
+- ``layernorm_residual_fwd_bwd`` [16384, 2048]: a layer input's LayerNorm forward and the
+  gradient of that input (the norm's input gradient plus the residual's, one backward kernel:
+  ``norm_and_residual``) against LayerNorm + autograd's add, eager and compiled.
 
 Each op is first checked against an fp32 torch reference on the same inputs (max relative error
 of outputs and gradients, ``ok`` under 3e-2 for bf16). Times are medians of alternating trials
@@ -195,6 +198,51 @@ def activation_backward_case(gated: bool, trials: int) -> dict:
     return results
 
 
+# --------------------------------------------------------------------------- norm + residual backward
+
+
+def norm_residual_backward_case(trials: int) -> dict:
+    """The layer input's gradient: the input LayerNorm's input gradient plus the residual's, with
+    the weight and bias gradients; ours in one kernel (norm_and_residual), torch as LayerNorm's
+    backward then autograd's add."""
+    from megatron.core.fusions import fusion_backend
+    from megatron.core.fusions.norms import norm_and_residual
+
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    x = torch.randn(TOKENS, HIDDEN, device=DEVICE, generator=gen).to(DTYPE).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(HIDDEN, device=DEVICE, generator=gen)).to(DTYPE).requires_grad_()
+    bias = (0.1 * torch.randn(HIDDEN, device=DEVICE, generator=gen)).to(DTYPE).requires_grad_()
+    d_residual, d_out = (torch.randn(TOKENS, HIDDEN, device=DEVICE, generator=gen).to(DTYPE) for _ in range(2))
+
+    def ours():
+        with fusion_backend("triton"):
+            residual, out = norm_and_residual(x, weight, bias, 1e-5, "LayerNorm")
+        return torch.autograd.grad([residual, out], [x, weight, bias], [d_residual, d_out])
+
+    def torch_grads(x, weight, bias, d_residual, d_out):
+        out = F.layer_norm(x, (HIDDEN,), weight, bias, 1e-5)
+        dx, dw, db = torch.autograd.grad(out, [x, weight, bias], d_out)
+        return dx + d_residual, dw, db
+
+    compiled = torch.compile(torch_grads)
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, weight, bias))
+    want = torch_grads(x32, w32, b32, d_residual.float(), d_out.float())
+    got = ours()
+    names = ("d_x", "d_weight", "d_bias")
+    results = {"check": _check({name: (g, w) for name, g, w in zip(names, got, want, strict=True)})}
+    results["ms"] = alternating_ms(
+        {
+            "ours": ours,
+            "torch": lambda: torch_grads(x, weight, bias, d_residual, d_out),
+            "torch_compiled": lambda: compiled(x, weight, bias, d_residual, d_out),
+        },
+        trials,
+    )
+    ms = results["ms"]
+    results["ratios"] = {f"{base}/ours": round(ms[base] / ms["ours"], 3) for base in ("torch", "torch_compiled")}
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=15)
@@ -215,6 +263,7 @@ def main(argv=None) -> int:
     cases = {
         "gelu_bias_backward": lambda: activation_backward_case(False, opts.trials),
         "swiglu_backward": lambda: activation_backward_case(True, opts.trials),
+        "layernorm_residual_fwd_bwd": lambda: norm_residual_backward_case(opts.trials),
         "linear_cross_entropy": lambda: linear_cross_entropy_case(opts.trials),
     }
     for name, case in cases.items():
