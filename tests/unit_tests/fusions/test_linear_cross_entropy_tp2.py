@@ -12,7 +12,6 @@ from tests.unit_tests.fusions.test_linear_cross_entropy import check_linear_cros
 
 CASES = [
     pytest.param(torch.bfloat16, None, "torch", id="bf16-torch"),
-    pytest.param(torch.bfloat16, torch.float32, "torch", id="bf16-fp32logits-torch"),
     pytest.param(torch.bfloat16, None, "triton", id="bf16-triton", marks=pytest.mark.gpu(2)),
     pytest.param(torch.bfloat16, torch.float32, "triton", id="bf16-fp32logits-triton", marks=pytest.mark.gpu(2)),
 ]

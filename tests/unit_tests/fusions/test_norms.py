@@ -29,9 +29,10 @@ def test_norm_matches_reference(kind, n, dtype):
     assert_triton_matches_torch(lambda x, w, b: norm(x, w, b, 1e-5, kind), [x, weight, norm_bias], dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("residual_used", [True, False])
+@pytest.mark.parametrize(
+    ("kind", "dtype", "residual_used"),
+    [("LayerNorm", torch.float32, True), ("RMSNorm", torch.bfloat16, True), ("LayerNorm", torch.bfloat16, False)],
+)
 def test_norm_and_residual_adds_the_residual_gradient_in_the_norm_backward(kind, dtype, residual_used):
     # The residual output's cotangent must reach x added to the norm's input gradient (one
     # kernel on Triton, autograd's sum on torch); unused, the norm's gradient alone.
