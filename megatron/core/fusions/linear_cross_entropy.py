@@ -7,9 +7,9 @@ the vocabulary padding, finds each token's log-sum-exp and target logit (the max
 target-logit reductions over the TP group of the vocab-parallel cross-entropy), overwrites the
 logits with their gradient ``w[t] * (softmax - onehot)`` (the Triton kernels of
 :mod:`cross_entropy_triton`, or torch ops on the torch backend) and turns it at once into this
-chunk's rows of ``d hidden`` and its term of ``d W`` (two GEMMs, ``d W`` summed in fp32 over the
-chunks). Backward only scales the two saved gradients (in place: a graph through this op is
-backpropagated once).
+chunk's rows of ``d hidden`` and its term of ``d W`` (two GEMMs in ``logit_dtype``, ``d W``
+accumulated over the chunks in place by the GEMM). Backward only scales the two saved
+gradients (in place: a graph through this op is backpropagated once).
 
 That is exact when the gradient reaching the per-token loss is ``c * token_weight`` for one
 scalar ``c``: the loss is reduced as ``c * sum(loss * token_weight)``, which is what the
@@ -89,27 +89,30 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, local_target, token_weight, tp_group, vocab_end, logit_dtype, upcast, chunk):
         n_rows, local_vocab = hidden.shape[0], weight.shape[0]
-        logit_dtype = logit_dtype or hidden.dtype
+        dtype = logit_dtype or hidden.dtype  # of the logits and of the gradients' GEMMs
         triton = fused_backend("cross_entropy", hidden.device) == "triton"
         loss = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty(n_rows, hidden.shape[1], device=hidden.device, dtype=logit_dtype)
-        grad_weight = torch.zeros(local_vocab, hidden.shape[1], device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty(n_rows, hidden.shape[1], device=hidden.device, dtype=dtype)
+        grad_weight = torch.empty(local_vocab, hidden.shape[1], device=hidden.device, dtype=dtype)
         row_weight = token_weight.float()
-        weight_t = weight.t()
+        weight_t, weight_in_dtype = weight.t(), weight.to(dtype)
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
-            logits = _mm(hidden[rows], weight_t, logit_dtype)
+            logits = _mm(hidden[rows], weight_t, dtype)
             if vocab_end < local_vocab:  # this rank's padded ids: never in the softmax
                 logits[:, vocab_end:] = torch.finfo(logits.dtype).min
             if triton:
                 loss[rows] = _stats_and_grad_triton(logits, local_target[rows], row_weight[rows], tp_group)
             else:
                 loss[rows] = _stats_and_grad_torch(logits, local_target[rows], row_weight[rows], tp_group, upcast)
-            if logits.dtype == weight.dtype:
-                torch.mm(logits, weight, out=grad_hidden[rows])
+            torch.mm(logits, weight_in_dtype, out=grad_hidden[rows])
+            hidden_in_dtype = hidden[rows].to(dtype)
+            # d W summed over the chunks by the GEMM itself (cuBLAS: fp32 accumulation, C read
+            # back and rounded once per chunk), no temporary of [V/tp, h] per chunk.
+            if start == 0:
+                torch.mm(logits.t(), hidden_in_dtype, out=grad_weight)
             else:
-                grad_hidden[rows] = _mm(logits, weight, logit_dtype)
-            grad_weight += _mm(logits.t(), hidden[rows], torch.float32)
+                grad_weight.addmm_(logits.t(), hidden_in_dtype)
         ctx.save_for_backward(grad_hidden, grad_weight, row_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
         return loss
