@@ -2,7 +2,7 @@
 against the same run's step time with no save in flight (and a synchronous run for reference).
 
     python benchmarks/async_save.py                  # CPU: training on one thread, the writer on another
-    python benchmarks/async_save.py --hidden-size 768 --iters 24 --save-interval 8 --json async.json
+    python benchmarks/async_save.py --hidden-size 768 --iters 30 --save-interval 10 --json async.json
 
 Runs ``megatron-pretrain-gpt`` in subprocesses with ``OMP_NUM_THREADS=1`` (the training thread
 gets one core; the background writer, at nice 19, uses another): ``--repeats`` runs with
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--save-interval", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--save-interval", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2, help="runs with --async-save (their windows pooled)")
     parser.add_argument("--warmup", type=int, default=2, help="leading iterations left out of the medians")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
