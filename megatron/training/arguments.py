@@ -207,11 +207,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cross-entropy-fusion-impl",
-        choices=["linear", "native", "te"],
-        default="linear",
-        help="linear: the output layer and the loss in one chunked op where the fusion backend runs Triton "
-        "(the logits are never materialized); native: logits, then the fused cross-entropy kernel (te: the same, "
-        "no Transformer Engine here)",
+        choices=["native", "te", "linear"],
+        default="native",
+        help="native (Megatron's default): logits, then the fused cross-entropy kernel (te: the same, no "
+        "Transformer Engine here); linear: the output layer and the loss in one chunked op where the fusion "
+        "backend runs Triton (the logits are never materialized)",
     )
 
 

@@ -40,9 +40,9 @@ def test_speed_flags_reach_the_config():
     assert args.use_torch_compile and transformer_config_from_args(args).mamba_chunk_size == 64
     default = parse_args(BASE, world_size=1)
     assert not default.use_torch_compile and transformer_config_from_args(default).mamba_chunk_size == 128  # Megatron's
-    assert default.cross_entropy_fusion_impl == "linear"
+    assert default.cross_entropy_fusion_impl == "native"
     assert (
-        parse_args(BASE + ["--cross-entropy-fusion-impl", "native"], world_size=1).cross_entropy_fusion_impl == "native"
+        parse_args(BASE + ["--cross-entropy-fusion-impl", "linear"], world_size=1).cross_entropy_fusion_impl == "linear"
     )
 
 
