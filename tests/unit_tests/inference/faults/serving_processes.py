@@ -26,15 +26,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-
-import httpx
+from typing import TYPE_CHECKING
 
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 from megatron.core.inference.coordinator.lifetime import die_with_parent
-from megatron.core.inference.server import ServerConfig, ServerThread
 from tests.readme import ROOT, command_env
 from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER, HashEngine
 from tests.unit_tests.inference.launched_server import LaunchedServer, kill_tree
+
+if TYPE_CHECKING:
+    import httpx
 
 STEP_DELAY_S = 0.01  # engine doubles take this long per token: streams last while a test acts
 
@@ -142,6 +143,9 @@ def main(argv=None) -> None:
     coordinator = InferenceCoordinator(**options).start()
     print(f"Coordinator on {coordinator.address}", flush=True)
     if args.role == "frontend":
+        # Imported here: an engine (re)started under load pays only for what it uses (no web stack).
+        from megatron.core.inference.server import ServerConfig, ServerThread
+
         _endpoint_thread(coordinator.address, "engine-0")
         client = InferenceClient(coordinator.address)
         server = ServerThread(client, tokenizer=TOKENIZER, config=ServerConfig()).start()

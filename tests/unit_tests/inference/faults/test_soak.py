@@ -1,32 +1,42 @@
 """Issue 19, soak: the whole serving stack under load while things break, through real
 processes and sockets.
 
-For ``$MEGATRON_SOAK_S`` seconds (15 by default: about 30 s in all) 200 concurrent clients stream
-``/v1/completions`` from the real HTTP server, each cancelling about one stream in three at a
-random point. Behind the coordinator serve two engine replicas in processes of their own and
-one disaggregated replica (a real decode engine here, its prefill worker in a child process,
-KV moved by NIXL). Meanwhile: malformed ZeroMQ frames reach the coordinator (unauthenticated
-and authenticated), one replica is killed (SIGKILL) and started again, and the prefill worker
-is killed, after which its decode replica is taken out of service (while it stops, it refuses
-new submits and the coordinator runs them on the other replicas).
+For at least ``$MEGATRON_SOAK_S`` seconds (15 by default: about 30 s in all on an idle 2-core
+host) 200 concurrent clients stream greedy ``/v1/completions`` from the real HTTP server, each
+cancelling about one stream in three at a random point. Behind the coordinator serve two engine
+replicas in processes of their own and one disaggregated replica (a real decode engine here,
+its prefill worker in a child process, KV moved by NIXL). Meanwhile: malformed ZeroMQ frames
+reach the coordinator (unauthenticated and authenticated), one replica is killed (SIGKILL) and
+started again as a new process, and the prefill worker is killed, after which its decode
+replica is taken out of service (while it stops, it refuses new submits and the coordinator
+runs them on the other replicas) and a replacement pair (a prefill worker and a decode replica
+over it) joins. The load lasts until every fault was injected and both the restarted replica
+and the replacement pair generated tokens, so that a slow restart on a loaded host never moves
+a fault out of the storm.
 
-Every stream that was not cancelled gets exactly one terminal reply: HTTP 200 and a finish or
-one error event before ``[DONE]``, or an error response (503) for a request that failed before
-its first token. The only errors are ``unavailable`` ones of requests in flight on the killed
-replica (those that had streamed output: the coordinator runs the others again on another
-replica) and of requests whose KV the decode replica was pulling from the killed prefill worker
-(a handoff failure is a 503, see ``test_handoff_failures_are_503``). Afterwards the
-coordinator has nothing in flight and no load on any engine, the decode engine has all its
-blocks back and no quarantined block is left once its prefill peer is gone."""
+Every request gets exactly one terminal reply (none lost): a stream that was not cancelled
+gets HTTP 200 and a finish or one error event before ``[DONE]``, or an error response (503)
+for a request that failed before its first token. Its text equals that of a reference run
+(the same request on the same engine, in this process, with no faults): a hash engine's or
+the disaggregated replicas' model's; a cancelled or failed stream's text is a prefix of it. The
+only errors are ``unavailable`` ones of requests in flight on the killed replica (those that
+had streamed output: the coordinator runs the others again on another replica) and of requests
+whose KV the decode replica was pulling from the killed prefill worker (a handoff failure is a
+503, see ``test_handoff_failures_are_503``). Afterwards the coordinator has nothing in flight
+and no load on any engine, the server still serves, and each decode engine, once retired, has
+all its blocks back and no quarantined block left.
+
+Every wait has a deadline that fails naming what did not happen; every process the test
+started is killed and reaped, also when it fails."""
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import os
 import random
 import signal
 import socket
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -37,12 +47,14 @@ import zmq
 from megatron.core.inference import coordinator as control_plane
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
 from megatron.core.inference.coordinator.messages import MessageKind, encode
+from megatron.core.inference.sampling import SamplingParams
 from megatron.core.inference.server import ServerThread
+from megatron.core.process_groups import ProcessGroupCollection, RankLayout
+from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.inference.coordinator.cluster import peer_socket
-from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER
+from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER, HashEngine
 from tests.unit_tests.inference.faults.handoff_peers import DisaggregatedReplicaPeer, PrefillWorkerPeer, wait_until
 from tests.unit_tests.inference.faults.serving_processes import launched
-from tests.unit_tests.transformer.single_rank import on_single_rank
 
 SOAK_S = float(os.environ.get("MEGATRON_SOAK_S", "15"))
 STREAMS = 200
@@ -52,8 +64,15 @@ HEARTBEAT_TIMEOUT_S = 3.0  # the coordinator drops a replica silent this long (a
 # worker's requests end when its replica is retired (which refuses new submits while it stops:
 # the coordinator sends them to a live replica), not by this timeout.
 PREFILL_TIMEOUT_S = 120.0
-# The disaggregated replica: a tiny model over the server's byte-level vocabulary, room for
-# its share of the streams (prompts of up to 8 tokens plus up to 24 generated).
+# A replica process is a fresh interpreter: importing torch takes about 3 s of CPU, which the
+# storm (more runnable processes than cores) and the other jobs of a shared CI host stretch
+# (once past 90 s). Waiting for it is no fault of the serving stack; its deadline is generous.
+STARTUP_TIMEOUT_S = 180.0
+WAIT_S = 60.0  # every other wait
+# The backstop of the harness, above the sum of the waits that can follow one another.
+TEST_TIMEOUT_S = SOAK_S + 2 * STARTUP_TIMEOUT_S + 6 * WAIT_S
+# The disaggregated replicas: a tiny model over the server's byte-level vocabulary, room for
+# their share of the streams (prompts of up to 8 tokens plus up to 24 generated).
 MODEL = dict(vocab_size=TOKENIZER.vocab_size)
 ENGINE = dict(num_blocks=512, max_requests=32, tokenizer=TOKENIZER)
 
@@ -62,9 +81,12 @@ ENGINE = dict(num_blocks=512, max_requests=32, tokenizer=TOKENIZER)
 class Outcome:
     """What one client saw of one streamed request."""
 
+    prompt: list[int]
+    max_tokens: int
     started: float
     ended: float = 0.0
     status: int = 0
+    text: str = ""  # the text deltas, concatenated
     finishes: int = 0  # choices that reported a finish_reason
     errors: list[dict] = field(default_factory=list)  # error events (or the error body of a refused request)
     done: int = 0  # [DONE] events
@@ -85,15 +107,11 @@ async def _sse_lines(response: httpx.Response):
 
 
 async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
-    body = {
-        "model": "megatron",
-        "prompt": [rng.randrange(1, 120) for _ in range(rng.randint(2, 8))],
-        "max_tokens": rng.randint(4, 24),
-        "ignore_eos": True,
-        "stream": True,
-    }
+    prompt = [rng.randrange(1, 120) for _ in range(rng.randint(2, 8))]
+    max_tokens = rng.randint(4, 24)
+    body = dict(model="megatron", prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stream=True)
     cancel_after = rng.randint(1, 8) if rng.random() < CANCEL_FRACTION else None
-    outcome = Outcome(started=time.monotonic())
+    outcome = Outcome(prompt, max_tokens, started=time.monotonic())
     async with http.stream("POST", "/v1/completions", json=body) as response:
         outcome.status = response.status_code
         if response.status_code != 200:
@@ -109,7 +127,9 @@ async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
                 if "error" in data:
                     outcome.errors.append(data["error"])
                 else:
-                    outcome.finishes += sum(choice.get("finish_reason") is not None for choice in data["choices"])
+                    for choice in data["choices"]:
+                        outcome.text += choice.get("text") or ""
+                        outcome.finishes += choice.get("finish_reason") is not None
                 if cancel_after is not None and events >= cancel_after and not outcome.done:
                     outcome.cancelled = True  # the client leaves: closing the response aborts the request
                     break
@@ -117,23 +137,46 @@ async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
     return outcome
 
 
-def _load(url: str, seconds: float, outcomes: list[Outcome]) -> None:
-    """``STREAMS`` clients, each streaming one request after another for ``seconds``."""
+class Load:
+    """``STREAMS`` clients in a thread of their own, each streaming one request after another
+    until :meth:`stop`; :meth:`join` re-raises what a client raised."""
 
-    async def client(http: httpx.AsyncClient, index: int, until: float) -> None:
-        rng = random.Random(index)
-        while time.monotonic() < until:
-            outcomes.append(await _stream(http, rng))
+    def __init__(self, url: str):
+        self.outcomes: list[Outcome] = []
+        self.sent = 0  # requests a client started
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(url,), name="soak-load", daemon=True)
+        self._thread.start()
 
-    async def main() -> None:
-        # A connection per stream: a kept-alive connection that the server closes as idle while
-        # the client sends on it is HTTP's own race (httpx does not retry POSTs), not a fault here.
-        limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-            until = time.monotonic() + seconds
-            await asyncio.gather(*(client(http, index, until) for index in range(STREAMS)))
+    def _run(self, url: str) -> None:
+        async def client(http: httpx.AsyncClient, index: int) -> None:
+            rng = random.Random(index)
+            while not self._stop.is_set():
+                self.sent += 1
+                self.outcomes.append(await _stream(http, rng))
 
-    asyncio.run(main())
+        async def main() -> None:
+            # A connection per stream: a kept-alive connection that the server closes as idle while
+            # the client sends on it is HTTP's own race (httpx does not retry POSTs), not a fault here.
+            limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=url, timeout=WAIT_S, limits=limits) as http:
+                await asyncio.gather(*(client(http, index) for index in range(STREAMS)))
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - join() raises it in the test's thread
+            self._error = exc
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self) -> None:
+        self.stop()
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), f"the clients did not end within {WAIT_S:g}s of the stop"
+        if self._error is not None:
+            raise self._error
 
 
 def _malformed_frames(coordinator: InferenceCoordinator) -> int:
@@ -151,7 +194,7 @@ def _malformed_frames(coordinator: InferenceCoordinator) -> int:
     finally:
         context.destroy(linger=0)
     parsed = urllib.parse.urlparse(coordinator.address)
-    with socket.create_connection((parsed.hostname, parsed.port)) as raw:
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=WAIT_S) as raw:
         raw.sendall(os.urandom(16 * 1024))
     client, engine = peer_socket(coordinator, "client"), peer_socket(coordinator, "engine")
     client.send_multipart([b"two", b"frames"])
@@ -160,7 +203,7 @@ def _malformed_frames(coordinator: InferenceCoordinator) -> int:
     engine.send(encode(MessageKind.CONTROL, signal="stop"))  # an engine may not control
     engine.send(b"\x80\x04not msgpack")
     # Sockets closed early drop what they have not sent: wait until the coordinator counted them.
-    wait_until(lambda: coordinator.protocol_errors == 5, "five malformed messages to be counted")
+    wait_until(lambda: coordinator.protocol_errors == 5, "five malformed messages to be counted", WAIT_S)
     client.close()
     engine.close()
     return 5
@@ -177,92 +220,141 @@ def _replica(address: str, keys_file: str):
     )
 
 
+def _started(replica) -> str:
+    """The engine id of a replica process, once it is up."""
+    replica.wait_for("Engine up", timeout_s=STARTUP_TIMEOUT_S)
+    return f"engine-{replica.process.pid}"
+
+
 def _engine_ids(coordinator: InferenceCoordinator, ids: set[str], what: str) -> None:
-    wait_until(lambda: set(coordinator.engine_ids) == ids, what)
+    wait_until(lambda: set(coordinator.engine_ids) == ids, f"{what} (engines: {coordinator.engine_ids})", WAIT_S)
 
 
-@on_single_rank
-def test_soak(pg, tmp_path):
+def _engine_stats(coordinator: InferenceCoordinator, engine_id: str) -> dict:
+    return next((e for e in coordinator.stats()["engines"] if e["engine_id"] == engine_id), {})
+
+
+def _generated(coordinator: InferenceCoordinator, engine_id: str) -> int:
+    return (_engine_stats(coordinator, engine_id).get("stats") or {}).get("tokens_generated", 0)
+
+
+def test_soak(tmp_path):
+    run_distributed(_soak_on_one_rank, 1, tmp_path, timeout_s=TEST_TIMEOUT_S)
+
+
+def _soak_on_one_rank(tmp_path) -> None:
+    pg = ProcessGroupCollection.from_layout(RankLayout())
     keys = control_plane.ControlPlaneKeys.generate()
-    # Forked before NIXL or ZeroMQ exist here.
+    # Forked before NIXL or ZeroMQ exist here (so the replacement pair is forked now, idle until needed).
     worker = PrefillWorkerPeer(pg=pg, model_overrides=MODEL, keys=keys, **ENGINE)
     decode = DisaggregatedReplicaPeer(pg=pg, model_overrides=MODEL, **ENGINE)
+    new_worker = PrefillWorkerPeer(pg=pg, model_overrides=MODEL, keys=keys, **ENGINE)
+    new_decode = DisaggregatedReplicaPeer(pg=pg, model_overrides=MODEL, **ENGINE)
     keys_file = keys.for_role("engine").save(str(tmp_path / "engine.json"))
     coordinator = InferenceCoordinator(keys=keys, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S).start()
-    decode.serve(
-        coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=PREFILL_TIMEOUT_S
-    )
     server = ServerThread(InferenceClient(coordinator.address, keys=keys.for_role("client")), tokenizer=TOKENIZER)
-    outcomes: list[Outcome] = []
+    timeline: dict[str, float] = {}  # seconds since the load started, printed for a failure's post-mortem
+    load = None
     try:
+        decode.serve(
+            coordinator.address, keys_file, worker.address, engine_id="decode", prefill_timeout_s=PREFILL_TIMEOUT_S
+        )
         with _replica(coordinator.address, keys_file) as first, _replica(coordinator.address, keys_file) as second:
-            first.wait_for("Engine up")
-            second.wait_for("Engine up")
-            first_id, second_id = (f"engine-{replica.process.pid}" for replica in (first, second))
+            first_id, second_id = _started(first), _started(second)
             _engine_ids(coordinator, {first_id, second_id, "decode"}, "three replicas to register")
             server.start()
-            clients = concurrent.futures.ThreadPoolExecutor(1)
-            load = clients.submit(_load, server.url, SOAK_S, outcomes)
+            load = Load(server.url)
             started = time.monotonic()
+
+            def mark(event: str) -> None:
+                timeline[event] = round(time.monotonic() - started, 2)
 
             def at(fraction: float) -> None:
                 time.sleep(max(0.0, started + fraction * SOAK_S - time.monotonic()))
 
             at(0.1)
             malformed = _malformed_frames(coordinator)
+            mark("malformed frames counted")
 
             at(0.2)
-            wait_until(lambda: _pending(coordinator, first_id) > 0, "requests in flight on the replica to kill")
+            wait_until(
+                lambda: _engine_stats(coordinator, first_id).get("pending", 0) > 0,
+                "requests in flight on the replica to kill",
+                WAIT_S,
+            )
             killed_at = time.monotonic()
             os.kill(first.process.pid, signal.SIGKILL)
+            mark("replica killed")
             with _replica(coordinator.address, keys_file) as restarted:  # started again at once
-                wait_until(lambda: first_id not in coordinator.engine_ids, "the killed replica to be dropped")
+                wait_until(lambda: first_id not in coordinator.engine_ids, "the killed replica to be dropped", WAIT_S)
                 replica_window = (killed_at, time.monotonic())  # requests in flight here on the killed replica may fail
-                restarted.wait_for("Engine up")
-                restarted_id = f"engine-{restarted.process.pid}"
+                mark("killed replica dropped")
+                restarted_id = _started(restarted)
+                mark("restarted replica up")
                 _engine_ids(coordinator, {restarted_id, second_id, "decode"}, "the restarted replica to register")
+                mark("restarted replica registered")
 
                 at(0.5)
                 worker_killed_at = time.monotonic()
                 worker.kill()  # in the middle of prefills and transfers
+                mark("prefill worker killed")
                 retired = decode.retire()  # out of service: its in-flight requests end (aborted)
                 # requests whose KV the decode replica was pulling from the killed worker here may fail
                 worker_window = (worker_killed_at, time.monotonic())
+                mark("decode replica retired")
                 _engine_ids(coordinator, {restarted_id, second_id}, "the decode replica to deregister")
+                new_decode.serve(
+                    coordinator.address,
+                    keys_file,
+                    new_worker.address,
+                    engine_id="decode-2",
+                    prefill_timeout_s=PREFILL_TIMEOUT_S,
+                )
+                _engine_ids(coordinator, {restarted_id, second_id, "decode-2"}, "the new decode replica to register")
+                mark("replacement pair registered")
+                for engine_id in (restarted_id, "decode-2"):  # back, and serving the storm
+                    wait_until(lambda e=engine_id: _generated(coordinator, e) > 0, f"{engine_id} to generate", WAIT_S)
+                mark("replacements generated")
 
-                load.result(timeout=SOAK_S + 120)  # raises what a client raised
-                clients.shutdown()
-                assert time.monotonic() - started >= SOAK_S
-                wait_until(lambda: _idle(coordinator.stats()), "the coordinator and its engines to be idle")
+                at(1.0)
+                load.join()
+                mark("load ended")
+                wait_until(lambda: _idle(coordinator.stats()), "the coordinator and its engines to be idle", WAIT_S)
                 final = httpx.post(
                     server.url + "/v1/completions",
                     json={"model": "megatron", "prompt": "after", "max_tokens": 3},
-                    timeout=60,
+                    timeout=WAIT_S,
                 )
-                assert final.status_code == 200 and final.json()["choices"][0]["finish_reason"] == "length"
+                assert final.status_code == 200 and final.json()["choices"][0]["finish_reason"] == "length", final.text
                 stats = coordinator.stats()
+                assert {e["engine_id"] for e in stats["engines"]} == {restarted_id, second_id, "decode-2"}, stats
+                new_retired = new_decode.retire()
+                mark("replacement decode replica retired")
     finally:
+        if load is not None:
+            load.stop()
         if server.uvicorn_server.started:  # else a failure before it started is the one to report
             server.stop()
         coordinator.stop()
-        worker.close()
-        decode.close()
+        for peer in (worker, decode, new_worker, new_decode):
+            peer.close()
+        print(f"soak timeline (s): {json.dumps(timeline)}; load average {os.getloadavg()}", flush=True)
 
     assert (stats["protocol_errors"], stats["internal_errors"]) == (malformed, 0)
-    assert retired["blocks_back"] and retired["storage"]["idle"], retired
-    assert retired["storage"]["quarantined_blocks"] == 0, retired
-    _check_replies(outcomes, [replica_window, worker_window])
-
-
-def _pending(coordinator: InferenceCoordinator, engine_id: str) -> int:
-    return sum(e["pending"] for e in coordinator.stats()["engines"] if e["engine_id"] == engine_id)
+    for report in (retired, new_retired):
+        assert report["blocks_back"] and report["storage"]["idle"], report
+        assert report["storage"]["quarantined_blocks"] == 0, report
+    _check_replies(load, [replica_window, worker_window])
+    _check_texts(pg, load.outcomes)
 
 
 def _idle(stats: dict) -> bool:
     return (stats["in_flight"], stats["unrouted"]) == (0, 0) and all(e["pending"] == 0 for e in stats["engines"])
 
 
-def _check_replies(outcomes: list[Outcome], windows: list[tuple[float, float]]) -> None:
+def _check_replies(load: Load, windows: list[tuple[float, float]]) -> None:
+    outcomes = load.outcomes
+    assert len(outcomes) == load.sent, f"{load.sent} requests sent, {len(outcomes)} answered"
     cancelled = [o for o in outcomes if o.cancelled]
     finished = [o for o in outcomes if not o.cancelled]
     assert len(outcomes) > STREAMS and cancelled and finished, (len(outcomes), len(cancelled))
@@ -274,3 +366,42 @@ def _check_replies(outcomes: list[Outcome], windows: list[tuple[float, float]]) 
     for outcome in (o for o in outcomes if o.errors):
         assert [e["code"] for e in outcome.errors] == ["unavailable"], outcome
         assert any(outcome.started <= end and outcome.ended >= start for start, end in windows), (outcome, windows)
+
+
+def _check_texts(pg, outcomes: list[Outcome]) -> None:
+    """Each stream's text against a reference run of its request on a hash engine and on the
+    disaggregated replicas' model (a plain engine of the same config): the whole text of a
+    completed stream, a prefix of it for a cancelled or failed one."""
+    complete = {id(o) for o in outcomes if not o.cancelled and o.finishes == 1}
+
+    def matches(outcome: Outcome, reference: str) -> bool:
+        return outcome.text == reference if id(outcome) in complete else reference.startswith(outcome.text)
+
+    requests = {(tuple(o.prompt), o.max_tokens) for o in outcomes}
+    by_hash = _reference_texts(HashEngine(), requests)
+    rest = [o for o in outcomes if not matches(o, by_hash[tuple(o.prompt), o.max_tokens])]
+    by_model = _model_reference_texts(pg, {(tuple(o.prompt), o.max_tokens) for o in rest})
+    wrong = [o for o in rest if not matches(o, by_model[tuple(o.prompt), o.max_tokens])]
+    assert not wrong, f"{len(wrong)} streams differ from the reference run, e.g. {wrong[:3]}"
+    served_by_model = sum(id(o) in complete for o in rest)
+    assert served_by_model > 0, "no completed stream came from the disaggregated replicas"
+    assert len(complete) - served_by_model > 0, "no completed stream came from the engine replicas"
+
+
+def _model_reference_texts(pg, requests: set[tuple[tuple[int, ...], int]]) -> dict:
+    from tests.unit_tests.inference.handoff.common import build_engine, build_model
+
+    return _reference_texts(build_engine(build_model("gpt", pg, **MODEL), pg, **ENGINE), requests)
+
+
+def _reference_texts(engine, requests: set[tuple[tuple[int, ...], int]]) -> dict:
+    """``{(prompt, max_tokens): text}`` of greedy requests (as the server asks for them) run on ``engine``."""
+    keys = sorted(requests)
+    texts = {str(i): "" for i in range(len(keys))}
+    for i, (prompt, max_tokens) in enumerate(keys):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(str(i), list(prompt), params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            texts[output.request_id] += output.new_text or ""
+    return {key: texts[str(i)] for i, key in enumerate(keys)}
