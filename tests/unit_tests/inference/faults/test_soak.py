@@ -87,7 +87,7 @@ class Outcome:
     ended: float = 0.0
     status: int = 0
     text: str = ""  # the text deltas, concatenated
-    finishes: int = 0  # choices that reported a finish_reason
+    finish_reasons: list[str] = field(default_factory=list)  # of the choices that reported one
     errors: list[dict] = field(default_factory=list)  # error events (or the error body of a refused request)
     done: int = 0  # [DONE] events
     cancelled: bool = False
@@ -129,7 +129,8 @@ async def _stream(http: httpx.AsyncClient, rng: random.Random) -> Outcome:
                 else:
                     for choice in data["choices"]:
                         outcome.text += choice.get("text") or ""
-                        outcome.finishes += choice.get("finish_reason") is not None
+                        if choice.get("finish_reason") is not None:
+                            outcome.finish_reasons.append(choice["finish_reason"])
                 if cancel_after is not None and events >= cancel_after and not outcome.done:
                     outcome.cancelled = True  # the client leaves: closing the response aborts the request
                     break
@@ -170,6 +171,11 @@ class Load:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def check(self) -> None:
+        """Raise what a client raised (the storm ended early)."""
+        if self._error is not None:
+            raise AssertionError("a client of the storm failed") from self._error
 
     def join(self) -> None:
         self.stop()
@@ -244,6 +250,12 @@ def test_soak(tmp_path):
 
 def _soak_on_one_rank(tmp_path) -> None:
     pg = ProcessGroupCollection.from_layout(RankLayout())
+    began = time.monotonic()
+    timeline: dict[str, float] = {}  # seconds since the test began, printed for a failure's post-mortem
+
+    def mark(event: str) -> None:
+        timeline[event] = round(time.monotonic() - began, 2)
+
     keys = control_plane.ControlPlaneKeys.generate()
     # Forked before NIXL or ZeroMQ exist here (so the replacement pair is forked now, idle until needed).
     worker = PrefillWorkerPeer(pg=pg, model_overrides=MODEL, keys=keys, **ENGINE)
@@ -253,7 +265,7 @@ def _soak_on_one_rank(tmp_path) -> None:
     keys_file = keys.for_role("engine").save(str(tmp_path / "engine.json"))
     coordinator = InferenceCoordinator(keys=keys, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S).start()
     server = ServerThread(InferenceClient(coordinator.address, keys=keys.for_role("client")), tokenizer=TOKENIZER)
-    timeline: dict[str, float] = {}  # seconds since the load started, printed for a failure's post-mortem
+    mark("peers forked")
     load = None
     try:
         decode.serve(
@@ -265,9 +277,7 @@ def _soak_on_one_rank(tmp_path) -> None:
             server.start()
             load = Load(server.url)
             started = time.monotonic()
-
-            def mark(event: str) -> None:
-                timeline[event] = round(time.monotonic() - started, 2)
+            mark("storm started")
 
             def at(fraction: float) -> None:
                 time.sleep(max(0.0, started + fraction * SOAK_S - time.monotonic()))
@@ -313,7 +323,11 @@ def _soak_on_one_rank(tmp_path) -> None:
                 _engine_ids(coordinator, {restarted_id, second_id, "decode-2"}, "the new decode replica to register")
                 mark("replacement pair registered")
                 for engine_id in (restarted_id, "decode-2"):  # back, and serving the storm
-                    wait_until(lambda e=engine_id: _generated(coordinator, e) > 0, f"{engine_id} to generate", WAIT_S)
+                    wait_until(
+                        lambda e=engine_id: load.check() or _generated(coordinator, e) > 0,
+                        f"{engine_id} to generate",
+                        WAIT_S,
+                    )
                 mark("replacements generated")
 
                 at(1.0)
@@ -344,15 +358,25 @@ def _soak_on_one_rank(tmp_path) -> None:
     for report in (retired, new_retired):
         assert report["blocks_back"] and report["storage"]["idle"], report
         assert report["storage"]["quarantined_blocks"] == 0, report
-    _check_replies(load, [replica_window, worker_window])
+    _check_replies(load, [replica_window, worker_window], worker_window)
     _check_texts(pg, load.outcomes)
+    mark("replies and texts checked")
+    print(f"soak: {len(load.outcomes)} streams; timeline (s): {json.dumps(timeline)}", flush=True)
 
 
 def _idle(stats: dict) -> bool:
     return (stats["in_flight"], stats["unrouted"]) == (0, 0) and all(e["pending"] == 0 for e in stats["engines"])
 
 
-def _check_replies(load: Load, windows: list[tuple[float, float]]) -> None:
+def _overlaps(outcome: Outcome, window: tuple[float, float]) -> bool:
+    return outcome.started <= window[1] and outcome.ended >= window[0]
+
+
+def _check_replies(load: Load, error_windows: list[tuple[float, float]], retire_window: tuple[float, float]) -> None:
+    """One terminal reply per stream: ``length`` (asked for ``max_tokens`` with ``ignore_eos``), or
+    ``abort`` for one in flight on the decode replica while it was retired (a stopping engine
+    aborts what it serves), or an ``unavailable`` error of one in flight on a replica or worker
+    that was killed."""
     outcomes = load.outcomes
     assert len(outcomes) == load.sent, f"{load.sent} requests sent, {len(outcomes)} answered"
     cancelled = [o for o in outcomes if o.cancelled]
@@ -360,19 +384,24 @@ def _check_replies(load: Load, windows: list[tuple[float, float]]) -> None:
     assert len(outcomes) > STREAMS and cancelled and finished, (len(outcomes), len(cancelled))
     for outcome in finished:
         if outcome.status == 200:
-            assert outcome.done == 1 and outcome.finishes + len(outcome.errors) == 1, outcome
+            assert outcome.done == 1 and len(outcome.finish_reasons) + len(outcome.errors) == 1, outcome
         else:  # failed before its first token: the error is the response
-            assert (outcome.status, outcome.done, outcome.finishes, len(outcome.errors)) == (503, 0, 0, 1), outcome
-    for outcome in (o for o in outcomes if o.errors):
-        assert [e["code"] for e in outcome.errors] == ["unavailable"], outcome
-        assert any(outcome.started <= end and outcome.ended >= start for start, end in windows), (outcome, windows)
+            refused = (outcome.status, outcome.done, outcome.finish_reasons, len(outcome.errors))
+            assert refused == (503, 0, [], 1), outcome
+    for outcome in outcomes:
+        assert set(outcome.finish_reasons) <= {"length", "abort"}, outcome
+        if "abort" in outcome.finish_reasons:
+            assert _overlaps(outcome, retire_window), (outcome, retire_window)
+        if outcome.errors:
+            assert [e["code"] for e in outcome.errors] == ["unavailable"], outcome
+            assert any(_overlaps(outcome, window) for window in error_windows), (outcome, error_windows)
 
 
 def _check_texts(pg, outcomes: list[Outcome]) -> None:
     """Each stream's text against a reference run of its request on a hash engine and on the
     disaggregated replicas' model (a plain engine of the same config): the whole text of a
-    completed stream, a prefix of it for a cancelled or failed one."""
-    complete = {id(o) for o in outcomes if not o.cancelled and o.finishes == 1}
+    completed stream, a prefix of it for a cancelled, aborted or failed one."""
+    complete = {id(o) for o in outcomes if not o.cancelled and o.finish_reasons == ["length"]}
 
     def matches(outcome: Outcome, reference: str) -> bool:
         return outcome.text == reference if id(outcome) in complete else reference.startswith(outcome.text)
@@ -381,8 +410,9 @@ def _check_texts(pg, outcomes: list[Outcome]) -> None:
     by_hash = _reference_texts(HashEngine(), requests)
     rest = [o for o in outcomes if not matches(o, by_hash[tuple(o.prompt), o.max_tokens])]
     by_model = _model_reference_texts(pg, {(tuple(o.prompt), o.max_tokens) for o in rest})
-    wrong = [o for o in rest if not matches(o, by_model[tuple(o.prompt), o.max_tokens])]
-    assert not wrong, f"{len(wrong)} streams differ from the reference run, e.g. {wrong[:3]}"
+    wrong = [(o, by_model[tuple(o.prompt), o.max_tokens]) for o in rest]
+    wrong = [(o, reference) for o, reference in wrong if not matches(o, reference)]
+    assert not wrong, f"{len(wrong)} streams differ from the reference run, e.g. (stream, model's text) {wrong[:3]}"
     served_by_model = sum(id(o) in complete for o in rest)
     assert served_by_model > 0, "no completed stream came from the disaggregated replicas"
     assert len(complete) - served_by_model > 0, "no completed stream came from the engine replicas"
