@@ -59,7 +59,9 @@ from tests.unit_tests.inference.faults.serving_processes import launched
 SOAK_S = float(os.environ.get("MEGATRON_SOAK_S", "15"))
 STREAMS = 200
 CANCEL_FRACTION = 0.3
-HEARTBEAT_TIMEOUT_S = 3.0  # the coordinator drops a replica silent this long (a killed one)
+# The coordinator drops a replica (or a client) silent this long: a killed one, but also a live
+# process that a loaded host starved of CPU for a while (3 s was too short there); 40 heartbeats.
+HEARTBEAT_TIMEOUT_S = 10.0
 # Longer than a prefill waits on a loaded 2-core host (30 s was seen to pass): the killed prefill
 # worker's requests end when its replica is retired (which refuses new submits while it stops:
 # the coordinator sends them to a live replica), not by this timeout.
@@ -69,8 +71,10 @@ PREFILL_TIMEOUT_S = 120.0
 # (once past 90 s). Waiting for it is no fault of the serving stack; its deadline is generous.
 STARTUP_TIMEOUT_S = 180.0
 WAIT_S = 60.0  # every other wait
+# A client's read timeout (a stream silent this long hangs): a prefill can wait its own timeout.
+STREAM_TIMEOUT_S = PREFILL_TIMEOUT_S
 # The backstop of the harness, above the sum of the waits that can follow one another.
-TEST_TIMEOUT_S = SOAK_S + 2 * STARTUP_TIMEOUT_S + 6 * WAIT_S
+TEST_TIMEOUT_S = SOAK_S + 2 * STARTUP_TIMEOUT_S + STREAM_TIMEOUT_S + 7 * WAIT_S
 # The disaggregated replicas: a tiny model over the server's byte-level vocabulary, room for
 # their share of the streams (prompts of up to 8 tokens plus up to 24 generated).
 MODEL = dict(vocab_size=TOKENIZER.vocab_size)
@@ -161,7 +165,7 @@ class Load:
             # A connection per stream: a kept-alive connection that the server closes as idle while
             # the client sends on it is HTTP's own race (httpx does not retry POSTs), not a fault here.
             limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=0)
-            async with httpx.AsyncClient(base_url=url, timeout=WAIT_S, limits=limits) as http:
+            async with httpx.AsyncClient(base_url=url, timeout=STREAM_TIMEOUT_S, limits=limits) as http:
                 await asyncio.gather(*(client(http, index) for index in range(STREAMS)))
 
         try:
@@ -179,8 +183,8 @@ class Load:
 
     def join(self) -> None:
         self.stop()
-        self._thread.join(WAIT_S)
-        assert not self._thread.is_alive(), f"the clients did not end within {WAIT_S:g}s of the stop"
+        self._thread.join(STREAM_TIMEOUT_S + WAIT_S)
+        assert not self._thread.is_alive(), f"the clients did not end within {STREAM_TIMEOUT_S + WAIT_S:g}s of the stop"
         if self._error is not None:
             raise self._error
 
