@@ -48,7 +48,7 @@ from megatron.core.inference import coordinator as control_plane
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
 from megatron.core.inference.coordinator.messages import MessageKind, encode
 from megatron.core.inference.sampling import SamplingParams
-from megatron.core.inference.server import ServerThread
+from megatron.core.inference.server import ServerConfig, ServerThread
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.inference.coordinator.cluster import peer_socket
@@ -78,6 +78,10 @@ TEST_TIMEOUT_S = SOAK_S + 2 * STARTUP_TIMEOUT_S + STREAM_TIMEOUT_S + 7 * WAIT_S
 # The disaggregated replicas: a tiny model over the server's byte-level vocabulary, room for
 # their share of the streams (prompts of up to 8 tokens plus up to 24 generated).
 MODEL = dict(vocab_size=TOKENIZER.vocab_size)
+# The clients share this process (and its GIL) with the server: on a starved host the server's
+# own lag would count against their request heads and bodies (a reset, seen after 10 s). Slow
+# clients are test_item_11's subject, not this one's.
+SERVER = ServerConfig(header_timeout_s=STREAM_TIMEOUT_S, body_timeout_s=STREAM_TIMEOUT_S)
 ENGINE = dict(num_blocks=512, max_requests=32, tokenizer=TOKENIZER)
 
 
@@ -268,7 +272,8 @@ def _soak_on_one_rank(tmp_path) -> None:
     new_decode = DisaggregatedReplicaPeer(pg=pg, model_overrides=MODEL, **ENGINE)
     keys_file = keys.for_role("engine").save(str(tmp_path / "engine.json"))
     coordinator = InferenceCoordinator(keys=keys, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S).start()
-    server = ServerThread(InferenceClient(coordinator.address, keys=keys.for_role("client")), tokenizer=TOKENIZER)
+    client = InferenceClient(coordinator.address, keys=keys.for_role("client"))
+    server = ServerThread(client, tokenizer=TOKENIZER, config=SERVER)
     mark("peers forked")
     load = None
     try:
