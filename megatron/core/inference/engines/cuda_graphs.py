@@ -64,7 +64,10 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner, context: DynamicInferenceContext, buckets: list[int], capture: bool):
         self.runner = runner
         self.context = context
-        self.buckets = sorted(b for b in buckets if b <= context.step_buffers.max_requests)
+        fitting = sorted(b for b in buckets if b <= context.step_buffers.max_requests)
+        # A decode step has at most max_requests requests: no bucket past the one that holds them.
+        limit = next((b for b in fitting if b >= context.capacity.max_requests), None)
+        self.buckets = [b for b in fitting if limit is None or b <= limit]
         self.capturing = capture
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 

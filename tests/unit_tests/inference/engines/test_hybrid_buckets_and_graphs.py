@@ -148,6 +148,7 @@ def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
     }
     graphs = engines["graphs"].graphs
     assert graphs is not None and engines["eager"].graphs is None
+    assert graphs.buckets == [1, 2, 4, 8]  # steps go to 32 tokens, decode steps to max_requests=8
     # On CUDA the decode steps are captured and replayed; on the CPU the same static-buffer step
     # runs eagerly.
     capturable = device().type == "cuda"
