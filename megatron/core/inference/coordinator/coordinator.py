@@ -387,11 +387,14 @@ class InferenceCoordinator:
 
     def stats(self) -> dict[str, Any]:
         """Routing state as plain data: engines with their pending load and last engine stats,
-        requests in flight and waiting for an engine, and the counters of refused messages."""
+        requests in flight and waiting for an engine, and the counters of refused messages.
+        Safe from any thread: the engines are copied at once (``list`` of a dict holds the GIL
+        throughout), so a replica that registers or leaves meanwhile cannot break the iteration."""
+        engines = list(self.router.engines.values())
         return {
             "engines": [
                 {"engine_id": load.engine_id, "pending": load.pending, "draining": load.draining, "stats": load.stats}
-                for load in self.router.engines.values()
+                for load in engines
             ],
             "in_flight": len(self.router.routes),
             "unrouted": len(self._waiting),

@@ -26,15 +26,17 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-
-import httpx
+from typing import TYPE_CHECKING
 
 from megatron.core.inference.coordinator import EngineEndpoint, InferenceClient, InferenceCoordinator
 from megatron.core.inference.coordinator.lifetime import die_with_parent
-from megatron.core.inference.server import ServerConfig, ServerThread
+from megatron.core.inference.coordinator.replicas import PARENT_PID_ENV
 from tests.readme import ROOT, command_env
 from tests.unit_tests.inference.coordinator.engine_double import TOKENIZER, HashEngine
 from tests.unit_tests.inference.launched_server import LaunchedServer, kill_tree
+
+if TYPE_CHECKING:
+    import httpx
 
 STEP_DELAY_S = 0.01  # engine doubles take this long per token: streams last while a test acts
 
@@ -58,7 +60,9 @@ def launched_command(command: Sequence[str], env: dict[str, str] | None = None) 
 
 
 def launched(role: str, *args: str, env: dict[str, str] | None = None):
-    """This module run as ``role`` (see the module doc) by :func:`launched_command`."""
+    """This module run as ``role`` (see the module doc) by :func:`launched_command`; it is told
+    this process's id, so that it dies with it even if this process dies while it starts up."""
+    env = {PARENT_PID_ENV: str(os.getpid()), **(env or {})}
     return launched_command([sys.executable, "-m", __spec__.name, role, *args], env)
 
 
@@ -132,7 +136,9 @@ def main(argv=None) -> None:
     parser.add_argument("address", nargs="?")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
     args = parser.parse_args(argv)
-    die_with_parent()  # a test that dies takes its serving processes with it
+    # A test that dies takes its serving processes with it, also one that died while this process
+    # imported torch (then the parent is init already: the pid it was started by tells).
+    die_with_parent(int(os.environ.get(PARENT_PID_ENV, os.getppid())))
     options = {} if args.heartbeat_timeout_s is None else {"heartbeat_timeout_s": args.heartbeat_timeout_s}
     if args.role == "engine":
         _endpoint_thread(args.address, f"engine-{os.getpid()}", **options)
@@ -142,6 +148,9 @@ def main(argv=None) -> None:
     coordinator = InferenceCoordinator(**options).start()
     print(f"Coordinator on {coordinator.address}", flush=True)
     if args.role == "frontend":
+        # Imported here: an engine (re)started under load pays only for what it uses (no web stack).
+        from megatron.core.inference.server import ServerConfig, ServerThread
+
         _endpoint_thread(coordinator.address, "engine-0")
         client = InferenceClient(coordinator.address)
         server = ServerThread(client, tokenizer=TOKENIZER, config=ServerConfig()).start()
