@@ -22,7 +22,6 @@ the pulled blocks equal the source's.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -31,6 +30,7 @@ import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
 from megatron.core.inference.contexts.block_allocator import BlockPool, PageReason
 from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name
 from megatron.core.inference.handoff.plan import plan_kv
@@ -196,10 +196,7 @@ def main(argv=None) -> int:
         f"handoff pull {result['ours_gb_per_s']:.3f} GB/s, raw NIXL {result['raw_gb_per_s']:.3f} GB/s, "
         f"ratio {result['ratio']:.3f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":
