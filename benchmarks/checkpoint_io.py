@@ -21,7 +21,6 @@ about 18 GB, on ``--device``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,7 @@ import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
 from megatron.core.dist_checkpointing import ShardedTensor, load, save
 
 
@@ -172,10 +172,7 @@ def main(argv=None) -> int:
             state = sized_state(size_mb, args.tensors, getattr(torch, args.dtype), device)
             result = run(state, trials, device, args.dir)
             results.append(summarize(f"{args.tensors} {args.dtype} tensors on {device}", result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return finish(results, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Usage: python benchmarks/constrained_decoding.py [--device cpu|cuda] [--requests
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import string
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.benchmark_report import finish
 from megatron.core.config import TransformerConfig
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
@@ -208,11 +208,7 @@ def main() -> int:
         f"grammar bitmask fill + apply: {report['grammar_ms_per_step']:.2f} ms per step; "
         f"schema compile {compile_s:.2f} s (once, cached)"
     )
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-    torch.distributed.destroy_process_group()
-    return 0
+    return finish(report, args.output_json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ shapes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megatron.core.benchmark_report import write_report
 from megatron.core.transformer.context_parallel.block_attention import SdpaBlockAttention
 from megatron.core.transformer.context_parallel.ring_attention import merge_block, ring_plan
 
@@ -229,11 +229,9 @@ def main(argv=None) -> int:
                 f"{ring['ideal_ms']:.3f} ms (whole-sequence SDPA / cp): "
                 f"efficiency {ring['efficiency_ideal_over_ring']:.2f}"
             )
-            with open(args.output_json, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
+            write_report(result, args.output_json)  # after every case: a later crash keeps the numbers
     result["failures"] = failures
-    with open(args.output_json, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    write_report(result, args.output_json)
     for line in failures:
         print("FAIL", line)
     print(f"wrote {args.output_json}")

@@ -21,7 +21,6 @@ curves are identical; ``--json`` writes the same numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.benchmark_report import finish
 
 
 def gpt_flags(opts, train_iters: int) -> list[str]:
@@ -147,11 +148,7 @@ def main(argv=None) -> int:
         print(f"overlap on  : {result['on_ms_per_step']:.2f} ms/step")
         print(f"ratio on/off: {result['ratio_on_over_off']:.3f}")
         print(f"losses identical: {result['losses_identical']} (max diff {result['max_abs_loss_difference']:.3g})")
-        if opts.json:
-            with open(opts.json, "w") as f:
-                json.dump(result, f, indent=1)
-    dist.destroy_process_group()
-    return 0
+    return finish(result, opts.json)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ checked: the pulled blocks equal the source's.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -37,6 +36,7 @@ import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
 from megatron.core.inference.contexts.block_allocator import BlockPool, PageReason
 from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name
 from megatron.core.inference.handoff.plan import layer_groups, plan_kv
@@ -253,10 +253,7 @@ def main(argv=None) -> int:
         f"{median['pipelined'] * 1e3:.3f} ms; unprepared descriptor lists: {result['unprepared_gb_per_s']:.3f} GB/s, "
         f"ratio {result['unprepared_ratio']:.3f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

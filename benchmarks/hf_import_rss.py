@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
+
 ANCHOR = (
     "import sys, torch; from transformers import AutoModelForCausalLM; "
     "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32); "
@@ -104,9 +106,7 @@ def main() -> None:
         f"anchor from_pretrained: peak RSS {anchor_rss / 2**30:.2f} GiB = {anchor_rss / model_bytes:.2f} x model, "
         f"{anchor_s:.0f} s\nconvert / anchor peak RSS: {ours_rss / anchor_rss:.2f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Prints each side's median ms per request and the ratio ours/anchor (< 1 is good)
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import threading
@@ -25,6 +24,7 @@ import time
 
 import uvicorn
 
+from megatron.core.benchmark_report import finish
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator
 from megatron.core.inference.server import ServerThread, build_app
 from megatron.core.tokenizers import ByteLevelTokenizer
@@ -106,9 +106,7 @@ def main(argv=None) -> dict:
         f"GET /health keep-alive: ours {medians_ms['ours']:.2f} ms, plain uvicorn on a protocol-0 socket "
         f"{medians_ms['anchor']:.2f} ms, ratio {result['ratio_ours_over_anchor']:.3f}"
     )
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(result, f, indent=2)
+    finish(result, opts.json)
     return result
 
 

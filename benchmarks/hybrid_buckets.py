@@ -10,7 +10,6 @@ log-probs. CUDA graphs are off in both (eager steps; ``benchmarks/gpu_decode.py`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.benchmark_report import finish
 from megatron.core.config import TransformerConfig
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.engines.step_buckets import StepBuckets
@@ -128,11 +128,7 @@ def main(argv=None) -> int:
         f"buckets / max-padded {report['buckets_over_max_padded']:.2f}x; "
         f"identical tokens {report['identical_tokens']}, log-probs {report['identical_log_probs']}"
     )
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-    parallel_state.destroy_distributed()
-    return 0 if report["identical_tokens"] and report["identical_log_probs"] else 1
+    return finish(report, args.output_json, 0 if report["identical_tokens"] and report["identical_log_probs"] else 1)
 
 
 if __name__ == "__main__":

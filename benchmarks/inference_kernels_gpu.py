@@ -36,13 +36,14 @@ import time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import traceback
 from collections.abc import Callable
 
 import torch
+
+from megatron.core.benchmark_report import write_report
 
 DEVICE = torch.device("cuda")
 GIB = 1 << 30
@@ -707,8 +708,7 @@ def run(args) -> int:
             traceback.print_exc()
             results[key] = {"error": f"{type(error).__name__}: {error}"}
             checks[f"section {key} ran"] = False
-        with open(args.json, "w") as f:  # after every section: a later crash keeps the numbers
-            json.dump(results, f, indent=2)
+        write_report(results, args.json)  # after every section: a later crash keeps the numbers
     for name, ok in checks.items():
         print(f"   check {name}: {'ok' if ok else 'FAILED'}")
     print(f"wrote {args.json}; " + ("all checks passed" if all(checks.values()) else "SOME CHECKS FAILED"))

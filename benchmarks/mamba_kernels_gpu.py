@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.benchmark_report import write_report
 
 TOLERANCE = 1e-2
 DEVICE = torch.device("cuda")
@@ -393,8 +394,7 @@ def run(args) -> int:
             dist.destroy_process_group()
     report["elapsed_s"] = time.perf_counter() - started
     _print_report(args, report)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(report, args.json)
     print(f"wrote {args.json} ({report['elapsed_s']:.0f} s)")
     failed = [
         key

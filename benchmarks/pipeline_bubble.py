@@ -19,7 +19,6 @@ next to the formula's, and the achieved share of the predicted reduction.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron.core.benchmark_report import finish
 
 PP, VP = 4, 2
 HIDDEN, SEQ, MBS = 8, 4, 2
@@ -201,10 +202,7 @@ def main(argv=None) -> int:
         f"ratio PP4xV2 / PP4: {summary['pp4_vp2_s'] / summary['pp4_s']:.3f}; "
         f"achieved share of the predicted reduction: {100 * summary['achieved_share_of_predicted_reduction']:.0f}%"
     )
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-    return 0
+    return finish(summary, opts.json)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ token per request, as a decode step does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
 from megatron.core.inference.sampling import SamplingParams, SamplingRows, make_generator, sample
 from megatron.core.inference.sampling_controls import ControlRow, TokenCounts, apply_sampling_controls
 
@@ -92,8 +92,7 @@ def main() -> None:
         ratio_controlled_over_plain=result["controlled_s"] / result["plain_s"],
         count_tensor_bytes=counts.counts.numel() * 4 + counts.seen_in_prompt.numel(),
     )
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    finish(result, args.json)
     print(
         f"{device}: {args.rows} rows x {args.vocab} vocab: plain sample {result['plain_s'] * 1e3:.3f} ms/step, "
         f"with controls {result['controlled_s'] * 1e3:.3f} ms/step, ratio {result['ratio_controlled_over_plain']:.2f}"

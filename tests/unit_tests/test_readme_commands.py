@@ -36,6 +36,7 @@ from megatron.core.models.model_record import (
 )
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
 from megatron.core.tokenizers import HuggingFaceTokenizer
+from tests.help_commands import run_help_commands
 from tests.readme import (
     README,
     ROOT,
@@ -342,20 +343,40 @@ def test_benchmark_commands_run_and_print_their_ratio(prefix, tmp_path):
     assert BENCHMARKS[prefix] in done.stdout
 
 
+FUNCTIONAL_HELP = FUNCTIONAL + " --help"
+
+
+@pytest.fixture(scope="module")
+def help_outputs() -> dict[str, dict]:
+    """Every ``python ... --help`` below, run in one subprocess (one import of torch and the
+    package for all of them); a bash command runs on its own."""
+    python_commands = [c for c in [*GPU_ONLY.values(), FUNCTIONAL_HELP] if c.startswith("python")]
+    outputs = run_help_commands(python_commands, ROOT, env=_cpu_env())
+    for command in [*GPU_ONLY.values(), FUNCTIONAL_HELP]:
+        if command not in outputs:
+            done = run_command(command, ROOT, timeout_s=60, env=_cpu_env(), check=False)
+            outputs[command] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    return outputs
+
+
+def _help(outputs: dict[str, dict], command: str) -> str:
+    done = outputs[command]
+    assert done["returncode"] == 0, f"{command!r} exited {done['returncode']}:\n{done['stdout']}\n{done['stderr']}"
+    return done["stdout"]
+
+
 @pytest.mark.parametrize("prefix", sorted(GPU_ONLY))
-def test_gpu_only_commands_parse_their_arguments(prefix):
+def test_gpu_only_commands_parse_their_arguments(prefix, help_outputs):
     """GPU-only: on this CPU suite only the command's --help runs (the lead runs them on GPUs)."""
     readme_command(prefix)
-    done = run_command(GPU_ONLY[prefix], ROOT, timeout_s=60, env=_cpu_env())
-    assert done.stdout.startswith("usage: ")
+    assert _help(help_outputs, GPU_ONLY[prefix]).startswith("usage: ")
 
 
-def test_functional_cases_command():
+def test_functional_cases_command(help_outputs):
     """The CI subset is what tests/functional_tests/test_functional_cases.py runs, case by
     case through run_case (the function the command loops over); here its CLI parses."""
     from tests.functional_tests import test_functional_cases
 
     assert readme_command(FUNCTIONAL) == FUNCTIONAL + " --subset ci"
     assert callable(test_functional_cases.test_ci_case_matches_goldens)
-    done = run_command(FUNCTIONAL + " --help", ROOT, timeout_s=60, env=_cpu_env())
-    assert "--subset SUBSET" in done.stdout
+    assert "--subset SUBSET" in _help(help_outputs, FUNCTIONAL_HELP)

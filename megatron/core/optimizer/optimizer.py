@@ -5,13 +5,13 @@ tensors. For an fp32 model parameter the master is the parameter itself (a view,
 for bf16/fp16 parameters it is an fp32 copy, written back to the parameter after each step.
 Gradients come from ``param.main_grad`` (DDP buffers) or ``param.grad``.
 
-One step (:func:`step_optimizers`, shared with the chained optimizer): with a loss scaler, unscale
-the gradients, agree on inf/nan over the whole job (MAX over ``mp`` then ``dp_cp``), update the
-scaler and skip the step if anything overflowed; then compute the true global gradient norm (see
-:mod:`clip_grads`), skip the step if it is not finite (how bf16/fp32 runs, which have nothing to
-unscale, find inf/nan without a pass over the gradients of their own), clip, step and copy back.
-With torch's fused AdamW (CUDA) the clipping factor rides in the step's ``grad_scale`` instead of a
-pass of its own.
+One step (:func:`step_optimizers`, shared with the chained and MIMO optimizers, which differ only in
+how ranks agree on its decisions): with a loss scaler, unscale the gradients, agree on inf/nan over
+the whole job (MAX over ``mp`` then ``dp_cp``), update the scaler and skip the step if anything
+overflowed; then compute the true global gradient norm (see :mod:`clip_grads`), skip the step if it
+is not finite (how bf16/fp32 runs, which have nothing to unscale, find inf/nan without a pass over
+the gradients of their own), clip, step and copy back. With torch's fused AdamW (CUDA) the clipping
+factor rides in the step's ``grad_scale`` instead of a pass of its own.
 
 The torch optimizer's state is indexed by position in :attr:`MegatronOptimizer.master_params`,
 whose entries name the model parameter (and flat element range) each master stands for.
@@ -20,6 +20,7 @@ whose entries name the model parameter (and flat element range) each master stan
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -258,26 +259,39 @@ class MegatronOptimizer:
                 entry.master.copy_(saved)
 
 
-def step_optimizers(optimizers: list) -> tuple[bool, float | None, int | None]:
+def members_agree(values: list[float]) -> list[float]:
+    """The default agreement of :func:`step_optimizers`: each member's value as this rank
+    computed it, already job-wide because every member's own collectives span the job."""
+    return values
+
+
+def step_optimizers(
+    optimizers: list, agree: Callable[[list[float]], list[float]] = members_agree
+) -> tuple[bool, float | None, int | None]:
     """One agreed step over several optimizers: a single inf/nan decision, one loss-scaler
     update per distinct scaler, one global grad norm (root of the members' squared norms)
-    used by every member to clip; returns ``(update_successful, grad_norm, num_zeros)``."""
-    found_inf = [opt.prepare_grads() for opt in optimizers]  # every member joins its collectives
-    skipped = any(found_inf)
+    used by every member to clip; returns ``(update_successful, grad_norm, num_zeros)``.
+
+    ``agree`` takes one value per member (overflow flag, squared grad norm, zero count) and
+    returns the values every rank of the job sums or tests, the same on all of them: the
+    identity when the members' own groups span the job (:func:`members_agree`), a reduction
+    over the job's group when ranks hold different members (the MIMO chain)."""
+    found_inf = agree([float(opt.prepare_grads()) for opt in optimizers])  # every member joins its collectives
+    skipped = any(flag > 0 for flag in found_inf)
     scalers = {id(opt.grad_scaler): opt.grad_scaler for opt in optimizers if opt.grad_scaler is not None}
     for scaler in scalers.values():
         scaler.update(skipped)
     if skipped:
         return False, None, None
-    grad_norm = math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in optimizers))
-    if not math.isfinite(grad_norm):  # the norm is global: every rank skips together
+    grad_norm = math.sqrt(sum(agree([opt.get_grad_norm() ** 2 for opt in optimizers])))
+    if not math.isfinite(grad_norm):  # the norm is agreed: every rank skips together
         return False, None, None
     for opt in optimizers:
         if opt.config.clip_grad > 0:
             opt.clip_grad_norm(grad_norm)
     num_zeros = None
     if any(opt.config.log_num_zeros_in_grad for opt in optimizers):
-        num_zeros = sum(opt.count_zeros() for opt in optimizers)
+        num_zeros = int(sum(agree([float(opt.count_zeros()) for opt in optimizers])))
     for opt in optimizers:
         opt.step_with_ready_grads()
     return True, grad_norm, num_zeros

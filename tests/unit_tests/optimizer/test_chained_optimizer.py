@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, OptimizerConfigError, get_megatron_optimizer
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    OptimizerConfig,
+    OptimizerConfigError,
+    get_megatron_optimizer,
+    step_optimizers,
+)
 from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.optimizer.toy_models import ADAM, batch, dp_collection, tiny_mlp, torch_adamw, wrap_ddp
 
@@ -88,3 +94,36 @@ def _mismatches_are_rejected():
 
 def test_mismatched_members_and_states_are_rejected():
     run_distributed(_mismatches_are_rejected, 1)
+
+
+def _agree_with_a_remote_member(remote: list[float], asked: list):
+    """An ``agree`` for a rank whose job holds one more member, which reports ``remote`` in turn."""
+    remote_values = iter(remote)
+
+    def agree(values):
+        asked.append(values)
+        return [*values, next(remote_values)]
+
+    return agree
+
+
+def _agreement_decides_skip_norm_and_zero_count():
+    config = OptimizerConfig(
+        optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0, log_num_zeros_in_grad=True
+    )
+    outcomes, asked = [], []
+    for remote in ([0.0, 16.0, 7.0], [1.0]):  # (no overflow, squared norm 4^2, 7 zeros), then an overflow
+        model = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.ones_(model.weight)
+        model.weight.grad = torch.tensor([[3.0, 0.0]])
+        optimizer = get_megatron_optimizer(config, model, dp_collection(1))
+        agree = _agree_with_a_remote_member(remote, asked)
+        outcomes.append((step_optimizers([optimizer], agree=agree), model.weight.detach().tolist()))
+    return outcomes, asked
+
+
+def test_the_agreement_function_decides_skip_norm_and_zero_count():
+    (stepped, skipped), asked = run_distributed(_agreement_decides_skip_norm_and_zero_count, 1)[0]
+    assert stepped == ((True, 5.0, 8), [[-2.0, 1.0]])  # norm sqrt(3^2 + 4^2), zeros 1 + 7
+    assert skipped == ((False, None, None), [[1.0, 1.0]])
+    assert asked == [[0.0], [9.0], [1.0], [0.0]]  # overflow flag, squared norm, zeros; then the flag only

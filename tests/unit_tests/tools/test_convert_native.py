@@ -21,7 +21,7 @@ COMMON = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
     "--seq-length", "16", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
     "--train-iters", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "100", "--distributed-backend", "gloo",
-    "--save-interval", "2", "--log-interval", "1",
+    "--save-interval", "2", "--log-interval", "1", "--eval-iters", "0",  # the export reads the iteration-2 save
 ]  # fmt: skip
 MODELS = {
     "llama": (

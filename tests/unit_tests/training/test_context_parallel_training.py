@@ -11,38 +11,12 @@ from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+from tests.unit_tests.training.tiny_training import CURVE_RUN, TINY_RUN
 
-COMMON = [
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    "--vocab-size",
-    "64",
-    "--log-interval",
-    "1",
-    "--clip-grad",
-    "1.0",
-    "--distributed-backend",
-    "gloo",
-]
+# The tiny run with GQA and sequences of 32 (two chunks of 8 per rank at CP2), ending with one
+# evaluation batch of each split, so evaluation runs under every layout.
+COMMON = [*TINY_RUN, *CURVE_RUN, "--num-query-groups", "2", "--seq-length", "32", "--eval-iters", "1"]
+COMMON += ["--log-interval", "1"]
 GPT = ["--num-layers", "2", "--position-embedding-type", "rope", "--train-iters", "10"]
 HYBRID = [
     "--hybrid-layer-pattern",

@@ -7,43 +7,10 @@ from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve
+from tests.unit_tests.training.tiny_training import CURVE_RUN, TINY_RUN
 
-COMMON = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "10",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    # Megatron's defaults are dropout 0.1 and 100 evaluation batches at the end: this run pins its own.
-    "--hidden-dropout",
-    "0.0",
-    "--attention-dropout",
-    "0.0",
-    "--eval-iters",
-    "0",
-    "--vocab-size",
-    "64",
-    "--log-interval",
-    "1",
-    "--clip-grad",
-    "1.0",
-    "--distributed-backend",
-    "gloo",
-]
+# The tiny run of 10 steps, without evaluation (also used by test_expert_parallel_training).
+COMMON = [*TINY_RUN, *CURVE_RUN, "--num-layers", "2", "--train-iters", "10", "--eval-iters", "0", "--log-interval", "1"]
 
 
 def _train(family, flags, world_size, metrics_jsonl):

@@ -6,20 +6,10 @@ import pytest
 from megatron.training.arguments import ArgumentError
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
-from tests.unit_tests.training.tiny_training import tiny_args, train_tiny
+from tests.unit_tests.training.tiny_training import CURVE_RUN, tiny_args, train_tiny
 
-RUN = [
-    "--lr-warmup-iters",
-    "2",
-    "--lr-decay-iters",
-    "8",
-    "--hidden-dropout",
-    "0",
-    "--log-interval",
-    "1",
-    "--clip-grad",
-    "1.0",
-]
+# One evaluation batch of each split ends a run, so evaluation runs through the virtual pipeline.
+RUN = [*CURVE_RUN, "--lr-decay-iters", "8", "--eval-iters", "1", "--log-interval", "1"]
 GPT = ["--num-layers", "4"]
 HYBRID = [
     "--num-layers",

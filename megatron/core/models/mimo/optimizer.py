@@ -11,12 +11,16 @@ and clips with the same global norm.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    MegatronOptimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    step_optimizers,
+)
 from megatron.core.optimizer.clip_grads import stats_device
 from megatron.core.optimizer.optimizer_config import OptimizerConfigError
 
@@ -40,37 +44,20 @@ class MimoOptimizer(ChainedOptimizer):
         self.group = group
         self.device = stats_device(group)
 
-    def _agree(self, local: dict[str, float]) -> list[float]:
-        """Per module of the job, the value its holders computed (MAX over the job)."""
-        values = torch.zeros(len(self.module_names), dtype=torch.float64, device=self.device)
+    def _agree(self, values: list[float]) -> list[float]:
+        """Per module of the job, the value its holders computed (MAX over the job); ``values``
+        has one entry per module on this rank, in chain order."""
+        held = dict(zip(self.optimizers, values, strict=True))
+        job_values = torch.zeros(len(self.module_names), dtype=torch.float64, device=self.device)
         for index, name in enumerate(self.module_names):
-            if name in local:
-                values[index] = local[name]
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return values.tolist()
+            if name in held:
+                job_values[index] = held[name]
+        dist.all_reduce(job_values, op=dist.ReduceOp.MAX, group=self.group)
+        return job_values.tolist()
 
     def step(self) -> tuple[bool, float | None, int | None]:
         """``(update_successful, grad_norm, num_zeros_in_grad)``, identical on every rank of the job."""
-        found_inf = self._agree({name: float(opt.prepare_grads()) for name, opt in self.optimizers.items()})
-        skipped = any(flag > 0 for flag in found_inf)
-        scaler = self.chained_optimizers[0].grad_scaler
-        if scaler is not None:
-            scaler.update(skipped)
-        if skipped:
-            return False, None, None
-        squared = self._agree({name: opt.get_grad_norm() ** 2 for name, opt in self.optimizers.items()})
-        grad_norm = math.sqrt(sum(squared))
-        if not math.isfinite(grad_norm):  # no loss scaler found it: every rank sees the same norm
-            return False, None, None
-        for opt in self.chained_optimizers:
-            if opt.config.clip_grad > 0:
-                opt.clip_grad_norm(grad_norm)
-        num_zeros = None
-        if self.config.log_num_zeros_in_grad:
-            num_zeros = int(sum(self._agree({name: opt.count_zeros() for name, opt in self.optimizers.items()})))
-        for opt in self.chained_optimizers:
-            opt.step_with_ready_grads()
-        return True, grad_norm, num_zeros
+        return step_optimizers(self.chained_optimizers, agree=self._agree)
 
     def state_dict(self) -> dict[str, dict]:
         """Module name -> its optimizer's state dict (modules on this rank)."""

@@ -127,21 +127,24 @@ def test_stop_sequence_spanning_tokens_ends_the_request_once_before_the_stop(pg,
 
 @on_single_rank
 def test_a_long_generation_decodes_a_bounded_number_of_token_ids_per_token(pg):
+    # 1024 tokens: decoding the whole output (or a window growing with it) at every step would
+    # decode ~n^2/2 = 524288 ids, 64x the bound of 8 per token.
+    length = 1024
     tokenizer = CountingTokenizer(ByteLevelTokenizer())
-    model = gpt_model(pg, vocab_size=tokenizer.vocab_size, num_layers=1, max_sequence_length=4100)
+    model = gpt_model(pg, vocab_size=tokenizer.vocab_size, num_layers=1, max_sequence_length=length + 4)
     engine = DynamicInferenceEngine(
         model,
         tokenizer=tokenizer,
         block_size=256,
         num_blocks=17,
         max_tokens_per_step=4,
-        max_sequence_length=4100,
+        max_sequence_length=length + 4,
         pg_collection=pg,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True, stop=["never seen", "\x00\x01\x02"])
+    params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True, stop=["never seen", "\x00\x01\x02"])
     result = run(engine, [[1, 2, 3]], params)["0"]
-    assert len(result["tokens"]) == 4096 and result["finish_reason"] == "length" and result["terminal"] == 1
-    assert tokenizer.decoded_ids <= 8 * 4096
+    assert len(result["tokens"]) == length and result["finish_reason"] == "length" and result["terminal"] == 1
+    assert tokenizer.decoded_ids <= 8 * length
 
 
 @on_single_rank
