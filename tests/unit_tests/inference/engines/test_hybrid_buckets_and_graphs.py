@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.inference import kernels
 from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.engines.cuda_graphs import DecodeGraphs
 from megatron.core.inference.engines.step_buckets import StepBuckets, row_invariant_buckets
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -78,6 +79,25 @@ def test_bucket_check_drops_the_sizes_where_a_mamba_decode_step_is_not_row_invar
         assert row_invariant_buckets(model, candidates, pg) == [8]
 
 
+def _static_decode_engine(model, pg, **kwargs) -> DynamicInferenceEngine:
+    """An engine whose decode steps run on the static buffers at its buckets: replayed from CUDA
+    graphs where the stage can be captured, and elsewhere (the CPU; a Mamba mixer that is not yet
+    capturable on CUDA, where ``enable_cuda_graphs=True`` is refused) the same steps run eagerly."""
+    on_cpu = device().type == "cpu"
+    capturable = not on_cpu and MambaMixer.graph_capturable_decode
+    engine = DynamicInferenceEngine(model, enable_cuda_graphs=on_cpu or capturable, pg_collection=pg, **ARGS, **kwargs)
+    if engine.graphs is None:
+        engine.graphs = DecodeGraphs(engine.runner, engine.context, engine.buckets.sizes, capture=False)
+    assert engine.graphs.capturing == capturable
+    return engine
+
+
+def _padded_bucket(engine, num_requests: int) -> int:
+    """The smallest decode bucket of ``engine`` with room for a padding request past ``num_requests``
+    (the buckets are those the model passed the row-invariance check at, on its device)."""
+    return engine.graphs.bucket_for(num_requests + 1)
+
+
 def _decode_all(engine, requests) -> dict:
     """Add ``requests`` and step until each of them has a token to decode."""
     results = {}
@@ -90,15 +110,14 @@ def _decode_all(engine, requests) -> dict:
 
 @on_single_rank
 def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
-    engine = DynamicInferenceEngine(
-        hybrid_model(pg), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
-    )
+    engine = _static_decode_engine(hybrid_model(pg), pg, overlap_steps=False)
     _decode_all(engine, prompts([5, 7, 3]))
     context, slots = engine.context, engine.context.mamba_slots
     live = {rid: context.request(rid).mamba_slot for rid in ("0", "1", "2")}
     before = slots.conv.clone(), slots.ssm.clone()
-    batch = context.build_step([("1", 1)], pad_to_tokens=4, pad_to_requests=4)
-    assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * 3
+    bucket = _padded_bucket(engine, 1)
+    batch = context.build_step([("1", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
+    assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * (bucket - 1)
     engine.graphs.run(batch)
     context.commit_step()
     for rid, slot in live.items():
@@ -128,11 +147,10 @@ class _HostReads(TorchDispatchMode):
 def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
     # A Mamba + MLP model: the torch paged attention of the CPU reads lengths (a CUDA graph takes
     # the Triton one), the Mamba decode step must not.
-    engine = DynamicInferenceEngine(
-        hybrid_model(pg, pattern="M-M"), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
-    )
+    engine = _static_decode_engine(hybrid_model(pg, pattern="M-M"), pg, overlap_steps=False)
     _decode_all(engine, prompts([5, 7, 3]))
-    batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=4, pad_to_requests=4)
+    bucket = _padded_bucket(engine, 2)
+    batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
     with kernels.batch_invariant(True), _HostReads() as watch:
         engine.graphs.run(batch)
     engine.context.commit_step()
@@ -143,15 +161,13 @@ def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
 def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
     model = hybrid_model(pg)
     engines = {
-        "graphs": DynamicInferenceEngine(model, enable_cuda_graphs=True, pg_collection=pg, **ARGS),
+        "graphs": _static_decode_engine(model, pg),
         "eager": DynamicInferenceEngine(model, enable_cuda_graphs=False, pg_collection=pg, **ARGS),
     }
-    graphs = engines["graphs"].graphs
-    assert graphs is not None and engines["eager"].graphs is None
+    assert engines["eager"].graphs is None
     # Where capture is allowed (CUDA, once the mixer says so) the decode steps are captured and
     # replayed; elsewhere the same static-buffer step runs eagerly.
-    capturable = device().type == "cuda" and MambaMixer.graph_capturable_decode
-    assert graphs.capturing == capturable
+    capturable = engines["graphs"].graphs.capturing
     assert (engines["graphs"].cuda_graphs_blocker is None) == capturable
     results = {name: run(engine, prompts(LENGTHS), STAGGERED) for name, engine in engines.items()}
     assert engines["graphs"].stats["graph_steps"] > 0 and engines["eager"].stats["graph_steps"] == 0
