@@ -127,7 +127,8 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     length_t = torch.tensor([lengths[r] for r in rows], dtype=torch.long)
     offset_t = torch.tensor([offsets[r] for r in rows], dtype=torch.long)
     start_t = torch.tensor([starts[r] for r in rows], dtype=torch.long)
-    num_keys = math.ceil(int((offset_t + length_t).max()) / KEY_TILE) * KEY_TILE
+    # Sizes from the host lists: reading them from the tensors would be a host read per group.
+    num_keys = math.ceil(max(offsets[r] + lengths[r] for r in rows) / KEY_TILE) * KEY_TILE
     key_pos = torch.arange(num_keys)
     tables = host_block_tables.index_select(0, rows_t)
     columns = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
@@ -139,7 +140,7 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     visible = key_pos[None, None, :] <= positions[:, :, None]  # [n, L, K]
     query_rows = (start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)).reshape(-1)
     valid = real.reshape(-1)
-    all_real = bool(valid.all())
+    all_real = all(lengths[r] == queries for r in rows)
     out_rows = query_rows if all_real else query_rows[valid]
     stored = key_pos[None, :] < (offset_t + length_t)[:, None]
     return _Group(

@@ -8,7 +8,6 @@ the CPU) give exactly the tokens and log-probs of eager steps."""
 import dataclasses
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.inference import kernels
 from megatron.core.inference.engines import DynamicInferenceEngine
@@ -17,7 +16,14 @@ from megatron.core.inference.engines.step_buckets import StepBuckets, row_invari
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from tests.unit_tests.dist_harness import device
-from tests.unit_tests.inference.engines.common import assert_same_outputs, collect, hybrid_model, prompts, run
+from tests.unit_tests.inference.engines.common import (
+    HostReads,
+    assert_same_outputs,
+    collect,
+    hybrid_model,
+    prompts,
+    run,
+)
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=True, return_prompt_logprobs=True)
@@ -128,21 +134,6 @@ def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
         assert changed == [rid == "1"] * 2, rid  # only the stepped request's state moved
 
 
-class _HostReads(TorchDispatchMode):
-    """Records the ops that read a tensor's values back to the host or size a result by them."""
-
-    READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @on_single_rank
 def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
     # A Mamba + MLP model: the torch paged attention of the CPU reads lengths (a CUDA graph takes
@@ -151,7 +142,7 @@ def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
     _decode_all(engine, prompts([5, 7, 3]))
     bucket = _padded_bucket(engine, 2)
     batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
-    with kernels.batch_invariant(True), _HostReads() as watch:
+    with kernels.batch_invariant(True), HostReads() as watch:
         engine.graphs.run(batch)
     engine.context.commit_step()
     assert watch.reads == []
