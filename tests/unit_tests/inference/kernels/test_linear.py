@@ -16,8 +16,8 @@ from megatron.core.inference.kernels import (
     invariant_linear,
     is_batch_invariant,
     kernel_backend,
+    linear,
 )
-from megatron.core.inference.kernels import linear
 from megatron.core.inference.kernels.matmul_triton import tile_config
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.init_methods import init_method
