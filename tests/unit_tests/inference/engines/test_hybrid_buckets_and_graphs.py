@@ -87,14 +87,15 @@ def test_bucket_check_drops_the_sizes_where_a_mamba_decode_step_is_not_row_invar
 
 def _static_decode_engine(model, pg, **kwargs) -> DynamicInferenceEngine:
     """An engine whose decode steps run on the static buffers at its buckets: replayed from CUDA
-    graphs where the stage can be captured, and elsewhere (the CPU; a Mamba mixer that is not yet
-    capturable on CUDA, where ``enable_cuda_graphs=True`` is refused) the same steps run eagerly."""
+    graphs where the stage can be captured, and elsewhere (the CPU; a CUDA stage with a
+    ``cuda_graphs_blocker``, where ``enable_cuda_graphs=True`` is refused) the same steps eagerly."""
     on_cpu = device().type == "cpu"
-    capturable = not on_cpu and MambaMixer.graph_capturable_decode
-    engine = DynamicInferenceEngine(model, enable_cuda_graphs=on_cpu or capturable, pg_collection=pg, **ARGS, **kwargs)
+    engine = DynamicInferenceEngine(
+        model, enable_cuda_graphs=True if on_cpu else None, pg_collection=pg, **ARGS, **kwargs
+    )
     if engine.graphs is None:
         engine.graphs = DecodeGraphs(engine.runner, engine.context, engine.buckets.sizes, capture=False)
-    assert engine.graphs.capturing == capturable
+    assert engine.graphs.capturing == (not on_cpu and engine.cuda_graphs_blocker is None)
     return engine
 
 
@@ -155,10 +156,13 @@ def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
         "graphs": _static_decode_engine(model, pg),
         "eager": DynamicInferenceEngine(model, enable_cuda_graphs=False, pg_collection=pg, **ARGS),
     }
+    graphs = engines["graphs"].graphs
     assert engines["eager"].graphs is None
-    # Where capture is allowed (CUDA, once the mixer says so) the decode steps are captured and
-    # replayed; elsewhere the same static-buffer step runs eagerly.
-    capturable = engines["graphs"].graphs.capturing
+    assert graphs.buckets == [1, 2, 4, 8]  # steps go to 32 tokens, decode steps to max_requests=8
+    # On CUDA the decode steps are captured and replayed; on the CPU the same static-buffer step
+    # runs eagerly.
+    capturable = device().type == "cuda"
+    assert graphs.capturing == capturable
     assert (engines["graphs"].cuda_graphs_blocker is None) == capturable
     results = {name: run(engine, prompts(LENGTHS), STAGGERED) for name, engine in engines.items()}
     assert engines["graphs"].stats["graph_steps"] > 0 and engines["eager"].stats["graph_steps"] == 0
