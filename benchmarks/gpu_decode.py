@@ -31,6 +31,12 @@ benchmark stays within a bounded time; the JSON is rewritten after every row.
     python -m benchmarks.gpu_decode --output-json $OUT/gpu_decode.json
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --hf-static-concurrency 64
     python -m benchmarks.gpu_decode --tiny --device cpu        (a smoke run of every code path)
+
+``--profile-steps N`` also runs ``torch.profiler`` over N decode steps of the default engine (graphs
+where captured) at each concurrency: per step the wall time and the GPU busy time (the union of
+the kernels' intervals), and the kernels with the most device time, in the row's ``profile``.
+
+    python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --no-unpadded --profile-steps 20
 """
 
 from __future__ import annotations
@@ -218,6 +224,64 @@ def hf_generate(hf, prompts, new_tokens: int, device: torch.device, budget_s: fl
     return dict(tokens=generated, elapsed_s=elapsed, timed_out=len(generated[0]) < new_tokens)
 
 
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
+    """``torch.profiler`` over ``num_steps`` decode steps of ``engine`` with ``prompts`` all decoding:
+    wall and GPU busy milliseconds per step, and the 10 kernels with the most device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = [f"profile-{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    started_decoding = set()
+    while len(started_decoding) < len(ids):  # prefill done: every request has a token
+        started_decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    graph_steps = engine.stats["graph_steps"]
+    _sync(device)
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        _sync(device)
+        wall_s = time.perf_counter() - started
+    graph_steps = engine.stats["graph_steps"] - graph_steps
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = _busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
+    return dict(
+        steps=num_steps,
+        graph_steps=graph_steps,
+        wall_ms_per_step=1e3 * wall_s / num_steps,
+        gpu_busy_ms_per_step=busy_us / 1e3 / num_steps,
+        gpu_busy_fraction=busy_us / 1e6 / wall_s,
+        kernels_per_step=len(kernels) / num_steps,
+        top_kernels=[
+            dict(name=name[:120], ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
+            for name, (total, count) in top
+        ],
+    )
+
+
 def engine_for(model, pg, args, max_requests: int, **modes) -> DynamicInferenceEngine:
     block_size = 16
     blocks_per_request = -(-(args.prompt_tokens + args.new_tokens) // block_size)
@@ -327,6 +391,17 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             )
         result["rows"].append(row)
         print(_format_row(kind, row), flush=True)
+        if args.profile_steps:
+            engine = engines["graphs" if graphs_on else "eager"]
+            profiled = row["profile"] = profile_decode(engine, prompts, params, args.profile_steps, device)
+            print(
+                f"{kind:6s} c={concurrency:<4d} | profile of {profiled['steps']} decode steps "
+                f"({profiled['graph_steps']} from graphs): {profiled['wall_ms_per_step']:.2f} ms wall, "
+                f"{profiled['gpu_busy_ms_per_step']:.2f} ms GPU busy per step "
+                f"({100 * profiled['gpu_busy_fraction']:.0f}%), {profiled['kernels_per_step']:.0f} kernels/step; "
+                "top: " + ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms" for k in profiled["top_kernels"][:5]),
+                flush=True,
+            )
         args.write_partial()
     del hf, ours, engines
     if device.type == "cuda":
@@ -401,6 +476,12 @@ def main(argv=None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run ours with batch_invariant=False (graphs where possible), to compare the default mode with it",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many decode steps of the default engine at each concurrency (torch.profiler)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny models of the same structure (a smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.core.inference.host_copies import to_device
+
 
 class PagedKVCache:
     """K/V pages of this stage's attention layers (``num_layers`` may be 0: nothing stored)."""
@@ -38,8 +40,9 @@ class PagedKVCache:
         return self.data.shape[1]
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
-        """Zero the K and V planes of ``block_ids`` in every layer of this stage."""
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+        """Zero the K and V planes of ``block_ids`` in every layer of this stage (queued on the
+        device: the ids go up from pinned memory, so the host never waits for the step in flight)."""
+        index = to_device(torch.tensor(list(block_ids), dtype=torch.long), self.data.device)
         self.data.index_fill_(2, index, 0)
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,8 +43,9 @@ class _Group:
     ``K`` (padded) keys."""
 
     slots: torch.Tensor  # [n, K] flat cache slot of each key
-    stored: torch.Tensor  # [1, n, K, 1] key j of request r is in its cache (j < kv length)
-    visible: torch.Tensor  # [n, L, K] query i of request r sees key j
+    # Masks are kept inverted (what masked_fill takes), once per step rather than per layer.
+    unstored: torch.Tensor  # [1, n, K, 1] key j of request r is not in its cache (j >= kv length)
+    hidden: torch.Tensor  # [1, n, L, 1, K] query i of request r does not see key j
     query_rows: torch.Tensor  # [n * L] packed row of each (request, query); padding queries repeat a row
     valid: torch.Tensor | None  # [n * L] which (request, query) pairs are real (None: all)
     out_rows: torch.Tensor  # [real queries] packed row each real (request, query) pair writes
@@ -127,7 +128,8 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     length_t = torch.tensor([lengths[r] for r in rows], dtype=torch.long)
     offset_t = torch.tensor([offsets[r] for r in rows], dtype=torch.long)
     start_t = torch.tensor([starts[r] for r in rows], dtype=torch.long)
-    num_keys = math.ceil(int((offset_t + length_t).max()) / KEY_TILE) * KEY_TILE
+    # Sizes from the host lists: reading them from the tensors would be a host read per group.
+    num_keys = math.ceil(max(offsets[r] + lengths[r] for r in rows) / KEY_TILE) * KEY_TILE
     key_pos = torch.arange(num_keys)
     tables = host_block_tables.index_select(0, rows_t)
     columns = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
@@ -139,13 +141,13 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     visible = key_pos[None, None, :] <= positions[:, :, None]  # [n, L, K]
     query_rows = (start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)).reshape(-1)
     valid = real.reshape(-1)
-    all_real = bool(valid.all())
+    all_real = all(lengths[r] == queries for r in rows)
     out_rows = query_rows if all_real else query_rows[valid]
     stored = key_pos[None, :] < (offset_t + length_t)[:, None]
     return _Group(
         slots=slots.to(device),
-        stored=stored[None, :, :, None].to(device),
-        visible=visible.to(device),
+        unstored=(~stored)[None, :, :, None].to(device),
+        hidden=(~visible)[None, :, :, None, :].to(device),
         query_rows=query_rows.to(device),
         valid=None if all_real else valid.to(device),
         out_rows=out_rows.to(device),
@@ -164,13 +166,13 @@ def _attend_group(group: _Group, query: torch.Tensor, flat_keys: torch.Tensor, f
     # Values past a request's cached length are zeroed (their probability is 0, but a stale NaN in
     # a block tail would still poison 0 * NaN).
     values = (
-        flat_values[:, group.slots].float().masked_fill_(~group.stored, 0.0).reshape(kv_heads * n, num_keys, head_dim)
+        flat_values[:, group.slots].float().masked_fill_(group.unstored, 0.0).reshape(kv_heads * n, num_keys, head_dim)
     )
     # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
     q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
     q = q.permute(2, 0, 4, 1, 3).reshape(kv_heads * n, head_dim, length * group_size)
     scores = torch.bmm(keys, q).transpose(1, 2).view(kv_heads, n, length, group_size, num_keys)
-    scores = scores.masked_fill(~group.visible[None, :, :, None, :], float("-inf"))
+    scores = scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kv_heads * n, length * group_size, num_keys)
     context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [kv_heads * n, d, L * group]
     context = context.view(kv_heads, n, head_dim, length, group_size).permute(1, 3, 0, 4, 2)

@@ -536,7 +536,7 @@ class DynamicInferenceEngine:
         parts = []
         if rows:
             logits = step.logits.index_select(0, to_device(torch.tensor(rows), device))
-            log_probs = torch.log_softmax(logits, dim=-1)
+            log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
             self._apply_sampling_controls(logits, requests, draft_prefixes)
             for processor in self.logits_processors:
                 processor(logits, [r.request_id for r in requests])
@@ -552,7 +552,7 @@ class DynamicInferenceEngine:
         if prompt_rows:
             prompt_logits = step.logits.index_select(0, to_device(torch.tensor(prompt_rows), device))
             targets = to_device(torch.tensor(prompt_targets), device)
-            parts.append(torch.log_softmax(prompt_logits, dim=-1).gather(1, targets[:, None])[:, 0].double())
+            parts.append(kernels.log_softmax(prompt_logits).gather(1, targets[:, None])[:, 0].double())
         step.readback = DeviceToHost(torch.cat(parts))
 
     def _apply_sampling_controls(

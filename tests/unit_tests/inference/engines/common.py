@@ -4,6 +4,7 @@ by the engine tests."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.config import TransformerConfig
 from megatron.core.inference.engines import DynamicInferenceEngine
@@ -15,6 +16,30 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from tests.unit_tests.dist_harness import device
 
 VOCAB, MAX_SEQ = 96, 128
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's values back to the host or size a result by them."""
+
+    READS = (
+        "_local_scalar_dense",  # .item(), int(t), bool(t)
+        "equal",
+        "is_nonzero",
+        "nonzero",
+        "masked_select",
+        "unique",
+        "_unique2",
+        "repeat_interleave",
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def tiny_config(**overrides) -> TransformerConfig:

@@ -8,15 +8,22 @@ the CPU) give exactly the tokens and log-probs of eager steps."""
 import dataclasses
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.inference import kernels
 from megatron.core.inference.engines import DynamicInferenceEngine
+from megatron.core.inference.engines.cuda_graphs import DecodeGraphs
 from megatron.core.inference.engines.step_buckets import StepBuckets, row_invariant_buckets
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from tests.unit_tests.dist_harness import device
-from tests.unit_tests.inference.engines.common import assert_same_outputs, collect, hybrid_model, prompts, run
+from tests.unit_tests.inference.engines.common import (
+    HostReads,
+    assert_same_outputs,
+    collect,
+    hybrid_model,
+    prompts,
+    run,
+)
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=True, return_prompt_logprobs=True)
@@ -78,6 +85,26 @@ def test_bucket_check_drops_the_sizes_where_a_mamba_decode_step_is_not_row_invar
         assert row_invariant_buckets(model, candidates, pg) == [8]
 
 
+def _static_decode_engine(model, pg, **kwargs) -> DynamicInferenceEngine:
+    """An engine whose decode steps run on the static buffers at its buckets: replayed from CUDA
+    graphs where the stage can be captured, and elsewhere (the CPU; a CUDA stage with a
+    ``cuda_graphs_blocker``, where ``enable_cuda_graphs=True`` is refused) the same steps eagerly."""
+    on_cpu = device().type == "cpu"
+    engine = DynamicInferenceEngine(
+        model, enable_cuda_graphs=True if on_cpu else None, pg_collection=pg, **ARGS, **kwargs
+    )
+    if engine.graphs is None:
+        engine.graphs = DecodeGraphs(engine.runner, engine.context, engine.buckets.sizes, capture=False)
+    assert engine.graphs.capturing == (not on_cpu and engine.cuda_graphs_blocker is None)
+    return engine
+
+
+def _padded_bucket(engine, num_requests: int) -> int:
+    """The smallest decode bucket of ``engine`` with room for a padding request past ``num_requests``
+    (the buckets are those the model passed the row-invariance check at, on its device)."""
+    return engine.graphs.bucket_for(num_requests + 1)
+
+
 def _decode_all(engine, requests) -> dict:
     """Add ``requests`` and step until each of them has a token to decode."""
     results = {}
@@ -90,15 +117,14 @@ def _decode_all(engine, requests) -> dict:
 
 @on_single_rank
 def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
-    engine = DynamicInferenceEngine(
-        hybrid_model(pg), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
-    )
+    engine = _static_decode_engine(hybrid_model(pg), pg, overlap_steps=False)
     _decode_all(engine, prompts([5, 7, 3]))
     context, slots = engine.context, engine.context.mamba_slots
     live = {rid: context.request(rid).mamba_slot for rid in ("0", "1", "2")}
     before = slots.conv.clone(), slots.ssm.clone()
-    batch = context.build_step([("1", 1)], pad_to_tokens=4, pad_to_requests=4)
-    assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * 3
+    bucket = _padded_bucket(engine, 1)
+    batch = context.build_step([("1", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
+    assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * (bucket - 1)
     engine.graphs.run(batch)
     context.commit_step()
     for rid, slot in live.items():
@@ -109,31 +135,15 @@ def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
         assert changed == [rid == "1"] * 2, rid  # only the stepped request's state moved
 
 
-class _HostReads(TorchDispatchMode):
-    """Records the ops that read a tensor's values back to the host or size a result by them."""
-
-    READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @on_single_rank
 def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
     # A Mamba + MLP model: the torch paged attention of the CPU reads lengths (a CUDA graph takes
     # the Triton one), the Mamba decode step must not.
-    engine = DynamicInferenceEngine(
-        hybrid_model(pg, pattern="M-M"), enable_cuda_graphs=True, overlap_steps=False, pg_collection=pg, **ARGS
-    )
+    engine = _static_decode_engine(hybrid_model(pg, pattern="M-M"), pg, overlap_steps=False)
     _decode_all(engine, prompts([5, 7, 3]))
-    batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=4, pad_to_requests=4)
-    with kernels.batch_invariant(True), _HostReads() as watch:
+    bucket = _padded_bucket(engine, 2)
+    batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
+    with kernels.batch_invariant(True), HostReads() as watch:
         engine.graphs.run(batch)
     engine.context.commit_step()
     assert watch.reads == []
@@ -143,11 +153,11 @@ def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
 def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
     model = hybrid_model(pg)
     engines = {
-        "graphs": DynamicInferenceEngine(model, enable_cuda_graphs=True, pg_collection=pg, **ARGS),
+        "graphs": _static_decode_engine(model, pg),
         "eager": DynamicInferenceEngine(model, enable_cuda_graphs=False, pg_collection=pg, **ARGS),
     }
     graphs = engines["graphs"].graphs
-    assert graphs is not None and engines["eager"].graphs is None
+    assert engines["eager"].graphs is None
     assert graphs.buckets == [1, 2, 4, 8]  # steps go to 32 tokens, decode steps to max_requests=8
     # On CUDA the decode steps are captured and replayed; on the CPU the same static-buffer step
     # runs eagerly.

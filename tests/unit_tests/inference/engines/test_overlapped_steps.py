@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from megatron.core.inference import host_copies
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from tests.unit_tests.inference.engines.common import (
+    HostReads,
     assert_same_outputs,
     collect,
     gpt_model,
@@ -173,3 +175,25 @@ def test_logits_processors_act_before_sampling_in_every_mode(pg):
         assert result == runs[0]
         assert result["0"]["tokens"][:2] == plain["0"]["tokens"][:2] and banned not in result["0"]["tokens"]
         assert result["1"] == plain["1"]  # the other request is untouched
+
+
+@on_single_rank
+def test_overlapped_graph_decode_steps_read_nothing_back_but_their_decisions(pg, monkeypatch):
+    """A decode step of the overlapped graph path (its static-buffer step eagerly on the CPU)
+    reads no tensor value on the host (on CUDA each such read is a sync) and waits on one
+    read-back: the decisions of the step before."""
+    engine = DynamicInferenceEngine(
+        gpt_model(pg), enable_cuda_graphs=True, overlap_steps=True, num_blocks=64, pg_collection=pg, **ENGINE_ARGS
+    )
+    waits = []
+    wait = host_copies.DeviceToHost.wait
+    monkeypatch.setattr(host_copies.DeviceToHost, "wait", lambda self: waits.append(1) or wait(self))
+    for index, prompt in enumerate(prompts([3, 2])):
+        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=4, logprobs=True))
+    while engine.stats["graph_steps"] < 1:  # prefill, then a decode step in flight
+        engine.step()
+    waits.clear()
+    with HostReads() as watch:
+        outputs = engine.step()
+    assert engine.stats["graph_steps"] == 2 and [len(out.new_token_ids) for out in outputs] == [1, 1]
+    assert watch.reads == [] and len(waits) == 1

@@ -16,6 +16,7 @@ from megatron.core.inference.kernels import (
     invariant_linear,
     is_batch_invariant,
     kernel_backend,
+    linear,
 )
 from megatron.core.inference.kernels.matmul_triton import tile_config
 from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -59,6 +60,33 @@ def test_rows_are_bitwise_the_same_whatever_the_batch(backend, n):
     shifted = torch.roll(x, 19, dims=0)  # every row at another position of its tile
     assert torch.equal(invariant_linear(shifted, w, b, backend=backend), torch.roll(full, 19, dims=0))
     assert torch.equal(invariant_linear(x[45:46], w, b, backend=backend)[0], full[45])
+
+
+def _tiles_by_hand(x, w, b):
+    padded = torch.cat([x, x.new_zeros(-len(x) % linear.ROW_TILE, x.shape[1])])
+    out = torch.cat([padded[i : i + linear.ROW_TILE] @ w.t() for i in range(0, len(padded), linear.ROW_TILE)])
+    return out[: len(x)] + b
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the torch path is the CPU one")
+@pytest.mark.parametrize("whole_call_differs", [False, True])
+def test_torch_path_gives_the_bits_of_row_tiles_whether_or_not_one_call_has_them(monkeypatch, whole_call_differs):
+    """One GEMM over the padded rows is used only where a probe found it gives the tiles' bits; a
+    BLAS whose long GEMM rounds differently (simulated) gets the tiles."""
+    monkeypatch.setattr(linear, "_WHOLE_CALL_MATCHES", {})
+    x, w, b = operands(70, 40, 72)
+    want = _tiles_by_hand(x, w, b)
+    if whole_call_differs:
+        matmul = torch.matmul
+
+        def long_calls_round_differently(a, m, out=None):
+            result = matmul(a, m, out=out)
+            return result.add_(1e-3) if a.shape[0] > linear.ROW_TILE else result
+
+        monkeypatch.setattr(torch, "matmul", long_calls_round_differently)
+    assert torch.equal(linear.torch_invariant_linear(x, w, b), want)
+    if whole_call_differs:  # (whether a real BLAS matches is the machine's business)
+        assert list(linear._WHOLE_CALL_MATCHES.values()) == [False]
 
 
 def test_k_step_is_a_function_of_the_weight_and_the_column_tile_widens_with_rows():
