@@ -199,6 +199,56 @@ class _WithTiedHead(Mapping):
         return len(self._hf) + 1
 
 
+class StackedExperts(Mapping):
+    """``hf_state_dict`` with the stacked expert tensors of transformers' MoE modules
+    (``{layer}.mlp.experts.gate_up_proj [E, 2f, h]``, ``.experts.down_proj [E, h, f]``,
+    ``.mlp.gate.weight``) made from the per-expert tensors that checkpoints store (the Hub layout
+    ``save_pretrained`` writes), each stacked only when asked for. ``disk_block`` is the MoE
+    block's name on disk (Mixtral: ``block_sparse_moe``), ``names`` the per-expert gate, up and
+    down projections. A state dict already stacked passes through."""
+
+    def __init__(self, hf_state_dict: Mapping, num_layers: int, num_experts: int, disk_block: str, names):
+        self._hf, self._made, hidden = hf_state_dict, {}, set()
+        for i in range(num_layers):
+            disk, module = f"model.layers.{i}.{disk_block}.", f"model.layers.{i}.mlp."
+            gate, up, down = ([f"{disk}experts.{e}.{name}.weight" for e in range(num_experts)] for name in names)
+            if gate[0] not in hf_state_dict:
+                continue
+            self._made[module + "experts.gate_up_proj"] = (gate, up)
+            self._made[module + "experts.down_proj"] = (down,)
+            self._made[module + "gate.weight"] = (disk + "gate.weight",)
+            hidden.update(gate + up + down + [disk + "gate.weight"])
+        self._passed = [key for key in hf_state_dict if key not in hidden]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._made:
+            return self._hf[key]
+        parts = self._made[key]
+        if isinstance(parts[0], str):
+            return self._hf[parts[0]]
+        per_expert = [torch.cat([self._hf[part[e]] for part in parts], dim=0) for e in range(len(parts[0]))]
+        return torch.stack(per_expert)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._made:
+            return tensor_shape(self._hf, key)
+        parts = self._made[key]
+        if isinstance(parts[0], str):
+            return tensor_shape(self._hf, parts[0])
+        first = [tensor_shape(self._hf, part[0]) for part in parts]
+        return (len(parts[0]), sum(shape[0] for shape in first), *first[0][1:])
+
+    def __contains__(self, key) -> bool:
+        return key in self._made or key in self._passed
+
+    def __iter__(self):
+        yield from self._passed
+        yield from self._made
+
+    def __len__(self) -> int:
+        return len(self._passed) + len(self._made)
+
+
 def _apply_from_hf(rules: list[Rule], hf_state_dict: Mapping) -> MappedStateDict:
     return MappedStateDict(rules, hf_state_dict)
 
@@ -469,10 +519,16 @@ def _mixtral_rules(config: TransformerConfig) -> list[Rule]:
     return rules
 
 
+def _moe_state_dict_from_hf(hf_state_dict, config, tied, disk_block, names) -> Mapping:
+    stacked = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts, disk_block, names)
+    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
+
+
 def mixtral_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
-    """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict
-    (transformers' stacked expert tensors)."""
-    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied))
+    """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict:
+    transformers' stacked expert tensors, or the per-expert ``block_sparse_moe.experts.{e}.w1/w3/w2``
+    of a checkpoint on disk."""
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "block_sparse_moe", ("w1", "w3", "w2"))
 
 
 def mixtral_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
@@ -528,8 +584,10 @@ def qwen3_moe_config_to_hf(record) -> dict:
 
 
 def qwen3_moe_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
-    """Our full state dict (made key by key on access) from a Qwen3MoeForCausalLM state dict."""
-    return mixtral_state_dict_from_hf(hf_state_dict, config, tied)
+    """Our full state dict (made key by key on access) from a Qwen3MoeForCausalLM state dict:
+    stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` of
+    a checkpoint on disk."""
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def qwen3_moe_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
