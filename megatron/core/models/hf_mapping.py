@@ -17,7 +17,6 @@ which refuses what the HF architecture cannot represent.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 
