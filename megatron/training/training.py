@@ -190,23 +190,28 @@ def count_flops_per_token(
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
     embedding lookups excluded, the (possibly tied) output layer included, plus attention and
-    the Mamba scans (see :func:`training_flops_per_token`). ``model`` may be this rank's list of
-    model chunks (virtual pipeline stages)."""
+    the Mamba scans (see :func:`training_flops_per_token`). Routed experts count as a token
+    meets them: ``moe_router_topk`` whole experts per MoE layer (an expert's weights with its
+    ``expt_tp`` shards, counted on TP rank 0), whatever EP holds here. ``model`` may be this
+    rank's list of model chunks (virtual pipeline stages)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
 
     chunks = model if isinstance(model, list) else [model]
     first_replica = pgc.rank("gtp") == 0
+    topk = chunks[0].config.moe_router_topk
     matmul = 0
     for chunk in chunks:
         output_weight = chunk.output_layer.weight if getattr(chunk, "output_layer", None) is not None else None
-        matmul += sum(
-            param.numel()
-            for name, param in chunk.named_parameters()
-            if param.dim() >= 2
-            and (not name.startswith("embedding.") or param is output_weight)
-            and (getattr(param, "gtp_sharded", False) or first_replica)
-        )
+        for name, param in chunk.named_parameters():
+            if param.dim() < 2 or (name.startswith("embedding.") and param is not output_weight):
+                continue
+            if getattr(param, "is_expert", False):
+                if param.dim() == 3 and pgc.rank("tp") == 0:  # weights [experts, in, out]; not biases
+                    shards = pgc.size("expt_tp") if getattr(param, "tensor_model_parallel", False) else 1
+                    matmul += param[0].numel() * shards * topk
+            elif getattr(param, "gtp_sharded", False) or first_replica:
+                matmul += param.numel()
     attention_layers = sum(isinstance(m, SelfAttention) for chunk in chunks for m in chunk.modules())
     mixers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MambaMixer)]
     if pgc.rank("tp") != 0 or not first_replica:
