@@ -120,9 +120,14 @@ def _call_namespace() -> str:
 
 
 def _publish_arguments(store: dist.Store, args, kwargs) -> None:
-    """Rank 0: put its arguments in the store; one it cannot pickle is marked local."""
+    """Rank 0: put its arguments in the store; one it cannot pickle is marked local, and so is
+    a ``monkeypatch`` (a copy's patches would outlive the test: only each rank's own fixture
+    undoes them at teardown)."""
     blobs = []
     for item in [*args, *kwargs.values()]:
+        if isinstance(item, pytest.MonkeyPatch):
+            blobs.append(None)
+            continue
         try:
             blobs.append(pickle.dumps(item))
         except Exception:  # noqa: BLE001 - a lambda or local function: every rank has its own
@@ -172,7 +177,8 @@ def _run_in_torchrun_world(fn, world_size, args, kwargs, timeout_s):
     _wait_for_every_rank(store, "arrived", world_size, timeout_s=DEFAULT_TIMEOUT_S + 2 * ERROR_GRACE_S)
     if store.add("arrived", 0) < world_size:
         pytest.fail(f"not every rank of the torchrun world reached this test within {DEFAULT_TIMEOUT_S:g}s")
-    args, kwargs = _arguments_of_rank_zero(store, args, kwargs)
+    if rank != 0:  # rank 0 runs on its own objects
+        args, kwargs = _arguments_of_rank_zero(store, args, kwargs)
     start = time.monotonic()
     try:
         try:

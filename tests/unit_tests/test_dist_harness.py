@@ -45,3 +45,16 @@ def test_a_rank_stuck_in_a_collective_fails_within_the_timeout():
     with pytest.raises(DistributedTestFailure, match="did not finish within 6s|raised"):
         run_distributed(_rank_zero_skips_the_collective, 2, timeout_s=6)
     assert time.monotonic() - start < 20
+
+
+def test_a_monkeypatch_reaches_every_rank_as_its_own_fixture(monkeypatch):
+    # Under torchrun the arguments of rank 0 travel through the store; a pickled copy of a
+    # monkeypatch would patch without ever undoing (its fixture is not the copy), leaking the
+    # patch into every later test of the process.
+    from tests.unit_tests.dist_harness import _arguments_of_rank_zero, _publish_arguments
+
+    store = dist.HashStore()
+    _publish_arguments(store, (monkeypatch, 3), {"path": "p"})
+    elsewhere = pytest.MonkeyPatch()
+    args, kwargs = _arguments_of_rank_zero(store, (elsewhere, 0), {"path": None})
+    assert args[0] is elsewhere and args[1] == 3 and kwargs == {"path": "p"}

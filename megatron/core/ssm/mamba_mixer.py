@@ -198,14 +198,6 @@ class MambaMixer(nn.Module):
     ``"triton"``; it may be changed on the module between calls.
     """
 
-    # A decode-only packed step reads nothing back to the host and branches only on shapes and
-    # host facts of the step (Triton: :func:`inference_triton.packed_recurrence`; torch:
-    # :meth:`_packed_decode`), so the engine could capture it in a CUDA graph. Not yet: on the
-    # H200 the captured hybrid decode gave the eager steps' tokens but log-probs differing in the
-    # last bits, and mixed (prefill) steps always run eagerly, so a request's bits would depend
-    # on its neighbours. Capture waits until graph and eager steps are bitwise equal there.
-    graph_capturable_decode = False
-
     def __init__(self, config: TransformerConfig, layer_number: int, pg_collection=None, ssm_backend: str = "auto"):
         super().__init__()
         self.config = config

@@ -13,8 +13,8 @@ On a CPU device nothing is captured: :meth:`run` runs the same static-buffer ste
 is how the tests check that this path gives exactly the outputs of the dynamic one.
 
 Capturing needs every kernel of a decode step to run without reading the device from the host:
-paged attention through Triton (the step's per-token metadata is built on the host), and a Mamba
-mixer whose decode step says so (``MambaMixer.graph_capturable_decode``).
+paged attention through Triton (the step's per-token metadata is built on the host); the Mamba
+mixer's packed decode step reads nothing back (:meth:`MambaMixer._packed_step`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import torch
 
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
 from megatron.core.inference.contexts.paged_attention import resolve_backend
-from megatron.core.inference.model_runner import ModelRunner, model_is_hybrid
-from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.inference.model_runner import ModelRunner
 
 
 def add_cuda_graph_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -50,8 +49,6 @@ def graph_blocker(runner: ModelRunner, context: DynamicInferenceContext) -> str 
         return "CUDA graphs are not captured under pipeline parallelism"
     if context.spec.attention_layer_numbers and resolve_backend("auto", runner.device) != "triton":
         return "paged attention runs on the torch backend (Triton is off or missing), which reads back lengths"
-    if model_is_hybrid(runner.model) and not MambaMixer.graph_capturable_decode:
-        return "the Mamba mixer's captured decode step is not yet bitwise equal to its eager step"
     return None
 
 
@@ -67,7 +64,10 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner, context: DynamicInferenceContext, buckets: list[int], capture: bool):
         self.runner = runner
         self.context = context
-        self.buckets = sorted(b for b in buckets if b <= context.step_buffers.max_requests)
+        fitting = sorted(b for b in buckets if b <= context.step_buffers.max_requests)
+        # A decode step has at most max_requests requests: no bucket past the one that holds them.
+        limit = next((b for b in fitting if b >= context.capacity.max_requests), None)
+        self.buckets = [b for b in fitting if limit is None or b <= limit]
         self.capturing = capture
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
