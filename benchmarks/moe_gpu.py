@@ -172,7 +172,8 @@ def gemm_microbenchmark(shape: dict, gpu: bool, trials: int, iters: int) -> dict
 
 def run(opts) -> dict:
     gpu = not opts.tiny
-    shape = SHAPES["tiny" if opts.tiny else "gpu"]
+    shape = dict(SHAPES["tiny" if opts.tiny else "gpu"])
+    shape["micro_batch"] = opts.micro_batch_size or shape["micro_batch"]
     report = {"shape": shape, "options": vars(opts)}
     if gpu:
         props = torch.cuda.get_device_properties(0)
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 50; --tiny: 10)")
     parser.add_argument("--trials", type=int, default=None, help="alternating GEMM trials (default 7; --tiny: 3)")
     parser.add_argument("--iters", type=int, default=None, help="GEMM calls per trial (default 20; --tiny: 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="override the shape's micro-batch")
     parser.add_argument("--output-json", default=None)
     opts = parser.parse_args(argv)
     opts.steps = opts.steps or (10 if opts.tiny else 50)
