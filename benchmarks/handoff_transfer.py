@@ -12,11 +12,17 @@ out) and serves reads. This process holds a decode pool of twice as many blocks,
 taken by other requests with holes between them, and imports the request the way the decode
 side does: the blocks come from ``BlockPool.allocate(..., PageReason.IMPORT)``, the runs from
 ``plan_kv``, the pull from ``NixlTransport.post_pull``; each trial times plan + post + wait +
-release. The raw side times describing, posting, waiting for and releasing one READ of the
-same bytes. Trials alternate (ours, raw, ours, ...) after one warm-up round; the medians are
-compared. ``--fragmented`` takes the destination blocks in the plain free-list order instead
-(one descriptor per block and layer plane), to show what coalescing buys. Every run checks that
-the pulled blocks equal the source's.
+release; both sides register their KV buffer with its unit (one block), so our pulls pick
+indices from descriptor lists prepared once. Two variants of ours run beside it: *pipelined*,
+the same import cut into ``--layer-groups`` groups of layers posted back to back (it also
+reports when all its pulls were posted and when the first group landed), and *unprepared*, a
+second puller without units that describes every run anew, as before prepared lists. The raw
+side times describing, posting, waiting for and releasing one READ of the same bytes. Trials
+alternate (ours, pipelined, unprepared, raw, ours, ...) after one warm-up round; the medians are
+compared.
+``--fragmented`` takes the destination blocks in the plain free-list order instead (one
+descriptor per block and layer plane), to show what coalescing buys. Every pull of ours is
+checked: the pulled blocks equal the source's.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 
 from megatron.core.inference.contexts.block_allocator import BlockPool, PageReason
 from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout, dtype_from_name
-from megatron.core.inference.handoff.plan import plan_kv
+from megatron.core.inference.handoff.plan import layer_groups, plan_kv
 from megatron.core.inference.handoff.transport import NixlTransport, TransferState
 
 
@@ -53,6 +59,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--trials", type=int, default=7, help="timed trials of each side (after one warm-up)")
     parser.add_argument("--fragmented", action="store_true", help="scattered destination blocks (no coalescing)")
+    parser.add_argument("--layer-groups", type=int, default=4, help="layer groups of the pipelined variant")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     return parser.parse_args(argv)
 
@@ -78,6 +85,10 @@ def _layout(args, peer, num_blocks: int) -> SourceLayout:
     )
 
 
+def _block_bytes(kv: torch.Tensor) -> int:
+    return kv.stride(2) * kv.element_size()
+
+
 def _source_content(args) -> torch.Tensor:
     kv = _buffer(args, args.blocks, "cpu")
     return kv.copy_(torch.rand(kv.shape, generator=torch.Generator().manual_seed(0)).to(kv))
@@ -86,7 +97,7 @@ def _source_content(args) -> torch.Tensor:
 def source(args, exports, stop) -> None:
     kv = _source_content(args).to(args.source_device or args.device)
     transport = NixlTransport(f"bench-source-{os.getpid()}")
-    transport.register({"kv": kv})
+    transport.register({"kv": kv}, {"kv": _block_bytes(kv)})
     exports.put(transport.export())
     stop.get()
     transport.close()
@@ -109,6 +120,10 @@ def _wait(transport, handle) -> None:
     transport.release(handle)
 
 
+def _ratio(median: dict, name: str) -> float:
+    return median["raw"] / median[name]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -122,7 +137,9 @@ def main(argv=None) -> int:
         num_local_blocks = 2 * args.blocks
         kv = _buffer(args, num_local_blocks, args.device)
         puller = NixlTransport(f"bench-puller-{os.getpid()}")
-        puller.register({"kv": kv})
+        puller.register({"kv": kv}, {"kv": _block_bytes(kv)})
+        unprepared = NixlTransport(f"bench-unprepared-{os.getpid()}")
+        unprepared.register({"kv": kv})
         record = HandoffRecord(
             "bench",
             [0] * (args.blocks * args.block_size),
@@ -137,10 +154,24 @@ def main(argv=None) -> int:
         local = _layout(args, {}, num_local_blocks)
         dst_blocks = destination_blocks(args.blocks, args.fragmented)
 
-        def ours() -> int:
+        def ours(transport=puller) -> int:
             segments = plan_kv(record, local, record.block_ids, dst_blocks)
-            _wait(puller, puller.post_pull("bench", peer, segments))
+            _wait(transport, transport.post_pull("bench", peer, segments))
             return len(segments)
+
+        groups = layer_groups(local, -(-args.layers // args.layer_groups))
+        first_landed, posted = [], []
+
+        def pipelined() -> int:
+            started = time.perf_counter()
+            plans = [plan_kv(record, local, record.block_ids, dst_blocks, layers) for layers in groups]
+            handles = [puller.post_pull("bench", peer, segments) for segments in plans]
+            posted.append(time.perf_counter() - started)
+            for index, handle in enumerate(handles):
+                _wait(puller, handle)
+                if index == 0:
+                    first_landed.append(time.perf_counter() - started)
+            return sum(len(segments) for segments in plans)
 
         agent, remote = puller.agent, puller.connect(peer)
         base, _, device_id, mem_type = peer["regions"]["kv"]
@@ -161,20 +192,31 @@ def main(argv=None) -> int:
             if state != "DONE":
                 raise RuntimeError("raw NIXL transfer failed")
 
-        times = {"ours": [], "raw": []}
+        variants = (
+            ("ours", ours),
+            ("pipelined", pipelined),
+            ("unprepared", lambda: ours(unprepared)),
+            ("raw", raw),
+        )
+        times, runs = {name: [] for name, _ in variants}, {}
+        expected = _source_content(args)[:, :, : args.blocks].to(args.device)
+        index = torch.tensor(dst_blocks, device=args.device)
         for trial in range(args.trials + 1):  # the first round warms the connection up
-            for name, fn in (("ours", ours), ("raw", raw)):
+            for name, fn in variants:
+                if name != "raw":
+                    kv.zero_()
                 started = time.perf_counter()
-                result = fn()
+                runs[name] = fn()
                 if trial:
                     times[name].append(time.perf_counter() - started)
-                if name == "ours":
-                    num_runs = result
-        expected, pulled = _source_content(args), kv.cpu()
-        index = torch.tensor(dst_blocks)
-        if not torch.equal(pulled[:, :, index], expected[:, :, : args.blocks]):
-            raise RuntimeError("the pulled blocks differ from the source's")
+                if name != "raw" and not torch.equal(kv[:, :, index], expected):
+                    raise RuntimeError(f"the blocks pulled by {name!r} differ from the source's")
+        if puller.local_preparations != 1 or sum(puller.peer_preparations.values()) != 1:
+            raise RuntimeError("the prepared descriptor lists were prepared more than once")
+        num_runs = runs["ours"]
+        first_group, all_posted = statistics.median(first_landed[1:]), statistics.median(posted[1:])
         puller.close()
+        unprepared.close()
     finally:
         stop.put(None)
         worker.join(60)
@@ -187,7 +229,15 @@ def main(argv=None) -> int:
         "median_seconds": median,
         "ours_gb_per_s": nbytes / median["ours"] / 1e9,
         "raw_gb_per_s": nbytes / median["raw"] / 1e9,
-        "ratio": median["raw"] / median["ours"],
+        "ratio": _ratio(median, "ours"),
+        "layer_groups": len(groups),
+        "pipelined_descriptors": runs["pipelined"],
+        "pipelined_gb_per_s": nbytes / median["pipelined"] / 1e9,
+        "pipelined_ratio": _ratio(median, "pipelined"),
+        "first_group_seconds": first_group,
+        "posted_seconds": all_posted,
+        "unprepared_gb_per_s": nbytes / median["unprepared"] / 1e9,
+        "unprepared_ratio": _ratio(median, "unprepared"),
     }
     print(
         f"{nbytes / 1e6:.2f} MB in {num_runs} runs ({args.blocks} blocks"
@@ -195,6 +245,13 @@ def main(argv=None) -> int:
         f"{args.source_device or args.device} -> {args.device}, median of {args.trials} alternating trials): "
         f"handoff pull {result['ours_gb_per_s']:.3f} GB/s, raw NIXL {result['raw_gb_per_s']:.3f} GB/s, "
         f"ratio {result['ratio']:.3f}"
+    )
+    print(
+        f"pipelined in {len(groups)} layer groups ({runs['pipelined']} runs): {result['pipelined_gb_per_s']:.3f} GB/s, "
+        f"ratio {result['pipelined_ratio']:.3f}, all posted after {all_posted * 1e3:.3f} ms, first group landed "
+        f"after {first_group * 1e3:.3f} ms of "
+        f"{median['pipelined'] * 1e3:.3f} ms; unprepared descriptor lists: {result['unprepared_gb_per_s']:.3f} GB/s, "
+        f"ratio {result['unprepared_ratio']:.3f}"
     )
     if args.json:
         with open(args.json, "w") as f:

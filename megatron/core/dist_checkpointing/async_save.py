@@ -10,6 +10,9 @@ Rules:
 
 * at most one save is in flight: a new save first waits for the previous one to complete;
 * the tracker moves only once the save is complete and published (the worker does it last);
+* the writer never competes with training for a core: its thread (and the I/O threads it
+  starts, which inherit this) runs at the lowest CPU priority (``nice`` 19: the scheduler gives
+  a busy training thread its core first) and, with ``writer_cpus``, only on those CPUs;
 * the training loop calls :meth:`AsyncSaver.poll` at every iteration. While a save is in
   flight every rank joins one small all-reduce (on a second gloo group) saying whether its
   part has finished; once every rank's has, all of them learn the outcome at the same
@@ -20,7 +23,10 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -29,7 +35,23 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import dist_utils
 from megatron.core.dist_checkpointing.errors import CheckpointIOError
 
+logger = logging.getLogger(__name__)
+
 _ALIGN = 64
+WRITER_NICE = 19
+
+
+def yield_cpu_to_training(nice: int = WRITER_NICE, cpus: Collection[int] | None = None) -> None:
+    """Lower the calling thread's CPU priority to ``nice`` and, given ``cpus``, keep it on them
+    (threads it starts later inherit both; Linux: both are per thread). Where the system does
+    not allow it, the thread keeps its priority and a warning says so."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        if cpus is not None:
+            os.sched_setaffinity(tid, set(cpus))
+    except (AttributeError, OSError) as exc:  # not Linux, or a sandbox forbids it
+        logger.warning("the checkpoint writer thread keeps its CPU priority and placement: %s", exc)
 
 
 def _aligned(nbytes: int) -> int:
@@ -67,17 +89,30 @@ class AsyncSaver:
     """Runs one checkpoint save at a time in a background thread (see the module docstring).
 
     Create it on every rank of ``process_group`` (default: the world), in the same order
-    relative to other group creations: it makes two gloo groups over those ranks.
+    relative to other group creations: it makes two gloo groups over those ranks. The writer
+    runs at ``writer_nice`` and, given ``writer_cpus``, only on those CPUs
+    (:func:`yield_cpu_to_training`).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        writer_nice: int = WRITER_NICE,
+        writer_cpus: Collection[int] | None = None,
+    ):
         self.arena = SnapshotArena()
         self._worker_group = self._poll_group = None
         if dist_utils.is_distributed():
             ranks = dist_utils.group_ranks(process_group)
             self._worker_group = dist.new_group(ranks, backend="gloo")
             self._poll_group = dist.new_group(ranks, backend="gloo")
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="ckpt-save",
+            initializer=yield_cpu_to_training,
+            initargs=(writer_nice, writer_cpus),
+        )
         self._in_flight: tuple[Future, str, Callable[[], None] | None] | None = None
 
     @property

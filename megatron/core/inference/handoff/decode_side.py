@@ -14,9 +14,11 @@ Imports that fit wait in FIFO order until the pool has room (blocks, a Mamba slo
 place). Each step, the head imports start in order: the context shares the blocks already in
 the local prefix cache and allocates the rest untouched (reason ``import``) plus the
 continuation pages for the resume tokens (reason ``handoff_continuation``, zeroed); one pull
-per source rank fetches only the missing suffix of blocks (and the Mamba state); when every
-pull is done the blocks enter the prefix cache and the request enters decode directly
-(query = resume tokens, KV offset = prompt length).
+per source rank fetches only the missing suffix of blocks (and the Mamba state); with
+``layers_per_pull`` the pulls are cut into layer groups posted back to back (one pull per
+source rank and group, :meth:`PendingImport.landed_groups` says how many leading groups have
+landed); when every pull is done the blocks enter the prefix cache and the request enters
+decode directly (query = resume tokens, KV offset = prompt length).
 
 Failures, pulls pending longer than ``pull_timeout_s`` and aborts (see :meth:`DecodeSide.abort`)
 end a request at once, with one terminal output from the next :meth:`DecodeSide.step`. The
@@ -61,7 +63,7 @@ from megatron.core.inference.handoff.failures import (
     TransferSubmitError,
 )
 from megatron.core.inference.handoff.metadata import HandoffRecord, SourceLayout
-from megatron.core.inference.handoff.plan import Segment, check_plan, plan_kv, plan_mamba
+from megatron.core.inference.handoff.plan import Segment, check_plan, layer_groups, plan_kv, plan_mamba
 from megatron.core.inference.handoff.prefill_side import cache_regions
 from megatron.core.inference.handoff.transport import HandoffTransport, PullHandle, TransferState, TransportError
 from megatron.core.inference.model_runner import model_is_hybrid
@@ -89,15 +91,28 @@ class QuarantinedStorage:
 @dataclass
 class PendingImport:
     """A validated import: waiting for room (no plan yet), or pulling (plan, handles and start
-    time set; ``error`` is a transport fault seen while polling)."""
+    time set; ``groups[i]`` is the layer group of ``handles[i]``; ``error`` is a transport fault
+    seen while polling)."""
 
     request_id: str
     record: HandoffRecord
     params: SamplingParams
     plan: ImportPlan | None = None
     handles: list[PullHandle] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
     started_at: float = 0.0
     error: str | None = None
+
+    def landed_groups(self) -> int:
+        """How many leading layer groups have landed: every pull of theirs seen done (by the
+        last poll), so their layers' KV and state are in place."""
+        landed = 0
+        for group in range(max(self.groups, default=-1) + 1):
+            states = [h.state for h, g in zip(self.handles, self.groups, strict=True) if g == group]
+            if any(state is not TransferState.DONE for state in states):
+                break
+            landed += 1
+        return landed
 
 
 class DecodeSide:
@@ -113,6 +128,8 @@ class DecodeSide:
         max_quarantined_fraction: share of the KV blocks (and of the Mamba slots) that
             quarantined storage may hold before new pulls are refused.
         clock: seconds, for the timeout (monotonic by default).
+        layers_per_pull: cut each import's pulls into groups of this many of the rank's layers
+            (model order), posted back to back; None: one pull per source rank.
     """
 
     def __init__(
@@ -124,12 +141,16 @@ class DecodeSide:
         pull_timeout_s: float = 30.0,
         max_quarantined_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        layers_per_pull: int | None = None,
     ):
         if pull_timeout_s <= 0 or not 0 <= max_quarantined_fraction < 1:
             raise HandoffConfigError(
                 f"pull_timeout_s must be > 0 and max_quarantined_fraction in [0, 1), got {pull_timeout_s} "
                 f"and {max_quarantined_fraction}"
             )
+        if layers_per_pull is not None and (not isinstance(layers_per_pull, int) or layers_per_pull < 1):
+            raise HandoffConfigError(f"layers_per_pull must be None or an int >= 1, got {layers_per_pull!r}")
+        self.layers_per_pull = layers_per_pull
         self.engine = engine
         self.context = engine.context
         self.transport = transport
@@ -138,7 +159,7 @@ class DecodeSide:
         self.max_quarantined_fraction = max_quarantined_fraction
         self.clock = clock
         self.is_hybrid = model_is_hybrid(engine.model)
-        transport.register(cache_regions(self.context))
+        transport.register(*cache_regions(self.context))
         pg = engine.runner.pg
         self.layout = SourceLayout.of_context(self.context, {}, pg.rank("tp"), pg.size("tp"))
         # Every rank's descriptor: what a prefill side probes to learn that its readers are gone.
@@ -406,8 +427,10 @@ class DecodeSide:
         imp.started_at = self.clock()
         error = None
         try:
-            for source, segments in self._plan(imp).items():
-                imp.handles.append(self.transport.post_pull(request_id, record.sources[source].peer, segments))
+            for group, layers in enumerate(layer_groups(self.layout, self.layers_per_pull)):
+                for source, segments in self._plan(imp, layers).items():
+                    imp.handles.append(self.transport.post_pull(request_id, record.sources[source].peer, segments))
+                    imp.groups.append(group)
         except TransportError as exc:
             error = str(exc)
         failed = self._agree([_FAILED if error else _DONE])[0] == _FAILED
@@ -422,15 +445,16 @@ class DecodeSide:
             raise exc
         self.stats["pulls"] += len(imp.handles)
 
-    def _plan(self, imp: PendingImport) -> dict[int, list[Segment]]:
+    def _plan(self, imp: PendingImport, layers: tuple[int, ...]) -> dict[int, list[Segment]]:
+        """The runs of ``layers`` (global numbers) by source rank."""
         plan, record = imp.plan, imp.record
         segments = (
-            plan_kv(record, self.layout, record.block_ids[plan.first_block_index :], plan.block_ids)
+            plan_kv(record, self.layout, record.block_ids[plan.first_block_index :], plan.block_ids, layers)
             if self.layout.attention_layers
             else []
         )
         if self.layout.mamba_layers:
-            segments += plan_mamba(record, self.layout, plan.mamba_slot)
+            segments += plan_mamba(record, self.layout, plan.mamba_slot, layers)
         by_source: dict[int, list[Segment]] = {}
         for seg in segments:
             by_source.setdefault(seg.source, []).append(seg)

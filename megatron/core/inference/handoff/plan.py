@@ -7,12 +7,15 @@ that layer with an overlapping head range supplies the overlap. When the two ran
 same heads (equal TP), a block is one contiguous run; otherwise each token of a block holds
 the overlap as its own run (different TP sizes). Mamba state moves between ranks of the same
 TP rank and size (its channels are not head-sliced here). Block runs whose ids ascend on both
-sides move as one segment per layer plane; adjacent segments are merged.
+sides move as one segment per layer plane; adjacent segments are merged. A long import may be
+pulled in layer groups (:func:`layer_groups`): each group's runs are planned (and posted) on their
+own, so the first group can land while later ones are still in flight.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,14 +179,33 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
 
 
-def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], dst_blocks: list[int]) -> list[Segment]:
-    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer, layer by
-    layer. With equal heads on both sides, one segment per (layer, K/V, block run); otherwise
-    one per (layer, K/V, block, token)."""
+def layer_groups(local: SourceLayout, layers_per_group: int | None) -> list[tuple[int, ...]]:
+    """This rank's layers (attention and Mamba, global numbers) in model order, cut into groups of
+    ``layers_per_group`` (one group of all when None)."""
+    layers = sorted((*local.attention_layers, *local.mamba_layers))
+    if layers_per_group is None:
+        return [tuple(layers)]
+    if layers_per_group < 1:
+        raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
+    return [tuple(layers[i : i + layers_per_group]) for i in range(0, len(layers), layers_per_group)]
+
+
+def plan_kv(
+    record: HandoffRecord,
+    local: SourceLayout,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    layers: Collection[int] | None = None,
+) -> list[Segment]:
+    """KV runs for ``src_blocks[i] -> dst_blocks[i]`` of every local attention layer (of those in
+    ``layers``, global numbers, when given), layer by layer. With equal heads on both sides, one
+    segment per (layer, K/V, block run); otherwise one per (layer, K/V, block, token)."""
     segments = []
     width = local.head_dim * _itemsize(local.kv_dtype)
     runs = block_runs(src_blocks, dst_blocks)
     for layer_index, overlaps in enumerate(_kv_supply(record, local)):
+        if layers is not None and local.attention_layers[layer_index] not in layers:
+            continue
         for source_index, source, start, stop in overlaps:
             src_layer = source.attention_layers.index(local.attention_layers[layer_index])
             same_heads = (
@@ -218,10 +240,15 @@ def plan_kv(record: HandoffRecord, local: SourceLayout, src_blocks: list[int], d
     return _merge(segments)
 
 
-def plan_mamba(record: HandoffRecord, local: SourceLayout, dst_slot: int) -> list[Segment]:
-    """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer."""
+def plan_mamba(
+    record: HandoffRecord, local: SourceLayout, dst_slot: int, layers: Collection[int] | None = None
+) -> list[Segment]:
+    """Conv and SSM state runs of the record's slot into ``dst_slot`` for every local Mamba layer
+    (of those in ``layers`` when given)."""
     segments = []
     for layer_index, (source_index, source) in enumerate(_mamba_supply(record, local)):
+        if layers is not None and local.mamba_layers[layer_index] not in layers:
+            continue
         src_layer = source.mamba_layers.index(local.mamba_layers[layer_index])
         for region, which in ((CONV_REGION, "conv"), (SSM_REGION, "ssm")):
             row = local.mamba.row_bytes(which)

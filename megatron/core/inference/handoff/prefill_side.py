@@ -39,12 +39,17 @@ from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 
 
-def cache_regions(context) -> dict:
-    """The tensors a handoff reads or writes: the KV buffer and, with Mamba layers, the state slots."""
+def cache_regions(context) -> tuple[dict, dict[str, int]]:
+    """The tensors a handoff reads or writes (the KV buffer ``[2, layers, blocks, ...]`` and, with
+    Mamba layers, the state slots ``[layers, slots, ...]``) and their units: the bytes of one block,
+    of one slot row, what every run of equal-head layouts is a whole number of."""
     regions = {KV_REGION: context.kv_cache.data}
     if context.mamba_slots is not None:
         regions |= {CONV_REGION: context.mamba_slots.conv, SSM_REGION: context.mamba_slots.ssm}
-    return regions
+    units = {
+        name: tensor.stride(2 if name == KV_REGION else 1) * tensor.element_size() for name, tensor in regions.items()
+    }
+    return regions, units
 
 
 @dataclass
@@ -96,7 +101,7 @@ class PrefillSide:
         self.pin_timeout_s = pin_timeout_s
         self.clock = clock
         self.is_hybrid = model_is_hybrid(engine.model)
-        transport.register(cache_regions(self.context))
+        transport.register(*cache_regions(self.context))
         transport.is_servable = lambda transfer_id: transfer_id in self.pins
         pg = engine.runner.pg
         layout = SourceLayout.of_context(self.context, transport.export(), pg.rank("tp"), pg.size("tp")).to_dict()

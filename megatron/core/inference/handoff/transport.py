@@ -6,15 +6,20 @@ into this side's registered regions and returns a :class:`PullHandle`; :meth:`~H
 reports ``pending``, ``done`` or ``failed`` (a transfer whose peer disconnected has ended:
 ``failed``); :meth:`~HandoffTransport.release` frees the handle once no write of it can land
 (:meth:`~HandoffTransport.may_still_write`). A side first :meth:`~HandoffTransport.register` s
-its cache tensors (``kv``, ``conv``, ``ssm``) and :meth:`~HandoffTransport.export` s a
-msgpack-able descriptor that peers put in their handoff records.
+its cache tensors (``kv``, ``conv``, ``ssm``), optionally with each region's *unit* (the bytes
+of one KV block, of one Mamba slot row: every run of a handoff is a whole number of them), and
+:meth:`~HandoffTransport.export` s a msgpack-able descriptor that peers put in their handoff
+records.
 
 Every failure of a transport call, the backend's own exceptions included, is raised as a
 :class:`TransportError` (the backend's exception is its ``__cause__``); :class:`PeerGoneError`
 when the peer disconnected or died.
 
 * :class:`NixlTransport` — NIXL one-sided READs (UCX backend; CPU memory, or GPU memory when
-  the regions live on a GPU). A pending read may write the puller's storage at any time. The
+  the regions live on a GPU). With units on both sides, the descriptor lists (one descriptor per
+  unit of every region) are prepared once for this side and once per peer registration, and a
+  pull only picks indices from them (NIXL merges adjacent ones back into one descriptor per run).
+  A pending read may write the puller's storage at any time. The
   source does nothing per transfer, so it knows no read exactly: it can only tell that every
   peer expected to read from it (:meth:`~HandoffTransport.expect_readers`) is gone, by probing
   each with a tiny read of its own (see :meth:`NixlTransport.may_still_read`).
@@ -28,6 +33,7 @@ when the peer disconnected or died.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import enum
 import logging
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -90,6 +97,7 @@ class HandoffTransport(abc.ABC):
 
     def __init__(self):
         self.regions: dict[str, torch.Tensor] = {}
+        self.units: dict[str, int] = {}
         self.num_posted = 0
         self.num_done = 0
         self.num_failed = 0
@@ -98,12 +106,24 @@ class HandoffTransport(abc.ABC):
         # pulls of released or abandoned pins are refused where the transport can refuse).
         self.is_servable: Callable[[str], bool] = lambda transfer_id: True
 
-    def register(self, regions: dict[str, torch.Tensor]) -> None:
-        """Make contiguous cache tensors readable (source) and writable (puller)."""
+    def register(self, regions: dict[str, torch.Tensor], units: dict[str, int] | None = None) -> None:
+        """Make contiguous cache tensors readable (source) and writable (puller). ``units``: per
+        region, the bytes every run into or out of it is a whole number of (e.g. one KV block),
+        which a transport may prepare its descriptors at; each must divide its region's size."""
+        units = units or {}
         for region, tensor in regions.items():
             if not tensor.is_contiguous():
                 raise TransportError(f"region {region!r} must be a contiguous tensor")
+            unit, nbytes = units.get(region), tensor.numel() * tensor.element_size()
+            if unit is not None and (not isinstance(unit, int) or unit <= 0 or nbytes % unit):
+                raise TransportError(
+                    f"unit {unit!r} of region {region!r} must be a positive divisor of its {nbytes} bytes"
+                )
+        for region, tensor in regions.items():
             self.regions[region] = tensor
+            self.units.pop(region, None)
+            if region in units:
+                self.units[region] = units[region]
 
     @abc.abstractmethod
     def export(self) -> dict[str, Any]:
@@ -193,6 +213,45 @@ class _Region(NamedTuple):
 
 
 @dataclass
+class _PreparedList:
+    """A NIXL descriptor list prepared for one side: one descriptor per unit of each of its
+    regions, region ``r``'s first at index ``bases[r]``. ``key`` is what it was prepared from
+    (the peer's metadata and regions, or this side's regions): another key means prepare again."""
+
+    key: Any
+    handle: Any
+    bases: dict[str, int]
+    units: dict[str, int]
+
+    def indices(self, segments: Sequence[Segment], side: str) -> np.ndarray:
+        """The indices of the units that ``segments`` cover on ``side`` (``source`` or ``destination``)."""
+        runs = []
+        for seg in segments:
+            region, offset = (seg.src_region, seg.src_offset) if side == "source" else (seg.dst_region, seg.dst_offset)
+            first = self.bases[region] + offset // self.units[region]
+            runs.append(np.arange(first, first + seg.nbytes // self.units[region], dtype=np.int32))
+        return np.concatenate(runs)
+
+
+def _unit_descriptors(regions: dict[str, _Region], units: dict[str, int]) -> tuple[np.ndarray, dict[str, int], str]:
+    """``(address, bytes, device)`` rows of every unit of the regions that have one, each region's
+    first row, and their memory type; raises ``ValueError`` for regions of several memory types."""
+    named = [name for name in sorted(regions) if name in units]
+    if len({regions[name].mem_type for name in named}) != 1:
+        raise ValueError("prepared lists need the regions with units to share one memory type")
+    rows, bases, count = [], {}, 0
+    for name in named:
+        region, unit = regions[name], units[name]
+        num = region.nbytes // unit
+        block = np.empty((num, 3), dtype=np.int64)
+        block[:, 0] = region.address + unit * np.arange(num, dtype=np.int64)
+        block[:, 1], block[:, 2] = unit, region.device
+        rows.append(block)
+        bases[name], count = count, count + num
+    return np.concatenate(rows), bases, regions[named[0]].mem_type
+
+
+@dataclass
 class _Reader:
     """What a source knows of a peer that may read from it: gone for good once a probe found
     it disconnected; ``probe`` is the probe read in flight."""
@@ -227,7 +286,14 @@ class NixlTransport(HandoffTransport):
             self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
         self._registrations = []
         self._local: dict[str, _Region] = {}  # this side's regions, resolved once at registration
-        self._remote_agents: dict[str, str] = {}
+        self._remote_agents: dict[str, tuple[bytes, str]] = {}  # agent -> (metadata loaded, NIXL name)
+        self._local_list: _PreparedList | None = None
+        self._peer_lists: dict[str, _PreparedList] = {}
+        self._retired_lists: list[Any] = []  # replaced lists: pulls posted from them may still run
+        # How many times this side's / each peer agent's descriptor list was prepared.
+        self.local_preparations = 0
+        self.peer_preparations: collections.Counter[str] = collections.Counter()
+        self.num_prepared_pulls = 0
         self._readers: dict[str, _Reader] = {}
         self._probe_buffer: torch.Tensor | None = None
 
@@ -249,8 +315,8 @@ class NixlTransport(HandoffTransport):
     def _mem_type(tensor: torch.Tensor) -> str:
         return "VRAM" if tensor.is_cuda else "DRAM"
 
-    def register(self, regions: dict[str, torch.Tensor]) -> None:
-        super().register(regions)
+    def register(self, regions: dict[str, torch.Tensor], units: dict[str, int] | None = None) -> None:
+        super().register(regions, units)
         for name, tensor in regions.items():
             with self._call("registering memory"):
                 self._registrations.append(self.agent.register_memory(tensor))
@@ -269,6 +335,7 @@ class NixlTransport(HandoffTransport):
             "agent": self.agent_name,
             "metadata": metadata,
             "regions": {name: list(region) for name, region in self._local.items()},
+            "units": dict(self.units),
         }
 
     def check_peer(self, peer: dict[str, Any]) -> None:
@@ -286,20 +353,104 @@ class NixlTransport(HandoffTransport):
                 for entry in regions.values()
             )
         )
+        units = peer.get("units", {})
+        if well_formed:
+            well_formed = isinstance(units, dict) and all(
+                name in regions and isinstance(unit, int) and unit > 0 and regions[name][1] % unit == 0
+                for name, unit in units.items()
+            )
         if not well_formed:
             raise TransportError(
-                "a NIXL peer descriptor needs agent (str), metadata (bytes) and regions "
-                "{name: [address, bytes, device, 'DRAM' or 'VRAM']}"
+                "a NIXL peer descriptor needs agent (str), metadata (bytes), regions "
+                "{name: [address, bytes, device, 'DRAM' or 'VRAM']} and optionally units {region: divisor of its bytes}"
             )
 
     def connect(self, peer: dict[str, Any]) -> str:
-        """The NIXL name of a peer, loading its metadata the first time."""
+        """The NIXL name of a peer, loading its metadata the first time and again whenever it
+        changed (the peer registered memory since)."""
         self.check_peer(peer)
-        agent = peer["agent"]
-        if agent not in self._remote_agents:
+        agent, metadata = peer["agent"], peer["metadata"]
+        loaded = self._remote_agents.get(agent)
+        if loaded is None or loaded[0] != metadata:
             with self._call(f"loading the metadata of agent {agent!r}"):
-                self._remote_agents[agent] = self.agent.add_remote_agent(peer["metadata"])
-        return self._remote_agents[agent]
+                self._remote_agents[agent] = (metadata, self.agent.add_remote_agent(metadata))
+        return self._remote_agents[agent][1]
+
+    def _prepare(self, agent: str, regions: dict[str, _Region], units: dict[str, int], key) -> _PreparedList:
+        rows, bases, mem_type = _unit_descriptors(regions, units)
+        with self._call("preparing a descriptor list"):
+            handle = self.agent.prep_xfer_dlist(agent, rows, mem_type)
+        return _PreparedList(key, handle, bases, {name: units[name] for name in bases})
+
+    def _retire(self, prepared: _PreparedList | None) -> None:
+        if prepared is not None:
+            self._retired_lists.append(prepared.handle)
+
+    def _local_prepared(self) -> _PreparedList:
+        key = (tuple(sorted(self._local.items())), tuple(sorted(self.units.items())))
+        if self._local_list is None or self._local_list.key != key:
+            self._retire(self._local_list)
+            self._local_list = self._prepare("NIXL_INIT_AGENT", self._local, self.units, key)
+            self.local_preparations += 1
+        return self._local_list
+
+    def _peer_prepared(self, peer: dict[str, Any]) -> _PreparedList:
+        """The peer's prepared list, prepared again when its registration (metadata, regions or
+        units) differs from the one it was prepared for."""
+        remote_name = self.connect(peer)
+        regions = {name: _Region(*entry) for name, entry in peer["regions"].items()}
+        key = (peer["metadata"], tuple(sorted(regions.items())), tuple(sorted(peer["units"].items())))
+        prepared = self._peer_lists.get(peer["agent"])
+        if prepared is None or prepared.key != key:
+            self._retire(prepared)
+            prepared = self._peer_lists[peer["agent"]] = self._prepare(remote_name, regions, peer["units"], key)
+            self.peer_preparations[peer["agent"]] += 1
+        return prepared
+
+    def _preparable(self, peer: dict[str, Any], segments: Sequence[Segment]) -> bool:
+        """Whether every run is a whole number of units of equal size on both sides (regions
+        of one memory type on each side)."""
+        remote_units = peer.get("units", {})
+        for seg in segments:
+            unit = self.units.get(seg.dst_region)
+            if unit is None or remote_units.get(seg.src_region) != unit:
+                return False
+            if seg.src_offset % unit or seg.dst_offset % unit or seg.nbytes % unit:
+                return False
+        return all(
+            len({regions[name].mem_type for name in units}) == 1
+            for regions, units in (
+                (self._local, self.units),
+                ({n: _Region(*e) for n, e in peer["regions"].items()}, remote_units),
+            )
+        )
+
+    def _post_prepared(self, peer: dict[str, Any], segments: Sequence[Segment]) -> Any:
+        """Create and post one READ from the prepared lists (see :meth:`_post_read`)."""
+        local, remote = self._local_prepared(), self._peer_prepared(peer)
+        with self._call("creating the transfer"):
+            xfer = self.agent.make_prepped_xfer(
+                "READ",
+                local.handle,
+                local.indices(segments, "destination"),
+                remote.handle,
+                remote.indices(segments, "source"),
+            )
+        self._start(xfer)
+        self.num_prepared_pulls += 1
+        return xfer
+
+    def _start(self, xfer) -> None:
+        """Post a created transfer; one that could not be posted is released here (nothing of
+        it will write)."""
+        try:
+            with self._call("posting the transfer"):
+                status = self.agent.transfer(xfer)
+            if status == "ERR":
+                raise TransportError("NIXL failed to post the transfer")
+        except TransportError:
+            self._release_quietly(xfer)
+            raise
 
     def _post_read(self, peer: dict[str, Any], local: list[tuple], remote: list[tuple], mem_types) -> Any:
         """Create and post one READ (``(address, bytes, device)`` lists); the NIXL handle.
@@ -310,14 +461,7 @@ class NixlTransport(HandoffTransport):
             remote_descs = self.agent.get_xfer_descs(remote, mem_types[0])
         with self._call("creating the transfer"):
             xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
-        try:
-            with self._call("posting the transfer"):
-                status = self.agent.transfer(xfer)
-            if status == "ERR":
-                raise TransportError("NIXL failed to post the transfer")
-        except TransportError:
-            self._release_quietly(xfer)
-            raise
+        self._start(xfer)
         return xfer
 
     def _release_quietly(self, xfer) -> None:
@@ -340,12 +484,18 @@ class NixlTransport(HandoffTransport):
         )
         if len(mem_types[0]) != 1 or len(mem_types[1]) != 1:
             raise TransportError("one pull must read one memory type and write one memory type")
-        xfer = self._post_read(
-            peer,
-            [(local[s.dst_region].address + s.dst_offset, s.nbytes, local[s.dst_region].device) for s in segments],
-            [(remote[s.src_region].address + s.src_offset, s.nbytes, remote[s.src_region].device) for s in segments],
-            (mem_types[0].pop(), mem_types[1].pop()),
-        )
+        if self._preparable(peer, segments):
+            xfer = self._post_prepared(peer, segments)
+        else:
+            xfer = self._post_read(
+                peer,
+                [(local[s.dst_region].address + s.dst_offset, s.nbytes, local[s.dst_region].device) for s in segments],
+                [
+                    (remote[s.src_region].address + s.src_offset, s.nbytes, remote[s.src_region].device)
+                    for s in segments
+                ],
+                (mem_types[0].pop(), mem_types[1].pop()),
+            )
         self.num_posted += 1
         return PullHandle(transfer_id, sum(s.nbytes for s in segments), len(segments), xfer)
 
@@ -433,10 +583,14 @@ class NixlTransport(HandoffTransport):
 
     def close(self) -> None:
         with self._call("closing"):
+            lists = [p.handle for p in (self._local_list, *self._peer_lists.values()) if p is not None]
+            for handle in lists + self._retired_lists:
+                self.agent.release_dlist_handle(handle)
+            self._local_list, self._peer_lists, self._retired_lists = None, {}, []
             for registration in self._registrations:
                 self.agent.deregister_memory(registration)
             self._registrations.clear()
-            for agent in self._remote_agents.values():
+            for _, agent in self._remote_agents.values():
                 self.agent.remove_remote_agent(agent)
             self._remote_agents.clear()
 

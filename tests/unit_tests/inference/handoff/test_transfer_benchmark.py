@@ -1,5 +1,6 @@
 """benchmarks/handoff_transfer.py runs between two processes, prints both rates and their ratio
-and writes them as JSON; its pulls move one descriptor per layer plane and block run."""
+and writes them as JSON; its pulls move one descriptor per layer plane and block run, also when
+pipelined in layer groups (each group its own pull) or described without prepared lists."""
 
 import json
 import os
@@ -32,7 +33,16 @@ def test_transfer_benchmark_prints_our_rate_against_raw_nixl(tmp_path):
         r"raw NIXL [\d.]+ GB/s, ratio [\d.]+",
         done.stdout,
     ), done.stdout
+    assert re.search(
+        rf"pipelined in 2 layer groups \({runs} runs\): [\d.]+ GB/s, ratio [\d.]+, all posted after [\d.]+ ms, "
+        r"first group landed after [\d.]+ ms of [\d.]+ ms; unprepared descriptor lists: [\d.]+ GB/s, ratio [\d.]+",
+        done.stdout,
+    ), done.stdout
     result = json.loads(out.read_text())
     assert result["bytes"] == 8 * 2 * 2 * 4 * 2 * 8 * 4 and result["descriptors"] == runs
-    assert len(result["seconds"]["ours"]) == len(result["seconds"]["raw"]) == 2
-    assert result["ratio"] == pytest.approx(result["median_seconds"]["raw"] / result["median_seconds"]["ours"])
+    assert result["pipelined_descriptors"] == runs and result["layer_groups"] == 2
+    assert all(len(result["seconds"][name]) == 2 for name in ("ours", "pipelined", "unprepared", "raw"))
+    median = result["median_seconds"]
+    assert result["ratio"] == pytest.approx(median["raw"] / median["ours"])
+    assert result["pipelined_ratio"] == pytest.approx(median["raw"] / median["pipelined"])
+    assert 0 < result["posted_seconds"] and 0 < result["first_group_seconds"]
