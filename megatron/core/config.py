@@ -106,6 +106,7 @@ class TransformerConfig(ModelParallelConfig):
     activation_func: Callable = F.gelu
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Megatron's --qk-layernorm)
     init_method_std: float = 0.02
     # Scale output-projection init by 1/sqrt(2 * num_layers) (GPT-2 style).
     apply_scaled_init_to_output_layers: bool = True

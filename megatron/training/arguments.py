@@ -188,6 +188,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head before RoPE")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -857,6 +858,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
+        qk_layernorm=args.qk_layernorm,
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         mamba_state_dim=args.mamba_state_dim,

@@ -28,7 +28,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
-from megatron.core.transformer.moe.router import set_aux_loss_scale, update_expert_biases
+from megatron.core.transformer.moe.router import aux_loss_metrics, set_aux_loss_scale, update_expert_biases
 from megatron.training import startup_summary as summary
 from megatron.training.arguments import model_record_from_args, tokenizer_record_from_args
 from megatron.training.data import build_datasets, microbatches
@@ -71,11 +71,13 @@ class TrainState:
 class IterationLog:
     """Bookkeeping after each training iteration, shared by the trainers: advances the
     TrainState and writes one record, averaged over the interval, every --log-interval
-    iterations (and at the last one)."""
+    iterations (and at the last one). ``extra_metrics`` (called on every rank at each record,
+    e.g. the MoE losses averaged over the interval) adds named values to the record and line."""
 
-    def __init__(self, args, logger: MetricsLogger, flops_per_token: float, num_ranks: int):
+    def __init__(self, args, logger: MetricsLogger, flops_per_token: float, num_ranks: int, extra_metrics=None):
         self.args, self.logger = args, logger
         self.flops_per_token, self.num_ranks = flops_per_token, num_ranks
+        self.extra_metrics = extra_metrics
         self._losses: list[float] = []
         self._start = time.perf_counter()
 
@@ -96,6 +98,7 @@ class IterationLog:
         self._losses.append(loss)
         if state.iteration % args.log_interval and state.iteration != args.train_iters:
             return
+        extra = self.extra_metrics() if self.extra_metrics is not None else None
         elapsed = time.perf_counter() - self._start
         iters = len(self._losses)
         tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
@@ -113,6 +116,7 @@ class IterationLog:
             nan=state.nan_iterations,
             loss_scale=loss_scale,
             batch_size=args.global_batch_size,
+            extra=extra,
         )
         self._losses, self._start = [], time.perf_counter()
 
@@ -186,23 +190,28 @@ def count_flops_per_token(
     """Training FLOPs per token of the whole model, summed over the model-parallel group:
     every matrix counted once (GTP shards summed, copies on other GTP peers skipped), input
     embedding lookups excluded, the (possibly tied) output layer included, plus attention and
-    the Mamba scans (see :func:`training_flops_per_token`). ``model`` may be this rank's list of
-    model chunks (virtual pipeline stages)."""
+    the Mamba scans (see :func:`training_flops_per_token`). Routed experts count as a token
+    meets them: ``moe_router_topk`` whole experts per MoE layer (an expert's weights with its
+    ``expt_tp`` shards, counted on TP rank 0), whatever EP holds here. ``model`` may be this
+    rank's list of model chunks (virtual pipeline stages)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
 
     chunks = model if isinstance(model, list) else [model]
     first_replica = pgc.rank("gtp") == 0
+    topk = chunks[0].config.moe_router_topk
     matmul = 0
     for chunk in chunks:
         output_weight = chunk.output_layer.weight if getattr(chunk, "output_layer", None) is not None else None
-        matmul += sum(
-            param.numel()
-            for name, param in chunk.named_parameters()
-            if param.dim() >= 2
-            and (not name.startswith("embedding.") or param is output_weight)
-            and (getattr(param, "gtp_sharded", False) or first_replica)
-        )
+        for name, param in chunk.named_parameters():
+            if param.dim() < 2 or (name.startswith("embedding.") and param is not output_weight):
+                continue
+            if getattr(param, "is_expert", False):
+                if param.dim() == 3 and pgc.rank("tp") == 0:  # weights [experts, in, out]; not biases
+                    shards = pgc.size("expt_tp") if getattr(param, "tensor_model_parallel", False) else 1
+                    matmul += param[0].numel() * shards * topk
+            elif getattr(param, "gtp_sharded", False) or first_replica:
+                matmul += param.numel()
     attention_layers = sum(isinstance(m, SelfAttention) for chunk in chunks for m in chunk.modules())
     mixers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MambaMixer)]
     if pgc.rank("tp") != 0 or not first_replica:
@@ -360,6 +369,14 @@ class Trainer:
         dist.all_reduce(loss, group=data_group)
         return loss / dist.get_world_size(data_group), None
 
+    def moe_loss_metrics(self) -> dict[str, float] | None:
+        """The routers' load-balancing (and z-) losses since the last log, averaged over
+        micro-batches, iterations, layers and the ranks that routed other tokens (Megatron's
+        ``load_balancing_loss`` / ``z_loss``, divided by their coefficients); None without MoE."""
+        if not self.config.num_moe_experts:
+            return None
+        return aux_loss_metrics(self.model_chunks, self.pgc.pp, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
+
     def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
         """One iteration; returns (loss, update_successful, grad_norm)."""
         for chunk in self.model_chunks:
@@ -400,7 +417,9 @@ class Trainer:
         validation and test splits (--eval-iters batches each), as Megatron does."""
         args, state = self.args, self.state
         iterator = self.data_iterator(self.train_ds, state.consumed_samples)
-        log = IterationLog(args, self.logger, self.flops_per_token, dist.get_world_size())
+        log = IterationLog(
+            args, self.logger, self.flops_per_token, dist.get_world_size(), extra_metrics=self.moe_loss_metrics
+        )
         gc_control = GarbageCollection(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
         exit_rule = ExitRule(args.exit_interval, args.exit_duration_in_mins, self.device)
         profiler = IterationProfiler.from_args(args, self.device)

@@ -75,6 +75,7 @@ GPU_ONLY = {
     "python -m benchmarks.inference_kernels_gpu": "python -m benchmarks.inference_kernels_gpu --help",
     "python benchmarks/gpu_train.py --config all": "python benchmarks/gpu_train.py --help",
     "python benchmarks/fused_kernels_gpu.py --output-json": "python benchmarks/fused_kernels_gpu.py --help",
+    "python benchmarks/moe_gpu.py --output-json": "python benchmarks/moe_gpu.py --help",
     "python -m benchmarks.cp_attention_gpu": "python -m benchmarks.cp_attention_gpu --help",
     "python benchmarks/gpu_decode.py --output-json": "python benchmarks/gpu_decode.py --help",
     "python tools/run_test_bucket.py gpu2": "python tools/run_test_bucket.py --help",

@@ -158,6 +158,28 @@ def param_replica_id(param: torch.Tensor, pg: ProcessGroupCollection) -> tuple[i
     return rid
 
 
+def _gated_expert_factory(key, tensor, dim, global_shape, offset, rid) -> ShardedTensorFactory:
+    """An ETP shard ``[gate_r; up_r]`` of a gated expert weight (global ``[gate; up]`` along
+    ``dim``) as its two pieces of the one global tensor ``key``, so any ETP loads it."""
+    half, global_half = tensor.shape[dim] // 2, global_shape[dim] // 2
+    gate_offset = offset[dim] // 2  # the box spans [gate_r; up_r] as if contiguous
+
+    def build(key_, data, replica):
+        pieces = {}
+        for name, (start, part) in zip(("gate", "up"), enumerate(data.split(half, dim)), strict=True):
+            at = list(offset)
+            at[dim] = start * global_half + gate_offset
+            pieces[name] = ShardedTensor(
+                key_, part, part.dtype, tuple(part.shape), global_shape, at, None, replica_id=replica
+            )
+        return pieces
+
+    def merge(loaded):
+        return torch.cat([loaded["gate"], loaded["up"]], dim)
+
+    return ShardedTensorFactory(key, tensor, build, merge, replica_id=rid)
+
+
 def describe_tensor(
     key: str, tensor: torch.Tensor, spec: CheckpointParam, pg: ProcessGroupCollection
 ) -> ShardedTensor | ShardedTensorFactory:
@@ -171,6 +193,8 @@ def describe_tensor(
         )
     global_shape, offset, size = _local_box(param, pg)
     rid = param_replica_id(param, pg)
+    if _attr(param, "is_expert", False) and _attr(param, "expert_gated", False):
+        return _gated_expert_factory(key, tensor, param.partition_dim, global_shape, offset, rid)
     local_rows = tensor.shape[0] if tensor.dim() else 0
     parts = _attr(param, "partition_sizes", None)
     if parts and _attr(param, "tensor_model_parallel", False):

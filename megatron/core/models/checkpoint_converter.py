@@ -78,6 +78,22 @@ HF_FAMILIES = {
         lambda sd, r: hf_mapping.llama_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.llama_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
+    "MixtralForCausalLM": HFFamily(
+        "gpt",
+        "mixtral",
+        hf_mapping.mixtral_config_from_hf,
+        hf_mapping.mixtral_config_to_hf,
+        lambda sd, r: hf_mapping.mixtral_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
+        lambda sd, r: hf_mapping.mixtral_state_dict_to_hf(sd, r.config, r.vocab_size),
+    ),
+    "Qwen3MoeForCausalLM": HFFamily(
+        "gpt",
+        "qwen3_moe",
+        hf_mapping.qwen3_moe_config_from_hf,
+        hf_mapping.qwen3_moe_config_to_hf,
+        lambda sd, r: hf_mapping.qwen3_moe_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
+        lambda sd, r: hf_mapping.qwen3_moe_state_dict_to_hf(sd, r.config, r.vocab_size),
+    ),
     "GPT2LMHeadModel": HFFamily(
         "gpt",
         "gpt2",
@@ -239,10 +255,13 @@ def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybri
 
 def native_hf_architecture(record: ModelRecord) -> str:
     """The HF architecture a model trained here is exported as: NemotronH for hybrid models;
-    Llama for a GPT with RMSNorm (SwiGLU, RoPE), else GPT-2 (what the architecture cannot
-    represent is refused by its ``config_to_hf``)."""
+    for a GPT with MoE layers Qwen3-MoE (with per-head query/key norms) or Mixtral; Llama for a
+    GPT with RMSNorm (SwiGLU, RoPE), else GPT-2 (what the architecture cannot represent is
+    refused by its ``config_to_hf``)."""
     if record.family == "hybrid":
         return "NemotronHForCausalLM"
+    if record.config.num_moe_experts:
+        return "Qwen3MoeForCausalLM" if record.config.qk_layernorm else "MixtralForCausalLM"
     return "LlamaForCausalLM" if record.config.normalization == "RMSNorm" else "GPT2LMHeadModel"
 
 

@@ -16,6 +16,7 @@ which refuses what the HF architecture cannot represent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -197,6 +198,56 @@ class _WithTiedHead(Mapping):
         return len(self._hf) + 1
 
 
+class StackedExperts(Mapping):
+    """``hf_state_dict`` with the stacked expert tensors of transformers' MoE modules
+    (``{layer}.mlp.experts.gate_up_proj [E, 2f, h]``, ``.experts.down_proj [E, h, f]``,
+    ``.mlp.gate.weight``) made from the per-expert tensors that checkpoints store (the Hub layout
+    ``save_pretrained`` writes), each stacked only when asked for. ``disk_block`` is the MoE
+    block's name on disk (Mixtral: ``block_sparse_moe``), ``names`` the per-expert gate, up and
+    down projections. A state dict already stacked passes through."""
+
+    def __init__(self, hf_state_dict: Mapping, num_layers: int, num_experts: int, disk_block: str, names):
+        self._hf, self._made, hidden = hf_state_dict, {}, set()
+        for i in range(num_layers):
+            disk, module = f"model.layers.{i}.{disk_block}.", f"model.layers.{i}.mlp."
+            gate, up, down = ([f"{disk}experts.{e}.{name}.weight" for e in range(num_experts)] for name in names)
+            if gate[0] not in hf_state_dict:
+                continue
+            self._made[module + "experts.gate_up_proj"] = (gate, up)
+            self._made[module + "experts.down_proj"] = (down,)
+            self._made[module + "gate.weight"] = (disk + "gate.weight",)
+            hidden.update(gate + up + down + [disk + "gate.weight"])
+        self._passed = [key for key in hf_state_dict if key not in hidden]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._made:
+            return self._hf[key]
+        parts = self._made[key]
+        if isinstance(parts[0], str):
+            return self._hf[parts[0]]
+        per_expert = [torch.cat([self._hf[part[e]] for part in parts], dim=0) for e in range(len(parts[0]))]
+        return torch.stack(per_expert)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._made:
+            return tensor_shape(self._hf, key)
+        parts = self._made[key]
+        if isinstance(parts[0], str):
+            return tensor_shape(self._hf, parts[0])
+        first = [tensor_shape(self._hf, part[0]) for part in parts]
+        return (len(parts[0]), sum(shape[0] for shape in first), *first[0][1:])
+
+    def __contains__(self, key) -> bool:
+        return key in self._made or key in self._passed
+
+    def __iter__(self):
+        yield from self._passed
+        yield from self._made
+
+    def __len__(self) -> int:
+        return len(self._passed) + len(self._made)
+
+
 def _apply_from_hf(rules: list[Rule], hf_state_dict: Mapping) -> MappedStateDict:
     return MappedStateDict(rules, hf_state_dict)
 
@@ -302,6 +353,8 @@ def llama_config_to_hf(record) -> dict:
                 "a QKV bias without other linear biases (Llama's attention_bias covers all attention linears)",
             ),
             (bool(config.mtp_num_layers), "multi-token prediction layers"),
+            (bool(config.num_moe_experts), "MoE layers (export as Mixtral or Qwen3-MoE)"),
+            (config.qk_layernorm, "per-head query/key norms"),
         ],
     )
     rope = {"rope_type": "default", "rope_theta": float(record.rotary_base)}
@@ -401,30 +454,144 @@ def mixtral_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, d
     return llama_config_from_hf(hf_config, **{**moe, **overrides})
 
 
+def _moe_llama_config_to_hf(record, architecture: str, extra_problems: list[tuple[bool, str]]) -> dict:
+    """The Llama keyword arguments plus the MoE ones shared by Mixtral and Qwen3-MoE."""
+    config = record.config
+    dense = record.replace(config=dataclasses.replace(config, num_moe_experts=None, qk_layernorm=False))
+    _require_exportable(
+        architecture,
+        [
+            (not config.num_moe_experts, "no MoE layers"),
+            (config.moe_router_score_function != "softmax", f"{config.moe_router_score_function} router scores"),
+            (config.moe_shared_expert_intermediate_size is not None, "shared experts"),
+            (config.moe_router_enable_expert_bias, "an expert bias"),
+            (config.moe_router_num_groups is not None, "group-limited routing"),
+            (config.moe_router_topk_scaling_factor is not None, "scaled routing weights"),
+            (config.moe_expert_capacity_factor is not None, "token dropping (capacity factor)"),
+            (config.add_bias_linear, "linear biases"),
+            *extra_problems,
+        ],
+    )
+    kwargs = llama_config_to_hf(dense)
+    for key in ("mlp_bias", "intermediate_size"):
+        kwargs.pop(key)
+    return {
+        **kwargs,
+        "architectures": [architecture],
+        "num_local_experts": config.num_moe_experts,
+        "num_experts_per_tok": config.moe_router_topk,
+        "router_aux_loss_coef": config.moe_aux_loss_coeff,
+    }
+
+
+def mixtral_config_to_hf(record) -> dict:
+    """MixtralConfig keyword arguments for a GPT ``record`` with SwiGLU MoE layers (softmax over
+    the top-k logits) and no per-head query/key norms."""
+    config = record.config
+    kwargs = _moe_llama_config_to_hf(
+        record,
+        "MixtralForCausalLM",
+        [
+            (config.qk_layernorm, "per-head query/key norms (export as Qwen3-MoE)"),
+            (config.moe_router_pre_softmax, "unnormalized top-k weights (export as Qwen3-MoE)"),
+        ],
+    )
+    return {**kwargs, "intermediate_size": config.moe_ffn_hidden_size, "router_jitter_noise": 0.0}
+
+
 def _mixtral_rules(config: TransformerConfig) -> list[Rule]:
     rules = []
     for rule in _llama_rules(config):
         if ".mlp." not in rule.ours:
             rules.append(rule)
     for i in range(config.num_layers):
-        ours, hf = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
         rules += [
-            Rule(ours + "router.weight", (hf + "gate.weight",)),
-            Rule(ours + "experts.weight1", (hf + "experts.gate_up_proj",), transpose=True),
-            Rule(ours + "experts.weight2", (hf + "experts.down_proj",), transpose=True),
+            Rule(ours + "mlp.router.weight", (hf + "mlp.gate.weight",)),
+            Rule(ours + "mlp.experts.weight1", (hf + "mlp.experts.gate_up_proj",), transpose=True),
+            Rule(ours + "mlp.experts.weight2", (hf + "mlp.experts.down_proj",), transpose=True),
         ]
+        if config.qk_layernorm:
+            rules += [
+                Rule(ours + f"self_attention.{p}_layernorm.weight", (hf + f"self_attn.{p}_norm.weight",)) for p in "qk"
+            ]
     return rules
 
 
+def _moe_state_dict_from_hf(hf_state_dict, config, tied, disk_block, names) -> Mapping:
+    stacked = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts, disk_block, names)
+    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
+
+
 def mixtral_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
-    """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict
-    (transformers' stacked expert tensors)."""
-    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied))
+    """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict:
+    transformers' stacked expert tensors, or the per-expert ``block_sparse_moe.experts.{e}.w1/w3/w2``
+    of a checkpoint on disk."""
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "block_sparse_moe", ("w1", "w3", "w2"))
 
 
 def mixtral_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
     """A MixtralForCausalLM state dict from our full state dict."""
     return _apply_to_hf(_mixtral_rules(config), state_dict, vocab_size)
+
+
+# ---------------------------------------------------------------- Qwen3-MoE (Qwen3MoeForCausalLM)
+
+
+def qwen3_moe_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
+    """TransformerConfig and GPTModel keyword arguments equivalent to a Qwen3MoeConfig: Mixtral's
+    layout plus per-head RMSNorms of queries and keys (q_norm / k_norm) and an explicit head size;
+    ``norm_topk_prob=False`` keeps the top-k softmax probabilities over all experts unnormalized
+    (our ``moe_router_pre_softmax``), ``True`` renormalizes them (softmax over the top-k logits)."""
+    unsupported = [
+        (bool(getattr(hf_config, "use_sliding_window", False)), "sliding-window attention (use_sliding_window)"),
+        (hf_config.decoder_sparse_step != 1, "dense layers between MoE layers (decoder_sparse_step must be 1)"),
+        (bool(hf_config.mlp_only_layers), "dense layers (mlp_only_layers must be empty)"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise HFMappingError("Qwen3-MoE settings not supported: " + "; ".join(problems))
+    moe = {
+        "num_moe_experts": hf_config.num_experts,
+        "moe_router_topk": hf_config.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_router_pre_softmax": not hf_config.norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_config.router_aux_loss_coef),
+        "qk_layernorm": True,
+    }
+    return llama_config_from_hf(hf_config, **{**moe, **overrides})
+
+
+def qwen3_moe_config_to_hf(record) -> dict:
+    """Qwen3MoeConfig keyword arguments for a GPT ``record`` with SwiGLU MoE layers and per-head
+    RMSNorms of queries and keys."""
+    config = record.config
+    kwargs = _moe_llama_config_to_hf(
+        record, "Qwen3MoeForCausalLM", [(not config.qk_layernorm, "no per-head query/key norms (needs --qk-layernorm)")]
+    )
+    kwargs.pop("num_local_experts")
+    return {
+        **kwargs,
+        "num_experts": config.num_moe_experts,
+        "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "norm_topk_prob": not config.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def qwen3_moe_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
+    """Our full state dict (made key by key on access) from a Qwen3MoeForCausalLM state dict:
+    stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` of
+    a checkpoint on disk."""
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def qwen3_moe_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
+    """A Qwen3MoeForCausalLM state dict from our full state dict."""
+    return mixtral_state_dict_to_hf(state_dict, config, vocab_size)
 
 
 # ---------------------------------------------------------------- GPT-2 (GPT2LMHeadModel)

@@ -4,6 +4,10 @@ torch SDPA core attention and a row-parallel output projection.
 Under TP each rank owns ``heads/tp`` query heads and ``groups/tp`` key/value groups. The QKV
 weight is packed as [Q; K; V] (``output_partition_sizes``), so each rank's slice is the
 concatenation of its Q, K and V rows.
+
+With ``config.qk_layernorm`` queries and keys are normalized per head (one ``head_dim`` norm
+each, before RoPE; Qwen3's q_norm / k_norm). Under TP every rank normalizes other heads, so the
+norm weights' gradients are partial and are summed over ``tp`` (``sequence_parallel`` tag).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.fusions.dropout import sharded_rng_context
-from megatron.core.fusions.rope import split_qkv
+from megatron.core.fusions.rope import apply_rotary_pos_emb, split_qkv
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
@@ -26,6 +30,7 @@ from megatron.core.transformer.context_parallel import ContextParallelConfigErro
 from megatron.core.transformer.context_parallel.block_attention import get_block_attention
 from megatron.core.transformer.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
+from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import build_module
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
@@ -156,6 +161,11 @@ class SelfAttention(nn.Module):
             output_partition_sizes=[q_size, kv_size, kv_size],
             pg_collection=pg_collection,
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = build_norm(config, self.head_dim), build_norm(config, self.head_dim)
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                param.sequence_parallel = param.sequence_parallel or tp > 1
         self.core_attention = build_module(
             submodules.core_attention, config, layer_number, attn_mask_type, pg_collection=pg_collection
         )
@@ -180,7 +190,13 @@ class SelfAttention(nn.Module):
     ):
         qkv, _ = self.linear_qkv(hidden_states)
         s, b, _ = qkv.shape
-        q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim, rotary_pos_emb)
+        if self.q_layernorm is None:
+            q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim, rotary_pos_emb)
+        else:
+            q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim)
+            q, k = self.q_layernorm(q.contiguous()), self.k_layernorm(k.contiguous())
+            if rotary_pos_emb is not None:
+                q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         if inference_context is not None:
             context = inference_context.store_kv_and_attend(self.layer_number, q, k, v).reshape(s, b, -1)
         elif self.config.recompute_granularity == "selective" and self.training:

@@ -83,3 +83,22 @@ def test_e_in_a_hybrid_pattern_is_an_moe_layer(pg):
     assert model(ids).shape[:2] == (2, 16)
     with pytest.raises((ArgumentError, HybridPatternError), match="needs config.num_moe_experts"):
         parse_args(BASE + mamba + ["--hybrid-layer-pattern", "M*E-"], model_family="hybrid", world_size=1)
+
+
+@on_single_rank
+def test_flops_per_token_count_the_experts_a_token_meets(pg):
+    """TFLOP/s of an MoE model counts top-k experts per layer (active parameters), not all of
+    them; the router (every expert's logit) and the shared experts count whole."""
+    from megatron.training.metrics import training_flops_per_token
+    from megatron.training.training import count_flops_per_token
+
+    record = model_record_from_args(parse_args(BASE + MOE_FLAGS, world_size=1), vocab_size=64)
+    model = model_from_record(record, pg_collection=pg)
+    config = record.config
+    h, layers, vocab = config.hidden_size, config.num_layers, model.output_layer.weight.shape[0]
+    q, kv = config.num_attention_heads * config.kv_channels, config.num_query_groups * config.kv_channels
+    attention = h * (q + 2 * kv) + q * h
+    experts = 2 * h * 24 * 2  # top-2 of [h, ffn 24] then [ffn, h], GeLU
+    per_layer = attention + 4 * h + experts + 2 * h * 16  # router [4, h]; shared experts ffn 16
+    expected = training_flops_per_token(layers * per_layer + vocab * h, layers, 16, h)
+    assert count_flops_per_token(model, pg, 16, h, torch.device("cpu")) == expected

@@ -1,11 +1,12 @@
 """Must-show of issue 22 on CPU: a tiny dropless MoE GPT trains to the EP1 loss curve under
-EP2, EP4, EP2xTP2 (experts over expert-TP = TP 2) and EP2xPP2."""
+EP2, EP4, EP2xTP2 (experts sharded over expert-TP = TP 2), EP2 with ETP2 (experts sharded over
+two data-parallel ranks; in the checkpoint test) and EP2xPP2."""
 
 import pytest
 
 from tests.unit_tests.training.test_layout_equivalence import _curve
 
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "4"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--train-iters", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,27 @@ def test_checkpoint_saved_at_ep4_resumes_at_ep1_and_ep2xtp2(tmp_path):
         resumed = losses_by_iteration(metrics)
         assert sorted(resumed) == [3, 4], name  # it picks up at iteration 3
         assert all(abs(resumed[i] - straight[i - 1]) <= 1e-5 for i in (3, 4)), (name, resumed, straight)
+
+
+def test_ep2_with_etp2_trains_to_the_ep1_curve_and_resumes_at_etp1(ep1_curve, tmp_path):
+    """EP2 with ETP2 (gated experts sharded ``[gate_r; up_r]`` over two data-parallel ranks)
+    gives the EP1 curve; its checkpoint stores each expert weight as pieces of one global tensor,
+    and one process with whole experts resumes it to the same losses."""
+    from megatron.core.dist_checkpointing import write_latest_iteration
+    from tests.unit_tests.dist_harness import run_distributed
+    from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+
+    save, optimizer = str(tmp_path / "etp2"), ["--use-distributed-optimizer"]
+    flags = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", *optimizer]
+    run_distributed(_train, 4, [*flags, "--save", save, "--save-interval", "2"], 4, str(tmp_path / "etp2.jsonl"))
+    straight = loss_curve(tmp_path / "etp2.jsonl")
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(straight, ep1_curve, strict=True)), (straight, ep1_curve)
+    write_latest_iteration(save, 2)
+    metrics = str(tmp_path / "etp1.jsonl")
+    assert run_distributed(_train, 1, ["--load", save, *optimizer], 1, metrics)[0] == (4, 32)
+    resumed = losses_by_iteration(metrics)
+    assert sorted(resumed) == [3, 4]
+    assert all(abs(resumed[i] - straight[i - 1]) <= 1e-5 for i in (3, 4)), (resumed, straight)
 
 
 def _expert_biases_after_training(flags, world_size):

@@ -136,3 +136,47 @@ def test_mamba_scan_flops_by_hand():
     # a sequence shorter than a chunk is one chunk of its own length
     short = (2 * 16 * 16 * 2 + 2 * 16 * 8 * 4) / 2 + 2 * (2 * 16 * 8 * 4)
     assert training_flops_per_token(0, 0, 16, 8, 1, ssd) == 3 * short
+
+
+def _moe_run_logs(flags, tensorboard_dir):
+    """Train a tiny MoE GPT on this rank, recording every training pass's router losses (divided
+    by their coefficients) as the routers compute them; returns (log lines, recorded losses)."""
+    import contextlib
+    import io
+
+    from megatron.core.transformer.moe.router import TopKRouter
+    from tests.unit_tests.training.tiny_training import train_tiny
+
+    recorded, forward = [], TopKRouter.forward
+
+    def recording_forward(router, *args, **kwargs):
+        out = forward(router, *args, **kwargs)
+        if router.training:
+            coeffs = {"load_balancing_loss": router.config.moe_aux_loss_coeff, "z_loss": router.config.moe_z_loss_coeff}
+            recorded.append({name: loss.item() / coeffs[name] for name, loss in router.aux_losses.items()})
+        return out
+
+    TopKRouter.forward = recording_forward
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        train_tiny([*flags, "--tensorboard-dir", str(tensorboard_dir)], world_size=2)
+    return stdout.getvalue().splitlines(), recorded
+
+
+def test_moe_losses_are_logged_averaged_over_layers_micro_batches_and_ranks(tmp_path):
+    """Megatron's MoE logging: load_balancing_loss and z_loss (divided by their coefficients)
+    averaged over the layers, the micro-batches and iterations of a --log-interval and the data-
+    parallel ranks, in the log line and TensorBoard."""
+    from tests.unit_tests.dist_harness import run_distributed
+
+    flags = ["--num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    flags += ["--moe-z-loss-coeff", "0.001", "--train-iters", "2", "--log-interval", "2", "--eval-iters", "0"]
+    (lines, first), (other_lines, second) = run_distributed(_moe_run_logs, 2, flags, tmp_path)
+    assert len(first) == len(second) == 2 * 2 * 2  # layers x micro-batches (8 / (2 x 2)) x iterations
+    (line,) = [line for line in lines + other_lines if " iteration " in line]
+    scalars = _scalars(tmp_path)
+    for name in ("load_balancing_loss", "z_loss"):
+        expected = sum(p[name] for p in first + second) / len(first + second)
+        value = float(line.split(f" {name}: ")[1].split(" |")[0])
+        assert value == pytest.approx(expected, rel=1e-6), (name, line)
+        assert scalars[name] == [(2, pytest.approx(expected, rel=1e-6))]

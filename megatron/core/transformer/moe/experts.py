@@ -5,6 +5,13 @@
 rank's experts (global ids ``local_expert_offset ..``) are stored. With layout-invariant
 initialization the weights of all experts are drawn and this rank keeps its own, so the same
 seed gives the same experts under any expert-parallel size.
+
+Expert tensor parallelism (ETP, ``etp_size`` ranks of ``expt_tp``) shards the ffn dimension:
+``weight1`` is column-parallel (``[.., hidden, ffn / etp]``, gate and up each sharded so the
+SwiGLU split stays local: this rank holds ``[gate_r; up_r]``), ``weight2`` row-parallel
+(``[.., ffn / etp, hidden]``); the outputs are partial sums the token dispatcher reduces over
+``expt_tp``. Both (and ``bias1``) then carry ``tensor_model_parallel`` / ``partition_dim`` / ``expert_gated``
+for checkpoint resharding and grad-norm counting.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.core.config import TransformerConfig
+from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.fusions.activations import activation
 from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
@@ -51,37 +58,97 @@ def grouped_gemm_reference(x: torch.Tensor, weights: torch.Tensor, tokens_per_ex
     return torch.cat([chunk @ weight for chunk, weight in zip(chunks, weights, strict=True)], dim=0)
 
 
-def _expert_weight(config, shape, init, offset: int, count: int) -> nn.Parameter:
+class _ScaleForward(torch.autograd.Function):
+    """``x * scale`` forward, identity backward: a replicated bias added to each of ``1 / scale``
+    partial sums enters their sum once and keeps its full gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def ffn_shard(full: torch.Tensor, dim: int, etp_rank: int, etp_size: int, gated: bool) -> torch.Tensor:
+    """This ETP rank's slice of ``full`` along the ffn dimension ``dim``; a gated (``[gate; up]``)
+    dimension gives ``[gate_r; up_r]``."""
+    if etp_size == 1:
+        return full
+    parts = full.chunk(2, dim) if gated else (full,)
+    return torch.cat([part.chunk(etp_size, dim)[etp_rank] for part in parts], dim)
+
+
+def _expert_weight(config, shape, init, offset: int, count: int, shard=None) -> nn.Parameter:
+    """Experts ``offset .. offset + count`` of a ``shape`` tensor holding every expert; ``shard``
+    ``(dim, etp_rank, etp_size, gated)`` keeps this rank's ffn slice, marked tensor-parallel when
+    ``etp_size > 1`` (at ETP 1 the experts are plain replicas of ``expt_tp``)."""
     full = torch.zeros(shape, dtype=torch.float32)
     if init is not None and config.perform_initialization:
         for expert in full:  # each expert drawn as one dense matrix of its shape
             init(expert)
-    param = nn.Parameter(full[offset : offset + count].to(config.params_dtype).contiguous())
+    local = full[offset : offset + count]
+    sharded = shard is not None and shard[2] > 1
+    if sharded:
+        dim, etp_rank, etp_size, gated = shard
+        local = ffn_shard(local, dim, etp_rank, etp_size, gated)
+    param = nn.Parameter(local.to(config.params_dtype).contiguous())
     param.is_expert = True
+    if sharded:
+        param.tensor_model_parallel, param.partition_dim, param.expert_gated = True, dim, gated
     return param
 
 
 class GroupedMLP(nn.Module):
     """``forward(tokens [n, h] sorted by local expert, tokens_per_expert [num_local_experts])
-    -> [n, h]``: ``act(x @ weight1 + bias1) @ weight2 + bias2`` per expert."""
+    -> [n, h]``: ``act(x @ weight1 + bias1) @ weight2 + bias2`` per expert; with ``etp_size > 1``
+    this rank's partial sum over its ffn shard (``bias2 / etp_size`` each, so the sum over
+    ``expt_tp`` holds it once)."""
 
-    def __init__(self, config: TransformerConfig, num_local_experts: int, local_expert_offset: int = 0):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        num_local_experts: int,
+        local_expert_offset: int = 0,
+        etp_rank: int = 0,
+        etp_size: int = 1,
+    ):
         super().__init__()
         self.config = config
         self.num_local_experts = num_local_experts
         self.local_expert_offset = local_expert_offset
+        self.etp_size = etp_size
         self.gated = config.gated_linear_unit
         num_experts, hidden = config.num_moe_experts, config.hidden_size
         ffn = config.moe_ffn_hidden_size
+        if ffn % etp_size:
+            raise ConfigError(
+                f"moe_ffn_hidden_size ({ffn}) must be divisible by the expert-tensor-parallel size ({etp_size})"
+            )
         fc1_out = 2 * ffn if self.gated else ffn
         offset, count = local_expert_offset, num_local_experts
-        self.weight1 = _expert_weight(config, (num_experts, hidden, fc1_out), init_method(config), offset, count)
+        self.weight1 = _expert_weight(
+            config,
+            (num_experts, hidden, fc1_out),
+            init_method(config),
+            offset,
+            count,
+            (2, etp_rank, etp_size, self.gated),
+        )
         self.weight2 = _expert_weight(
-            config, (num_experts, ffn, hidden), output_layer_init_method(config), offset, count
+            config,
+            (num_experts, ffn, hidden),
+            output_layer_init_method(config),
+            offset,
+            count,
+            (1, etp_rank, etp_size, False),
         )
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:
-            self.bias1 = _expert_weight(config, (num_experts, fc1_out), None, offset, count)
+            self.bias1 = _expert_weight(
+                config, (num_experts, fc1_out), None, offset, count, (1, etp_rank, etp_size, self.gated)
+            )
             self.bias2 = _expert_weight(config, (num_experts, hidden), None, offset, count)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -92,5 +159,6 @@ class GroupedMLP(nn.Module):
             activation(intermediate, None, self.config.activation_func, self.gated), self.weight2, tokens_per_expert
         )
         if self.bias2 is not None:
-            out = out + self.bias2.repeat_interleave(tokens_per_expert, dim=0)
+            bias2 = self.bias2 if self.etp_size == 1 else _ScaleForward.apply(self.bias2, 1.0 / self.etp_size)
+            out = out + bias2.repeat_interleave(tokens_per_expert, dim=0)
         return out

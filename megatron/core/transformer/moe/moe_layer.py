@@ -3,7 +3,13 @@ optional shared experts (a dense MLP every token goes through, added to the rout
 
 ``forward(hidden [s, b, h]) -> (out [s, b, h], None)``: the MLP's contract, so transformer and
 hybrid layers take either. Expert parallelism uses the ``ep`` group of the collection (absent:
-EP 1); this rank holds experts ``[ep_rank * E / EP, (ep_rank + 1) * E / EP)``.
+EP 1); this rank holds experts ``[ep_rank * E / EP, (ep_rank + 1) * E / EP)``, sharded over
+``expt_tp`` when that group has more than one rank (expert tensor parallelism).
+
+Tokens replicated over TP (TP > 1 without sequence parallelism) are split over ``tp`` after
+routing and gathered back after the experts, so the expert domain (EP x ETP x expert-DP over the
+same ranks) sees every token once: expert gradients summed over ``expt_dp`` and the partial
+sums of ``expt_tp`` then count each token once, whatever the expert layout.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import DISPATCHERS
+from megatron.core.transformer.moe.token_dispatcher import (
+    DISPATCHERS,
+    gather_replicated_tokens,
+    split_replicated_tokens,
+)
 from megatron.core.transformer.spec import ModuleSpec, build_module
 
 
@@ -34,6 +44,20 @@ class MoESubmodules:
 def expert_parallel_group(pg_collection: ProcessGroupCollection):
     """The collection's ``ep`` group, or None (EP 1) when it provides none."""
     return pg_collection.ep if "ep" in vars(pg_collection) and pg_collection.has("ep") else None
+
+
+def expert_tensor_parallel_group(pg_collection: ProcessGroupCollection):
+    """The collection's ``expt_tp`` group when it has more than one rank, else None (ETP 1)."""
+    has = "expt_tp" in vars(pg_collection) and pg_collection.has("expt_tp")
+    return pg_collection.expt_tp if has and dist.get_world_size(pg_collection.expt_tp) > 1 else None
+
+
+def replicated_token_group(config: TransformerConfig, pg_collection: ProcessGroupCollection):
+    """The ``tp`` group when the layer's tokens are replicated over it (TP > 1 without sequence
+    parallelism), else None."""
+    if config.sequence_parallel or not pg_collection.has("tp") or dist.get_world_size(pg_collection.tp) == 1:
+        return None
+    return pg_collection.tp
 
 
 def default_shared_experts_spec() -> ModuleSpec:
@@ -62,15 +86,19 @@ class MoELayer(nn.Module):
             )
         self.num_local_experts = config.num_moe_experts // ep_size
         self.local_expert_offset = ep_rank * self.num_local_experts
+        etp_group = expert_tensor_parallel_group(pg_collection)
+        self.token_split_group = replicated_token_group(config, pg_collection)
         self.router = TopKRouter(config)
         self.experts = build_module(
             submodules.experts,
             config,
             num_local_experts=self.num_local_experts,
             local_expert_offset=self.local_expert_offset,
+            etp_rank=0 if etp_group is None else dist.get_rank(etp_group),
+            etp_size=1 if etp_group is None else dist.get_world_size(etp_group),
         )
         self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
-            self.num_local_experts, self.local_expert_offset, ep_group, ep_size
+            self.num_local_experts, self.local_expert_offset, ep_group, ep_size, etp_group
         )
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
@@ -85,7 +113,15 @@ class MoELayer(nn.Module):
         seq_length, batch, hidden = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden)
         probs, expert_of_slot = self.router(tokens, seq_length=seq_length)
-        out = self.dispatcher(self.experts, tokens, probs, expert_of_slot).view_as(hidden_states)
+        if self.token_split_group is None:
+            out = self.dispatcher(self.experts, tokens, probs, expert_of_slot)
+        else:
+            (tokens, probs, expert_of_slot), sizes = split_replicated_tokens(
+                (tokens, probs, expert_of_slot), self.token_split_group
+            )
+            out = self.dispatcher(self.experts, tokens, probs, expert_of_slot)
+            out = gather_replicated_tokens(out, sizes, self.token_split_group)
+        out = out.view_as(hidden_states)
         if self.shared_experts is not None:
             shared, shared_bias = self.shared_experts(hidden_states)
             out = out + (shared if shared_bias is None else shared + shared_bias)

@@ -79,8 +79,10 @@ class TopKRouter(nn.Module):
     ``expert_of_slot`` holds the global ids of each token's chosen experts, ``num_experts`` for
     a slot dropped by the capacity factor (none when dropless); ``probs`` the weight of each slot
     (fp32, zero where dropped). ``seq_length`` (tokens ``[s, b]`` flattened) is for ``seq_aux_loss``.
-    The last step's losses (detached) are in :attr:`aux_losses` for logging, and the
-    tokens routed per expert accumulate in ``local_tokens_per_expert`` for the bias update.
+    The last step's losses (detached) are in :attr:`aux_losses`; training passes also add each
+    loss divided by its coefficient to :attr:`tracked_losses` (over :attr:`tracked_passes`
+    passes) for :func:`aux_loss_metrics`, and the tokens routed per expert accumulate in
+    ``local_tokens_per_expert`` for the bias update.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -104,6 +106,8 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
             self.local_tokens_per_expert = None
         self.aux_losses: dict[str, torch.Tensor] = {}
+        self.tracked_losses: dict[str, torch.Tensor] = {}
+        self.tracked_passes = 0
 
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [T, k], indices [T, k], normalized scores of every expert [T, E])`` for the
@@ -168,9 +172,19 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(0).float()
         self.aux_losses = {name: loss.detach() for name, loss in losses.items()}
+        if self.training and losses:
+            self._track(losses)
         if self.training and losses and torch.is_grad_enabled():
             probs = MoEAuxLossAutoScaler.apply(probs, sum(losses.values()))
         return probs, expert_of_slot
+
+    @torch.no_grad()
+    def _track(self, losses: dict[str, torch.Tensor]) -> None:
+        coeffs = {"load_balancing_loss": self.config.moe_aux_loss_coeff, "z_loss": self.config.moe_z_loss_coeff}
+        for name, loss in losses.items():
+            unscaled = loss.detach().float() / coeffs[name]
+            self.tracked_losses[name] = self.tracked_losses.get(name, 0.0) + unscaled
+        self.tracked_passes += 1
 
     def _within_capacity(self, probs, indices, routing_map) -> torch.Tensor:
         """Slots kept under the capacity factor: each expert keeps its highest-probability tokens."""
@@ -215,3 +229,37 @@ def update_expert_biases(modules, groups: list) -> None:
             dist.all_reduce(counts, group=group)
     for router, router_counts in zip(routers, counts, strict=True):
         router.update_expert_bias(router_counts)
+
+
+AUX_LOSS_NAMES = ("load_balancing_loss", "z_loss")
+
+
+@torch.no_grad()
+def aux_loss_metrics(modules, layer_group=None, replica_groups=()) -> dict[str, float]:
+    """Megatron's MoE loss logging: each router's tracked losses (divided by their coefficients)
+    averaged over its training passes since the last call (micro-batches and iterations), then
+    over the MoE layers (summed over ``layer_group``, e.g. the pipeline stages, which hold other
+    layers) and over ``replica_groups`` (ranks that routed other tokens: data, TP/sequence
+    ranks). Resets the routers' tracking. Every rank of those groups must call it."""
+    groups = [g for g in (layer_group, *replica_groups) if g is not None and dist.get_world_size(g) > 1]
+    nccl = any(dist.get_backend(g) == "nccl" for g in groups)
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    totals = torch.zeros(2, len(AUX_LOSS_NAMES), dtype=torch.float64, device=device)  # [value sum, layers]
+    for router in (m for module in modules for m in module.modules() if isinstance(m, TopKRouter)):
+        for i, name in enumerate(AUX_LOSS_NAMES):
+            if name in router.tracked_losses:
+                totals[0, i] += float(router.tracked_losses[name]) / router.tracked_passes
+                totals[1, i] += 1
+        router.tracked_losses, router.tracked_passes = {}, 0
+    if layer_group in groups:
+        dist.all_reduce(totals, group=layer_group)
+    values, replicas = totals[0].clone(), 1
+    for group in groups:
+        if group is not layer_group:
+            dist.all_reduce(values, group=group)
+            replicas *= dist.get_world_size(group)
+    return {
+        name: value / (layers * replicas)
+        for name, value, layers in zip(AUX_LOSS_NAMES, values.tolist(), totals[1].tolist(), strict=True)
+        if layers
+    }

@@ -14,7 +14,13 @@ Dispatchers (``config.moe_token_dispatcher_type``) over the ``ep`` group of the 
 - ``alltoall``: each rank sends only the slots of the other ranks' experts and gets their outputs
   back (two all-to-alls each way).
 
-At EP 1 both are the local permutation.
+With expert tensor parallelism (an ``expt_tp`` group of size > 1, each rank holding an ffn shard
+of its experts) the tokens a rank got for its experts are all-gathered over ``expt_tp``, every
+peer computes its partial sum for all of them, and a reduce-scatter gives each its own rows
+back summed (Megatron's alltoall dispatcher). The tokens of ``expt_tp`` peers must be distinct:
+the MoE layer splits tokens replicated over TP first.
+
+At EP 1 and ETP 1 both are the local permutation.
 """
 
 from __future__ import annotations
@@ -53,6 +59,132 @@ def unpermute(expert_out: torch.Tensor, order: torch.Tensor, probs: torch.Tensor
     return weighted.sum(1).to(expert_out.dtype)
 
 
+def _row_counts(rows: int, group, device) -> list[int]:
+    """Every rank's row count in ``group``, in group-rank order."""
+    return all_gather_along_dim(torch.tensor([rows], device=device), 0, group).tolist()
+
+
+def _all_gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (``sizes[r]`` rows on rank ``r``) along dim 0."""
+    world = len(sizes)
+    out = x.new_empty(sum(sizes), *x.shape[1:])
+    copies = x.contiguous().repeat((world,) + (1,) * (x.dim() - 1))
+    dist.all_to_all_single(out, copies, sizes, [x.shape[0]] * world, group=group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum ``x`` (``sum(sizes)`` rows, the same layout on every rank) over ``group`` and keep this
+    rank's ``sizes[rank]`` rows; the sum runs in group-rank order."""
+    world, mine = len(sizes), sizes[dist.get_rank(group)]
+    pieces = x.new_empty(world * mine, *x.shape[1:])
+    dist.all_to_all_single(pieces, x.contiguous(), [mine] * world, sizes, group=group)
+    return pieces.view(world, mine, *x.shape[1:]).sum(0)
+
+
+def _own_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    rank = dist.get_rank(group)
+    return x.narrow(0, sum(sizes[:rank]), sizes[rank])
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather rows of uneven counts; backward: reduce-scatter (peers hold partial gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Reduce-scatter rows of uneven counts; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _SplitRows(torch.autograd.Function):
+    """This rank's rows of a tensor replicated over ``group``; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _own_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _GatherReplicatedRows(torch.autograd.Function):
+    """All-gather rows into a tensor replicated over ``group``; backward: this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+def split_sizes(rows: int, world: int) -> list[int]:
+    """``rows`` split over ``world`` ranks as evenly as possible, the first ranks one more."""
+    return [rows // world + (rank < rows % world) for rank in range(world)]
+
+
+def split_replicated_tokens(tensors, group):
+    """This rank's share of token rows replicated over ``group`` (TP without sequence parallel), so
+    that the expert domain sees every token once: ``(shares, sizes)``; gradients of the shares
+    are all-gathered back. :func:`gather_replicated_tokens` undoes it."""
+    sizes = split_sizes(tensors[0].shape[0], dist.get_world_size(group))
+    shares = [
+        _SplitRows.apply(t, sizes, group) if t.is_floating_point() else _own_rows(t, sizes, group) for t in tensors
+    ]
+    return shares, sizes
+
+
+def gather_replicated_tokens(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Inverse of :func:`split_replicated_tokens`: every rank's share, replicated again."""
+    return _GatherReplicatedRows.apply(x, sizes, group)
+
+
+def _regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Row order that sorts rows laid out as ``counts [sources, num_local]`` blocks (source-major)
+    by local expert, stable within each expert."""
+    num_local = counts.shape[-1]
+    local_expert = torch.repeat_interleave(
+        torch.arange(num_local, device=counts.device).repeat(counts.shape[0]), counts.reshape(-1)
+    )
+    return torch.argsort(local_expert, stable=True)
+
+
+def _run_sharded_experts(experts, tokens, counts, etp_group):
+    """``experts`` on ``tokens`` (rows in ``counts [sources, num_local]`` blocks), with the rows of
+    every ``expt_tp`` peer gathered first and the partial sums reduced back to their rank."""
+    if etp_group is not None:
+        sizes = _row_counts(tokens.shape[0], etp_group, tokens.device)
+        tokens = _GatherRows.apply(tokens, sizes, etp_group)
+        counts = all_gather_along_dim(counts.contiguous(), 0, etp_group)
+    regroup = _regroup_by_local_expert(counts)
+    out = experts(tokens.index_select(0, regroup), counts.sum(0))
+    out = out.index_select(0, torch.argsort(regroup))
+    if etp_group is not None:
+        out = _ReduceScatterRows.apply(out, sizes, etp_group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with explicit split sizes; the backward swaps them."""
 
@@ -76,52 +208,57 @@ def _local_slots(expert_of_slot, offset, num_local):
 
 
 class AllGatherTokenDispatcher:
-    """Gather tokens over ``ep``, run the local experts, reduce-scatter the outputs back."""
+    """Gather tokens over ``ep`` (then ``expt_tp``), run the local experts, reduce-scatter the
+    outputs back."""
 
-    def __init__(self, num_local_experts: int, local_expert_offset: int, ep_group, ep_size: int):
+    def __init__(self, num_local_experts: int, local_expert_offset: int, ep_group, ep_size: int, etp_group=None):
         self.num_local_experts, self.local_expert_offset = num_local_experts, local_expert_offset
-        self.ep_group, self.ep_size = ep_group, ep_size
+        self.ep_group, self.ep_size, self.etp_group = ep_group, ep_size, etp_group
 
     def __call__(self, experts, hidden, probs, expert_of_slot):
         if self.ep_size > 1:
             hidden = gather_from_sequence_parallel_region(hidden, self.ep_group)
             probs = gather_from_sequence_parallel_region(probs, self.ep_group)
             expert_of_slot = all_gather_along_dim(expert_of_slot, 0, self.ep_group)
+        if self.etp_group is not None:
+            sizes = _row_counts(hidden.shape[0], self.etp_group, hidden.device)
+            hidden = _GatherRows.apply(hidden, sizes, self.etp_group)
+            probs = _GatherRows.apply(probs, sizes, self.etp_group)
+            expert_of_slot = _all_gather_rows(expert_of_slot, sizes, self.etp_group)
         local = _local_slots(expert_of_slot, self.local_expert_offset, self.num_local_experts)
         permuted, order, tokens_per_expert = permute(hidden, local, self.num_local_experts)
         out = unpermute(experts(permuted, tokens_per_expert), order, probs)
+        if self.etp_group is not None:
+            out = _ReduceScatterRows.apply(out, sizes, self.etp_group)
         if self.ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, self.ep_group)
         return out
 
 
 class AllToAllTokenDispatcher:
-    """Send each rank only the slots routed to its experts, and get their outputs back."""
+    """Send each rank only the slots routed to its experts (all-gathered over ``expt_tp``), and
+    get their outputs back."""
 
-    def __init__(self, num_local_experts: int, local_expert_offset: int, ep_group, ep_size: int):
+    def __init__(self, num_local_experts: int, local_expert_offset: int, ep_group, ep_size: int, etp_group=None):
         self.num_local_experts, self.local_expert_offset = num_local_experts, local_expert_offset
-        self.ep_group, self.ep_size = ep_group, ep_size
+        self.ep_group, self.ep_size, self.etp_group = ep_group, ep_size, etp_group
 
     def __call__(self, experts, hidden, probs, expert_of_slot):
         num_experts = self.num_local_experts * self.ep_size
-        if self.ep_size == 1:
-            permuted, order, tokens_per_expert = permute(hidden, expert_of_slot, num_experts)
-            return unpermute(experts(permuted, tokens_per_expert), order, probs)
         # Sorted by global expert = sorted by destination rank, then by its local expert.
         permuted, order, tokens_per_global = permute(hidden, expert_of_slot, num_experts)
+        if self.ep_size == 1 and self.etp_group is None:
+            return unpermute(experts(permuted, tokens_per_global), order, probs)
         counts = tokens_per_global.view(self.ep_size, self.num_local_experts)
+        if self.ep_size == 1:
+            return unpermute(_run_sharded_experts(experts, permuted, counts, self.etp_group), order, probs)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
         input_splits = counts.sum(1).tolist()
         output_splits = received.sum(1).tolist()
         tokens = _AllToAll.apply(permuted, output_splits, input_splits, self.ep_group)
-        # Rows arrive grouped by source rank; regroup them by local expert (stable within each).
-        local_expert = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=tokens.device).repeat(self.ep_size), received.reshape(-1)
-        )
-        regroup = torch.argsort(local_expert, stable=True)
-        out = experts(tokens.index_select(0, regroup), received.sum(0))
-        out = out.index_select(0, torch.argsort(regroup))
+        # Rows arrive grouped by source rank; the experts regroup them by local expert.
+        out = _run_sharded_experts(experts, tokens, received, self.etp_group)
         out = _AllToAll.apply(out, input_splits, output_splits, self.ep_group)
         return unpermute(out, order, probs)
 

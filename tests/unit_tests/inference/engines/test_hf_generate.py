@@ -56,6 +56,25 @@ def _engine_greedy(model, pg):
     return [results[str(i)]["tokens"] for i in range(len(PROMPT_LENGTHS))]
 
 
+def assert_engine_matches_hf_greedy(hf, config_from_hf, state_dict_from_hf, pg):
+    """Map ``hf`` (a GPT-family HF model) to our GPTModel; the engine's greedy generations of
+    the test prompts equal HF ``generate``'s."""
+    config, kwargs = config_from_hf(hf.config)
+    model = GPTModel(config, get_gpt_layer_local_spec(config.num_moe_experts), pg_collection=pg, **kwargs).eval()
+    model.load_state_dict(state_dict_from_hf(hf.state_dict(), config), strict=True)
+    assert _engine_greedy(model, pg) == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
+
+
+def assert_hybrid_engine_matches_hf_greedy(hf, pg):
+    """The same for a NemotronH model mapped to our HybridModel."""
+    config, kwargs = hf_mapping.nemotron_h_config_from_hf(hf.config)
+    model = HybridModel(config, get_hybrid_stack_local_spec(), pg_collection=pg, **kwargs).eval()
+    model.load_state_dict(
+        hf_mapping.nemotron_h_state_dict_from_hf(hf.state_dict(), config, kwargs["hybrid_layer_pattern"]), strict=True
+    )
+    assert _engine_greedy(model, pg) == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
+
+
 @on_single_rank
 def test_llama_greedy_generation_matches_transformers(pg):
     torch.manual_seed(1)
@@ -73,11 +92,7 @@ def test_llama_greedy_generation_matches_transformers(pg):
             )
         )
     )
-    config, kwargs = hf_mapping.llama_config_from_hf(hf.config)
-    model = GPTModel(config, get_gpt_layer_local_spec(), pg_collection=pg, **kwargs).eval()
-    model.load_state_dict(hf_mapping.llama_state_dict_from_hf(hf.state_dict(), config), strict=True)
-    ours = _engine_greedy(model, pg)
-    assert ours == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
+    assert_engine_matches_hf_greedy(hf, hf_mapping.llama_config_from_hf, hf_mapping.llama_state_dict_from_hf, pg)
 
 
 @on_single_rank
@@ -111,10 +126,4 @@ def test_nemotron_h_greedy_generation_matches_transformers(pg):
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
-    config, kwargs = hf_mapping.nemotron_h_config_from_hf(hf.config)
-    model = HybridModel(config, get_hybrid_stack_local_spec(), pg_collection=pg, **kwargs).eval()
-    model.load_state_dict(
-        hf_mapping.nemotron_h_state_dict_from_hf(hf.state_dict(), config, kwargs["hybrid_layer_pattern"]), strict=True
-    )
-    ours = _engine_greedy(model, pg)
-    assert ours == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
+    assert_hybrid_engine_matches_hf_greedy(hf, pg)

@@ -1,5 +1,5 @@
-"""Our GPTModel equals HuggingFace Llama / Mixtral / GPT-2 (random weights) after mapping, and the
-mapping round-trips bit-identically in both directions."""
+"""Our GPTModel equals HuggingFace Llama / Mixtral / Qwen3-MoE / GPT-2 (random weights) after
+mapping, and the mapping round-trips bit-identically in both directions."""
 
 import pytest
 import torch
@@ -9,11 +9,13 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
-    MixtralForCausalLM,
+    Qwen3MoeConfig,
 )
 
 from megatron.core.models import hf_mapping
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.model_record import ModelRecord
+from tests.unit_tests.models.gpt.hf_moe_models import mixtral_model, qwen3_moe_model
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 VOCAB, SEQ, BATCH = 100, 12, 2
@@ -51,28 +53,20 @@ def _llama(tied: bool, rope_scaling: dict | None):
 
 
 def _mixtral():
-    torch.manual_seed(4)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    model = MixtralForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)  # decisive routing: HF's and our top-k agree despite rounding
     return (
-        _randomized(model),
+        _randomized(mixtral_model(VOCAB, seed=4)),
         hf_mapping.mixtral_config_from_hf,
         hf_mapping.mixtral_state_dict_from_hf,
         hf_mapping.mixtral_state_dict_to_hf,
+    )
+
+
+def _qwen3_moe(norm_topk_prob: bool):
+    return (
+        _randomized(qwen3_moe_model(VOCAB, seed=5, norm_topk_prob=norm_topk_prob)),
+        hf_mapping.qwen3_moe_config_from_hf,
+        hf_mapping.qwen3_moe_state_dict_from_hf,
+        hf_mapping.qwen3_moe_state_dict_to_hf,
     )
 
 
@@ -109,6 +103,8 @@ CASES = {
     "llama": lambda: _llama(tied=False, rope_scaling=None),
     "llama_tied_llama3_rope": lambda: _llama(tied=True, rope_scaling=LLAMA3_SCALING),
     "mixtral": _mixtral,
+    "qwen3_moe": lambda: _qwen3_moe(norm_topk_prob=True),
+    "qwen3_moe_unnormalized_topk": lambda: _qwen3_moe(norm_topk_prob=False),
     "gpt2": _gpt2,
 }
 
@@ -139,6 +135,41 @@ def test_logits_match_huggingface_and_mapping_round_trips(pg, case):
     again = from_hf(to_hf(ours_state, config, VOCAB), config, tied=tied)
     assert again.keys() == ours_state.keys()
     assert all(torch.equal(again[k], ours_state[k]) for k in ours_state)
+
+
+@pytest.mark.parametrize(
+    "hf_config, config_from_hf, config_to_hf",
+    [
+        (MixtralConfig, hf_mapping.mixtral_config_from_hf, hf_mapping.mixtral_config_to_hf),
+        (Qwen3MoeConfig, hf_mapping.qwen3_moe_config_from_hf, hf_mapping.qwen3_moe_config_to_hf),
+    ],
+    ids=["mixtral", "qwen3_moe"],
+)
+def test_moe_config_export_round_trips(hf_config, config_from_hf, config_to_hf):
+    """A model trained here exports as the HF config that imports back to the same model."""
+    config, kwargs = config_from_hf(
+        hf_config(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=64,
+            head_dim=16,
+        )
+    )
+    record = ModelRecord(family="gpt", config=config, **kwargs)
+    again, again_kwargs = config_from_hf(hf_config(**config_to_hf(record)))
+    assert (again, again_kwargs) == (config, kwargs)
+
+
+def test_moe_models_refuse_the_other_architecture():
+    mixtral, kwargs = hf_mapping.mixtral_config_from_hf(
+        MixtralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    )
+    with pytest.raises(hf_mapping.HFMappingError, match="no per-head query/key norms"):
+        hf_mapping.qwen3_moe_config_to_hf(ModelRecord(family="gpt", config=mixtral, **kwargs))
+    with pytest.raises(hf_mapping.HFMappingError, match="MoE layers"):
+        hf_mapping.llama_config_to_hf(ModelRecord(family="gpt", config=mixtral, **kwargs))
 
 
 def test_gpt2_uses_tanh_gelu_and_ties_embeddings():
