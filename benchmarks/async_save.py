@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron.core.benchmark_report import finish
+
 COMPLETE = re.compile(r"saved checkpoint \S+ \(iteration (\d+), in the background; complete at iteration (\d+)\)")
 
 
@@ -143,10 +145,7 @@ def main(argv=None) -> int:
         print(f"steps that also took the snapshot: {snapshots} ms")
     sync = ", ".join(f"{ms:.0f}" for ms in result["sync_save_step_ms"])
     print(f"synchronous run: step {result['sync_step_ms']:.1f} ms, steps with a save: {sync} ms")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ import time
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.benchmark_report import finish, write_report
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models import hf_mapping
@@ -502,7 +502,7 @@ def main(argv=None) -> int:
         new_tokens=args.new_tokens,
         models=[],
     )
-    args.write_partial = lambda: _write(args.output_json, report)
+    args.write_partial = lambda: write_report(report, args.output_json)
     for kind in (k for k in args.models.split(",") if k):
         report["models"].append(dict(model=kind, rows=[]))
         report["models"][-1] = bench_model(kind, args, pg, device, bandwidth, report["models"][-1])
@@ -517,15 +517,7 @@ def main(argv=None) -> int:
             "hybrid / GPT output tok/s: "
             + ", ".join(f"c={c}: {_fmt(r, '.2f')}" for c, r in report["hybrid_over_gpt_decode"].items())
         )
-    args.write_partial()
-    parallel_state.destroy_distributed()
-    return 0
-
-
-def _write(path: str | None, report: dict) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+    return finish(report, args.output_json)
 
 
 def _best_rate(row: dict) -> float | None:

@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from megatron.core.benchmark_report import finish
+
 SHAPES = {
     "gpu": dict(
         layers=14, hidden=2048, heads=16, groups=4, experts=8, topk=2, ffn=4096, seq=2048, micro_batch=4, vocab=50304
@@ -226,10 +228,7 @@ def main(argv=None) -> int:
     report = run(opts)
     _print_summary(report)
     print(json.dumps({"must_show": {k: report["train"][k] for k in ("steps", "loss_fell", "tflops")}}))
-    if opts.output_json:
-        with open(opts.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return finish(report, opts.output_json)
 
 
 if __name__ == "__main__":
