@@ -15,8 +15,10 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   (request, KV head): ``S = K @ Q^T`` (``[keys, d] @ [d, queries]``) and ``O^T = V^T @ P^T``,
   values past a request's cached length zeroed first (so a stale NaN cannot leak, as in the
   reference).
-  Decode requests (one query each) form one group, prefill chunks another (queries padded to
-  the longest chunk).
+  Requests are grouped by kind (decode: one query each; prefill chunks: queries padded to the
+  longest chunk) and padded key count, so a request gathers only its own key tiles; keys are
+  gathered as whole cache rows (all KV heads) and only the last key tile is masked where every
+  earlier key is visible.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
 requests, of queries per request, of padded keys) are the batch, the queries' axis and a
@@ -44,8 +46,10 @@ class _Group:
 
     slots: torch.Tensor  # [n, K] flat cache slot of each key
     # Masks are kept inverted (what masked_fill takes), once per step rather than per layer.
-    unstored: torch.Tensor  # [1, n, K, 1] key j of request r is not in its cache (j >= kv length)
-    hidden: torch.Tensor  # [1, n, L, 1, K] query i of request r does not see key j
+    # Every request of a group has keys in its last tile, so only that tile holds unstored keys.
+    unstored: torch.Tensor  # [1, n, KEY_TILE, 1] key K - KEY_TILE + j of request r is not in its cache
+    hidden: torch.Tensor  # [1, n, L, 1, K - hidden_from] query i of request r does not see key hidden_from + j
+    hidden_from: int  # keys before it are seen by every query (decode: all but the last tile)
     query_rows: torch.Tensor  # [n * L] packed row of each (request, query); padding queries repeat a row
     valid: torch.Tensor | None  # [n * L] which (request, query) pairs are real (None: all)
     out_rows: torch.Tensor  # [real queries] packed row each real (request, query) pair writes
@@ -80,11 +84,13 @@ class StepAttention:
             starts = [0]
             for length in lengths[:-1]:
                 starts.append(starts[-1] + length)
-            decode = [r for r, length in enumerate(lengths) if length == 1]
-            prefill = [r for r, length in enumerate(lengths) if length > 1]
-            for rows in (decode, prefill):
-                if rows:
-                    groups.append(_plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, device))
+            # One group per (decode or prefill, padded key count): a request gathers only its own
+            # key tiles, never those of the longest request in the step.
+            buckets: dict[tuple[bool, int], list[int]] = {}
+            for row, length in enumerate(lengths):
+                buckets.setdefault((length > 1, -(-(offsets[row] + length) // KEY_TILE)), []).append(row)
+            for _, rows in sorted(buckets.items()):
+                groups.append(_plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, device))
         return cls(backend, softmax_scale, groups, step)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
@@ -112,9 +118,8 @@ class StepAttention:
             )
             return out
         kv_heads = key_cache.shape[2]
-        # [kv_heads, slots, d] views: gathering slots keeps each head's keys contiguous.
-        flat_keys = key_cache.reshape(-1, kv_heads, head_dim).transpose(0, 1)
-        flat_values = value_cache.reshape(-1, kv_heads, head_dim).transpose(0, 1)
+        flat_keys = key_cache.reshape(-1, kv_heads, head_dim)  # [cache slots, kv_heads, d]
+        flat_values = value_cache.reshape(-1, kv_heads, head_dim)
         scaled = query.float() * scale
         for group in self._groups:
             result = _attend_group(group, scaled, flat_keys, flat_values)
@@ -143,11 +148,13 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     valid = real.reshape(-1)
     all_real = all(lengths[r] == queries for r in rows)
     out_rows = query_rows if all_real else query_rows[valid]
-    stored = key_pos[None, :] < (offset_t + length_t)[:, None]
+    stored = key_pos[None, -KEY_TILE:] < (offset_t + length_t)[:, None]
+    hidden_from = num_keys - KEY_TILE if queries == 1 else 0
     return _Group(
         slots=slots.to(device),
         unstored=(~stored)[None, :, :, None].to(device),
-        hidden=(~visible)[None, :, :, None, :].to(device),
+        hidden=(~visible)[None, :, :, None, hidden_from:].to(device),
+        hidden_from=hidden_from,
         query_rows=query_rows.to(device),
         valid=None if all_real else valid.to(device),
         out_rows=out_rows.to(device),
@@ -155,24 +162,35 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     )
 
 
+def _gather(cache_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The keys or values of ``cache_rows [cache slots, kv_heads, d]`` at ``slots [n, K]`` as a
+    contiguous fp32 ``[kv_heads, n, K, d]``: a gather of whole slot rows, then one permuting copy
+    (faster than indexing a head-major view; the same values)."""
+    n, num_keys = slots.shape
+    _, kv_heads, head_dim = cache_rows.shape
+    rows = cache_rows.index_select(0, slots.reshape(-1)).view(n, num_keys, kv_heads, head_dim)
+    out = torch.empty(kv_heads, n, num_keys, head_dim, dtype=torch.float32, device=rows.device)
+    return out.copy_(rows.permute(2, 0, 1, 3))
+
+
 def _attend_group(group: _Group, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor):
     """The group's attention rows ``[real queries, q_heads, d]`` (fp32)."""
-    kv_heads, _, head_dim = flat_keys.shape
+    _, kv_heads, head_dim = flat_keys.shape
     n, num_keys = group.slots.shape
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    keys = flat_keys[:, group.slots].float().reshape(kv_heads * n, num_keys, head_dim)
+    keys = _gather(flat_keys, group.slots).reshape(kv_heads * n, num_keys, head_dim)
     # Values past a request's cached length are zeroed (their probability is 0, but a stale NaN in
-    # a block tail would still poison 0 * NaN).
-    values = (
-        flat_values[:, group.slots].float().masked_fill_(group.unstored, 0.0).reshape(kv_heads * n, num_keys, head_dim)
-    )
+    # a block tail would still poison 0 * NaN); only the group's last key tile holds any.
+    values = _gather(flat_values, group.slots)
+    values[:, :, num_keys - KEY_TILE :].masked_fill_(group.unstored, 0.0)
+    values = values.view(kv_heads * n, num_keys, head_dim)
     # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
     q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
     q = q.permute(2, 0, 4, 1, 3).reshape(kv_heads * n, head_dim, length * group_size)
     scores = torch.bmm(keys, q).transpose(1, 2).view(kv_heads, n, length, group_size, num_keys)
-    scores = scores.masked_fill_(group.hidden, float("-inf"))
+    scores[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kv_heads * n, length * group_size, num_keys)
     context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [kv_heads * n, d, L * group]
     context = context.view(kv_heads, n, head_dim, length, group_size).permute(1, 3, 0, 4, 2)
