@@ -44,7 +44,12 @@ class _Group:
     """Requests attended together by the torch path: ``n`` requests of at most ``L`` queries over
     ``K`` (padded) keys."""
 
-    slots: torch.Tensor  # [n, K] flat cache slot of each key
+    # [kv_heads * n * K]: row ``slot * kv_heads + head`` of each (head, request, key) in a layer's
+    # cache viewed as [slots * kv_heads, d]; one gather gives the keys (values) of every head.
+    head_rows: torch.Tensor
+    kv_heads: int
+    num_requests: int  # n
+    num_keys: int  # K
     # Masks are kept inverted (what masked_fill takes), once per step rather than per layer.
     # Every request of a group has keys in its last tile, so only that tile holds unstored keys.
     unstored: torch.Tensor  # [1, n, KEY_TILE, 1] key K - KEY_TILE + j of request r is not in its cache
@@ -59,8 +64,9 @@ class _Group:
 class StepAttention:
     """Paged attention over the step's requests (see module doc). Build with :meth:`plan`."""
 
-    def __init__(self, backend: str, scale: float | None, groups: list[_Group], step):
+    def __init__(self, backend: str, scale: float | None, groups: list[_Group], step, kv_heads: int):
         self.backend = backend
+        self.kv_heads = kv_heads
         self.scale = scale
         self._groups = groups
         self._step = step
@@ -73,9 +79,12 @@ class StepAttention:
         block_size: int,
         device: torch.device,
         softmax_scale: float | None = None,
+        *,
+        kv_heads: int,
     ) -> StepAttention:
         """Plan the attention of ``step`` (a :class:`~dynamic_context.StepBatch`) whose request rows
-        use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included)."""
+        use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included) over caches
+        of ``kv_heads`` KV heads."""
         backend = resolve_backend("auto", device)
         groups = []
         if backend == "torch" and step.num_tokens:
@@ -90,8 +99,10 @@ class StepAttention:
             for row, length in enumerate(lengths):
                 buckets.setdefault((length > 1, -(-(offsets[row] + length) // KEY_TILE)), []).append(row)
             for _, rows in sorted(buckets.items()):
-                groups.append(_plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, device))
-        return cls(backend, softmax_scale, groups, step)
+                groups.append(
+                    _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, device)
+                )
+        return cls(backend, softmax_scale, groups, step, kv_heads)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
         """Attention ``[T, q_heads, d]`` of the step's packed ``query [T, q_heads, d]`` over one layer's
@@ -117,9 +128,10 @@ class StepAttention:
                 validate=False,  # build_step made the lengths consistent; checking reads them on the host
             )
             return out
-        kv_heads = key_cache.shape[2]
-        flat_keys = key_cache.reshape(-1, kv_heads, head_dim)  # [cache slots, kv_heads, d]
-        flat_values = value_cache.reshape(-1, kv_heads, head_dim)
+        if key_cache.shape[2] != self.kv_heads:
+            raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {key_cache.shape[2]}")
+        flat_keys = key_cache.reshape(-1, head_dim)  # [cache slots * kv_heads, d]
+        flat_values = value_cache.reshape(-1, head_dim)
         scaled = query.float() * scale
         for group in self._groups:
             result = _attend_group(group, scaled, flat_keys, flat_values)
@@ -127,7 +139,7 @@ class StepAttention:
         return out
 
 
-def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, device) -> _Group:
+def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, device) -> _Group:
     queries = max(lengths[r] for r in rows)
     rows_t = torch.tensor(rows, dtype=torch.long)
     length_t = torch.tensor([lengths[r] for r in rows], dtype=torch.long)
@@ -150,8 +162,12 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     out_rows = query_rows if all_real else query_rows[valid]
     stored = key_pos[None, -KEY_TILE:] < (offset_t + length_t)[:, None]
     hidden_from = num_keys - KEY_TILE if queries == 1 else 0
+    head_rows = slots[None] * kv_heads + torch.arange(kv_heads)[:, None, None]  # [kv_heads, n, K]
     return _Group(
-        slots=slots.to(device),
+        head_rows=head_rows.reshape(-1).to(device),
+        kv_heads=kv_heads,
+        num_requests=len(rows),
+        num_keys=num_keys,
         unstored=(~stored)[None, :, :, None].to(device),
         hidden=(~visible)[None, :, :, None, hidden_from:].to(device),
         hidden_from=hidden_from,
@@ -162,28 +178,18 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, d
     )
 
 
-def _gather(cache_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The keys or values of ``cache_rows [cache slots, kv_heads, d]`` at ``slots [n, K]`` as a
-    contiguous fp32 ``[kv_heads, n, K, d]``: a gather of whole slot rows, then one permuting copy
-    (faster than indexing a head-major view; the same values)."""
-    n, num_keys = slots.shape
-    _, kv_heads, head_dim = cache_rows.shape
-    rows = cache_rows.index_select(0, slots.reshape(-1)).view(n, num_keys, kv_heads, head_dim)
-    out = torch.empty(kv_heads, n, num_keys, head_dim, dtype=torch.float32, device=rows.device)
-    return out.copy_(rows.permute(2, 0, 1, 3))
-
-
 def _attend_group(group: _Group, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor):
     """The group's attention rows ``[real queries, q_heads, d]`` (fp32)."""
-    _, kv_heads, head_dim = flat_keys.shape
-    n, num_keys = group.slots.shape
+    head_dim = flat_keys.shape[1]
+    n, num_keys = group.num_requests, group.num_keys
+    kv_heads = group.kv_heads
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    keys = _gather(flat_keys, group.slots).reshape(kv_heads * n, num_keys, head_dim)
+    keys = flat_keys.index_select(0, group.head_rows).float().view(kv_heads * n, num_keys, head_dim)
     # Values past a request's cached length are zeroed (their probability is 0, but a stale NaN in
     # a block tail would still poison 0 * NaN); only the group's last key tile holds any.
-    values = _gather(flat_values, group.slots)
+    values = flat_values.index_select(0, group.head_rows).float().view(kv_heads, n, num_keys, head_dim)
     values[:, :, num_keys - KEY_TILE :].masked_fill_(group.unstored, 0.0)
     values = values.view(kv_heads * n, num_keys, head_dim)
     # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
