@@ -10,15 +10,16 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   capture it.
 - **torch** (the CPU path): the plan computes, for every request, the cache slots of its keys
   (padded with masked keys to a multiple of :data:`~paged_attention.KEY_TILE`) and the causal
-  mask of its queries once; each layer then gathers the keys and values of the whole step in
-  one indexing per plane and computes scores and weighted values as batched matrix products per
+  mask of its queries once; each layer then gathers the keys and values and computes scores
+  and weighted values as batched matrix products per
   (request, KV head): ``S = K @ Q^T`` (``[keys, d] @ [d, queries]``) and ``O^T = V^T @ P^T``,
   values past a request's cached length zeroed first (so a stale NaN cannot leak, as in the
   reference).
   Requests are grouped by kind (decode: one query each; prefill chunks: queries padded to the
-  longest chunk) and padded key count, so a request gathers only its own key tiles; keys are
-  gathered as whole cache rows (all KV heads) and only the last key tile is masked where every
-  earlier key is visible.
+  longest chunk) and padded key count, so a request gathers only its own key tiles. The plan
+  holds one row index per group (cache row of each (KV head, request, key)), so each layer
+  gathers its keys and values straight into the products' layout with one ``index_select``
+  each; where every key before the last tile is visible (decode), only that tile is masked.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
 requests, of queries per request, of padded keys) are the batch, the queries' axis and a
