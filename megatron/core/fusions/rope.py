@@ -16,6 +16,8 @@ Without ``freqs`` q, k and v are views of ``qkv`` on every backend.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from megatron.core.fusions.backend import fused_backend, needs_autograd
@@ -80,9 +82,28 @@ def _batch_major_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(b, s, n, d).transpose(0, 1)
 
 
-def _split_rotate(qkv, freqs, heads, groups, head_dim):
+class _LastCosSin:
+    """``cos`` and ``sin`` of the last angles asked for, kept while that tensor lives unchanged:
+    every layer of a forward gets the same ``freqs``, so they are computed once per forward."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def __call__(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = self._key
+        if key is None or key[0]() is not freqs or key[1:] != (freqs._version, dtype):
+            self._value = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            self._key = (weakref.ref(freqs), freqs._version, dtype)
+        return self._value
+
+
+_cos_sin = _LastCosSin()
+
+
+def _split_rotate(qkv, freqs, heads, groups, head_dim, cos_sin=None):
     q, k, v = _split_views(qkv, heads, groups, head_dim)
-    cos, sin = freqs.cos().to(qkv.dtype), freqs.sin().to(qkv.dtype)
+    cos, sin = cos_sin if cos_sin is not None else (freqs.cos().to(qkv.dtype), freqs.sin().to(qkv.dtype))
     q_rot, k_rot, v_out = _batch_major_like(q), _batch_major_like(k), _batch_major_like(v)
     _rotate_into(q_rot, q, cos, sin, inverse=False)
     _rotate_into(k_rot, k, cos, sin, inverse=False)
@@ -124,7 +145,7 @@ def split_qkv(
         return split_qkv_reference(qkv, heads, groups, head_dim, freqs)
     if fused_backend("rope", qkv.device) == "torch":
         if not needs_autograd(qkv):
-            return _split_rotate(qkv, freqs, heads, groups, head_dim)[:3]
+            return _split_rotate(qkv, freqs, heads, groups, head_dim, _cos_sin(freqs, qkv.dtype))[:3]
         return _SplitRotaryTorch.apply(qkv, freqs, heads, groups, head_dim)
     from megatron.core.fusions.rope_triton import SplitRotaryFunction, split_rotary_forward
 

@@ -71,3 +71,23 @@ def test_forward_only_call_builds_no_graph():
     assert q.grad_fn is None
     for got, want in zip((q, k, v), ref, strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_only_torch_path_reuses_angles_only_while_they_are_unchanged():
+    """cos/sin are computed once for the angles every layer shares; new or edited angles (or
+    another dtype) are never served stale ones."""
+    qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32)
+    qkv = qkv.detach()
+
+    def check(qkv, freqs):
+        with fusion_backend("torch"):
+            got = split_qkv(qkv, 4, 2, 8, freqs)
+        for a, b in zip(got, split_qkv_reference(qkv, 4, 2, 8, freqs), strict=True):
+            assert torch.equal(a, b)
+
+    check(qkv, freqs)
+    check(qkv, freqs)  # served from the cache
+    freqs.mul_(1.5)  # edited in place
+    check(qkv, freqs)
+    check(qkv, freqs.clone() + 0.25)  # another tensor
+    check(qkv.bfloat16(), freqs)  # another dtype

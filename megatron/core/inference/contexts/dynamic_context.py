@@ -690,7 +690,7 @@ class DynamicInferenceContext:
         )
         if self.spec.attention_layer_numbers:
             self._step_attention = StepAttention.plan(
-                self.step, host_tables, bs, self.device, softmax_scale=self.softmax_scale
+                self.step, host_tables, bs, self.device, self.softmax_scale, kv_heads=self.kv_cache.data.shape[-2]
             )
         return self.step
 

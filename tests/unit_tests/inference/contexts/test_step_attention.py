@@ -30,10 +30,10 @@ def sequences(lengths, seed=0):
     }
 
 
-def run_steps(data, schedules, pad_to_tokens=None):
+def run_steps(data, schedules, pad_to_tokens=None, max_tokens=64):
     """Feed each request's q/k/v through the context in the given steps; returns, per request,
     the attention output of every position, in order."""
-    ctx = make_context()
+    ctx = make_context(max_tokens)
     for name, (q, _, _) in data.items():
         ctx.add_request(name, list(range(q.shape[0])))
     outputs = {name: [] for name in data}
@@ -97,3 +97,32 @@ def test_a_query_gives_the_same_bits_however_the_steps_are_split():
     )
     for name in "abc":
         assert torch.equal(mixed[name], whole[name]), name
+
+
+def causal_attention(q, k, v):
+    """Plain softmax attention of one sequence ``q [n, Q_HEADS, d]`` over ``k, v [n, KV_HEADS, d]``."""
+    group = Q_HEADS // KV_HEADS
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / DIM**0.5
+    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_requests_over_several_key_tiles_give_the_same_bits_in_any_step_mix():
+    """Requests of one and two key tiles (64 keys each) in one step, and decode rows of different
+    tile counts side by side, as each request's own whole-prefill result."""
+    data = sequences({"a": 90, "b": 40, "c": 70}, seed=1)
+    whole = run_steps(data, [[("a", 90), ("b", 40), ("c", 70)]], max_tokens=256)
+    for name, (q, k, v) in data.items():
+        torch.testing.assert_close(whole[name], causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    split = run_steps(
+        data,
+        [[("a", 60), ("b", 30)], [("c", 66), ("a", 1), ("b", 1)]]
+        + [[("a", 1), ("b", 1), ("c", 1)]] * 4  # a crosses into its second tile next to b's first
+        + [[("a", 1), ("b", 1)]] * 5
+        + [[("a", 1)]] * 20,
+        pad_to_tokens=128,
+        max_tokens=128,
+    )
+    for name in "abc":
+        assert torch.equal(split[name], whole[name]), name
