@@ -114,7 +114,8 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.register_grad_ready(param)
 
     def _register_param_gather_hooks(self) -> None:
-        """Before a module runs, wait for the gathers of the buckets holding its own parameters."""
+        """Before a module runs, wait for the gathers of the buckets holding its own parameters
+        (and before the model runs, those of the tied embeddings)."""
         for submodule in self.module.modules():
             buckets: list[GradBucket] = []
             for param in submodule.parameters(recurse=False):
@@ -124,6 +125,17 @@ class DistributedDataParallel(torch.nn.Module):
                     buckets.append(bucket)
             if buckets:
                 submodule.register_forward_pre_hook(partial(_finish_param_sync, buckets))
+        # A tied embedding is read by the last stage's output layer while its own module never
+        # runs there: its gathers finish before the whole model's forward.
+        shared = []
+        for param in self.module.parameters():
+            buffer = self._buffer_of.get(param)
+            if getattr(param, "shared_embedding", False) and buffer is not None and buffer.overlap_param_gather:
+                bucket = buffer.bucket_of(param)
+                if bucket not in shared:
+                    shared.append(bucket)
+        if shared:
+            self.module.register_forward_pre_hook(partial(_finish_param_sync, shared))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
