@@ -87,56 +87,37 @@ def _own_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     return x.narrow(0, sum(sizes[:rank]), sizes[rank])
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather rows of uneven counts; backward: reduce-scatter (peers hold partial gradients)."""
+class _RowsOp(torch.autograd.Function):
+    """``forward(x, sizes, group)`` over rows of uneven counts, with ``backward`` its adjoint."""
 
     @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Reduce-scatter rows of uneven counts; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_rows(x, sizes, group)
+    def forward(ctx, x, sizes, group, forward, backward):
+        ctx.sizes, ctx.group, ctx.adjoint = sizes, group, backward
+        return forward(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None
+        return ctx.adjoint(grad, ctx.sizes, ctx.group), None, None, None, None
 
 
-class _SplitRows(torch.autograd.Function):
+def _gather_rows(x, sizes, group):
+    """All-gather rows; backward: reduce-scatter (peers hold partial gradients)."""
+    return _RowsOp.apply(x, sizes, group, _all_gather_rows, _reduce_scatter_rows)
+
+
+def _scatter_summed_rows(x, sizes, group):
+    """Reduce-scatter rows; backward: all-gather."""
+    return _RowsOp.apply(x, sizes, group, _reduce_scatter_rows, _all_gather_rows)
+
+
+def _split_rows(x, sizes, group):
     """This rank's rows of a tensor replicated over ``group``; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _own_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None
+    return _RowsOp.apply(x, sizes, group, _own_rows, _all_gather_rows)
 
 
-class _GatherReplicatedRows(torch.autograd.Function):
+def _gather_replicated_rows(x, sizes, group):
     """All-gather rows into a tensor replicated over ``group``; backward: this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_rows(grad, ctx.sizes, ctx.group), None, None
+    return _RowsOp.apply(x, sizes, group, _all_gather_rows, _own_rows)
 
 
 def split_sizes(rows: int, world: int) -> list[int]:
@@ -149,15 +130,13 @@ def split_replicated_tokens(tensors, group):
     that the expert domain sees every token once: ``(shares, sizes)``; gradients of the shares
     are all-gathered back. :func:`gather_replicated_tokens` undoes it."""
     sizes = split_sizes(tensors[0].shape[0], dist.get_world_size(group))
-    shares = [
-        _SplitRows.apply(t, sizes, group) if t.is_floating_point() else _own_rows(t, sizes, group) for t in tensors
-    ]
+    shares = [_split_rows(t, sizes, group) if t.is_floating_point() else _own_rows(t, sizes, group) for t in tensors]
     return shares, sizes
 
 
 def gather_replicated_tokens(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Inverse of :func:`split_replicated_tokens`: every rank's share, replicated again."""
-    return _GatherReplicatedRows.apply(x, sizes, group)
+    return _gather_replicated_rows(x, sizes, group)
 
 
 def _regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -175,13 +154,13 @@ def _run_sharded_experts(experts, tokens, counts, etp_group):
     every ``expt_tp`` peer gathered first and the partial sums reduced back to their rank."""
     if etp_group is not None:
         sizes = _row_counts(tokens.shape[0], etp_group, tokens.device)
-        tokens = _GatherRows.apply(tokens, sizes, etp_group)
+        tokens = _gather_rows(tokens, sizes, etp_group)
         counts = all_gather_along_dim(counts.contiguous(), 0, etp_group)
     regroup = _regroup_by_local_expert(counts)
     out = experts(tokens.index_select(0, regroup), counts.sum(0))
     out = out.index_select(0, torch.argsort(regroup))
     if etp_group is not None:
-        out = _ReduceScatterRows.apply(out, sizes, etp_group)
+        out = _scatter_summed_rows(out, sizes, etp_group)
     return out
 
 
@@ -222,14 +201,14 @@ class AllGatherTokenDispatcher:
             expert_of_slot = all_gather_along_dim(expert_of_slot, 0, self.ep_group)
         if self.etp_group is not None:
             sizes = _row_counts(hidden.shape[0], self.etp_group, hidden.device)
-            hidden = _GatherRows.apply(hidden, sizes, self.etp_group)
-            probs = _GatherRows.apply(probs, sizes, self.etp_group)
+            hidden = _gather_rows(hidden, sizes, self.etp_group)
+            probs = _gather_rows(probs, sizes, self.etp_group)
             expert_of_slot = _all_gather_rows(expert_of_slot, sizes, self.etp_group)
         local = _local_slots(expert_of_slot, self.local_expert_offset, self.num_local_experts)
         permuted, order, tokens_per_expert = permute(hidden, local, self.num_local_experts)
         out = unpermute(experts(permuted, tokens_per_expert), order, probs)
         if self.etp_group is not None:
-            out = _ReduceScatterRows.apply(out, sizes, self.etp_group)
+            out = _scatter_summed_rows(out, sizes, self.etp_group)
         if self.ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, self.ep_group)
         return out
