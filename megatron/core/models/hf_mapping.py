@@ -33,10 +33,16 @@ class HFMappingError(MegatronInputError):
     """An HF config or state dict that this mapping cannot represent exactly."""
 
 
+def _refuse(message: str, checks: list[tuple[bool, str]]) -> None:
+    """Raise one :class:`HFMappingError` ``"message: what; what"`` naming every ``(bad, what)``
+    check that is bad."""
+    problems = [what for bad, what in checks if bad]
+    if problems:
+        raise HFMappingError(f"{message}: " + "; ".join(problems))
+
+
 def _require_exportable(architecture: str, problems: list[tuple[bool, str]]) -> None:
-    found = [what for bad, what in problems if bad]
-    if found:
-        raise HFMappingError(f"this model cannot be exported as {architecture}: " + "; ".join(found))
+    _refuse(f"this model cannot be exported as {architecture}", problems)
 
 
 def _kv_channels(config: TransformerConfig) -> int:
@@ -441,9 +447,7 @@ def mixtral_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, d
         (getattr(hf_config, "sliding_window", None) is not None, "sliding-window attention (sliding_window)"),
         (hf_config.router_jitter_noise, "router jitter noise (router_jitter_noise must be 0)"),
     ]
-    problems = [what for bad, what in unsupported if bad]
-    if problems:
-        raise HFMappingError("Mixtral settings not supported: " + "; ".join(problems))
+    _refuse("Mixtral settings not supported", unsupported)
     moe = {
         "num_moe_experts": hf_config.num_local_experts,
         "moe_router_topk": hf_config.num_experts_per_tok,
@@ -548,9 +552,7 @@ def qwen3_moe_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig,
         (hf_config.decoder_sparse_step != 1, "dense layers between MoE layers (decoder_sparse_step must be 1)"),
         (bool(hf_config.mlp_only_layers), "dense layers (mlp_only_layers must be empty)"),
     ]
-    problems = [what for bad, what in unsupported if bad]
-    if problems:
-        raise HFMappingError("Qwen3-MoE settings not supported: " + "; ".join(problems))
+    _refuse("Qwen3-MoE settings not supported", unsupported)
     moe = {
         "num_moe_experts": hf_config.num_experts,
         "moe_router_topk": hf_config.num_experts_per_tok,
@@ -750,9 +752,7 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
         ),
         (hf_config.num_nextn_predict_layers, "multi-token prediction layers (num_nextn_predict_layers must be 0)"),
     ]
-    problems = [what for bad, what in unsupported if bad]
-    if problems:
-        raise HFMappingError("NemotronH settings not supported: " + "; ".join(problems))
+    _refuse("NemotronH settings not supported", unsupported)
     pattern = hf_config.hybrid_override_pattern
     parse_hybrid_pattern(pattern)  # points at a character we do not know
     config = TransformerConfig(
@@ -805,9 +805,7 @@ def _nemotron_h_moe_config(hf_config) -> dict:
         ),
         (getattr(hf_config, "n_shared_experts", 1) != 1, "n_shared_experts other than 1"),
     ]
-    problems = [what for bad, what in unsupported if bad]
-    if problems:
-        raise HFMappingError("NemotronH MoE settings not supported: " + "; ".join(problems))
+    _refuse("NemotronH MoE settings not supported", unsupported)
     grouped = hf_config.n_group > 1
     return {
         "num_moe_experts": hf_config.n_routed_experts,
