@@ -690,7 +690,13 @@ class DynamicInferenceContext:
         )
         if self.spec.attention_layer_numbers:
             self._step_attention = StepAttention.plan(
-                self.step, host_tables, bs, self.device, self.softmax_scale, kv_heads=self.kv_cache.data.shape[-2]
+                self.step,
+                host_tables,
+                bs,
+                self.device,
+                self.softmax_scale,
+                kv_heads=self.kv_cache.data.shape[-2],
+                value_row_offset=self.kv_cache.value_row_offset,
             )
         return self.step
 
@@ -707,8 +713,7 @@ class DynamicInferenceContext:
                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
         self.kv_cache.store(layer_index, step.slot_mapping, k[:, 0], v[:, 0])
-        key_cache, value_cache = self.kv_cache.layer(layer_index)
-        return self._step_attention.attend(q[:, 0], key_cache, value_cache)[:, None]
+        return self._step_attention.attend(q[:, 0], self.kv_cache, layer_index)[:, None]
 
     def is_decode_only(self) -> bool:
         """Whether every request of the current step has exactly one new token (host-side)."""

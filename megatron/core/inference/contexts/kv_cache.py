@@ -49,6 +49,17 @@ class PagedKVCache:
         """Views ``(key, value)`` of one local layer, each ``[blocks, block_size, heads, dim]``."""
         return self.data[0, layer_index], self.data[1, layer_index]
 
+    @property
+    def value_row_offset(self) -> int:
+        """Rows of ``dim`` values from a layer's key plane to its value plane (see :meth:`rows_from`)."""
+        return self.data.stride(0) // self.data.shape[-1]
+
+    def rows_from(self, layer_index: int) -> torch.Tensor:
+        """The cache as rows ``[*, dim]`` from one local layer's key plane on: row ``slot * heads + head``
+        is that layer's key, row ``value_row_offset`` further its value (one gather reads both)."""
+        flat = self.data.view(-1, self.data.shape[-1])
+        return flat[layer_index * (self.data.stride(1) // self.data.shape[-1]) :]
+
     def store(self, layer_index: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``."""
         for plane, tokens in ((0, key), (1, value)):

@@ -40,26 +40,27 @@ import torch
 from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Group:
     """Requests attended together by the torch path: ``n`` requests of at most ``L`` queries over
-    ``K`` (padded) keys."""
+    ``K`` (padded) keys. Index tensors are on the device; masks are kept inverted (what
+    ``masked_fill`` takes). Built once per step, used by every layer."""
 
-    # [kv_heads * n * K]: row ``slot * kv_heads + head`` of each (head, request, key) in a layer's
-    # cache viewed as [slots * kv_heads, d]; one gather gives the keys (values) of every head.
-    head_rows: torch.Tensor
+    # [2 * kv_heads * n * K]: the row (of PagedKVCache.rows_from) of each (head, request, key)'s
+    # key, then of its value; one gather gives the keys and values of every head.
+    kv_rows: torch.Tensor
+    hidden: torch.Tensor  # [1, n, L, 1, K - hidden_from] query i of request r does not see key hidden_from + j
+    hidden_from: int  # keys before it are seen by every query (decode: all but the last tile)
+    # [n, L]: the packed row each (request, query) reads its query from (a padding query repeats a
+    # row of its request) and writes its result to (a padding query: the scratch row past the step).
+    query_rows: torch.Tensor
+    out_rows: torch.Tensor
     kv_heads: int
     num_requests: int  # n
     num_keys: int  # K
-    # Masks are kept inverted (what masked_fill takes), once per step rather than per layer.
-    # Every request of a group has keys in its last tile, so only that tile holds unstored keys.
-    unstored: torch.Tensor  # [1, n, KEY_TILE, 1] key K - KEY_TILE + j of request r is not in its cache
-    hidden: torch.Tensor  # [1, n, L, 1, K - hidden_from] query i of request r does not see key hidden_from + j
-    hidden_from: int  # keys before it are seen by every query (decode: all but the last tile)
-    query_rows: torch.Tensor  # [n * L] packed row of each (request, query); padding queries repeat a row
-    valid: torch.Tensor | None  # [n * L] which (request, query) pairs are real (None: all)
-    out_rows: torch.Tensor  # [real queries] packed row each real (request, query) pair writes
     num_queries: int  # L
+    # Element indices of the query and output layouts, made by the first layer (see _elements).
+    elements: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
 
 
 class StepAttention:
@@ -82,10 +83,12 @@ class StepAttention:
         softmax_scale: float | None = None,
         *,
         kv_heads: int,
+        value_row_offset: int,
     ) -> StepAttention:
         """Plan the attention of ``step`` (a :class:`~dynamic_context.StepBatch`) whose request rows
-        use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included) over caches
-        of ``kv_heads`` KV heads."""
+        use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included) over a
+        :class:`~kv_cache.PagedKVCache` of ``kv_heads`` KV heads whose value rows lie
+        ``value_row_offset`` rows after the key rows (:meth:`~kv_cache.PagedKVCache.rows_from`)."""
         backend = resolve_backend("auto", device)
         groups = []
         if backend == "torch" and step.num_tokens:
@@ -101,14 +104,25 @@ class StepAttention:
                 buckets.setdefault((length > 1, -(-(offsets[row] + length) // KEY_TILE)), []).append(row)
             for _, rows in sorted(buckets.items()):
                 groups.append(
-                    _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, device)
+                    _plan_group(
+                        rows,
+                        lengths,
+                        offsets,
+                        starts,
+                        host_block_tables,
+                        block_size,
+                        kv_heads,
+                        value_row_offset,
+                        step.num_padded_tokens,
+                        device,
+                    )
                 )
         return cls(backend, softmax_scale, groups, step, kv_heads)
 
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
-        """Attention ``[T, q_heads, d]`` of the step's packed ``query [T, q_heads, d]`` over one layer's
-        caches ``[blocks, block_size, kv_heads, d]`` (this step's K/V stored); rows past the
-        step's ``num_tokens`` (padding tokens) are zero."""
+    def attend(self, query: torch.Tensor, kv_cache, layer_index: int) -> torch.Tensor:
+        """Attention ``[T, q_heads, d]`` of the step's packed ``query [T, q_heads, d]`` over local layer
+        ``layer_index`` of ``kv_cache`` (a :class:`~kv_cache.PagedKVCache`, this step's K/V stored);
+        rows past the step's ``num_tokens`` (padding tokens) are zero."""
         step = self._step
         head_dim = query.shape[-1]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
@@ -117,6 +131,7 @@ class StepAttention:
         if not count:
             return out
         if self.backend == "triton":
+            key_cache, value_cache = kv_cache.layer(layer_index)
             out[:count] = paged_attention(
                 query[:count],
                 key_cache,
@@ -129,18 +144,21 @@ class StepAttention:
                 validate=False,  # build_step made the lengths consistent; checking reads them on the host
             )
             return out
-        if key_cache.shape[2] != self.kv_heads:
-            raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {key_cache.shape[2]}")
-        flat_keys = key_cache.reshape(-1, head_dim)  # [cache slots * kv_heads, d]
-        flat_values = value_cache.reshape(-1, head_dim)
+        cache_heads = kv_cache.data.shape[-2]
+        if cache_heads != self.kv_heads:
+            raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {cache_heads}")
+        rows = kv_cache.rows_from(layer_index)  # [*, d]: keys at slot * kv_heads + head, then values
         scaled = query.float() * scale
+        # One scratch row past the padded tokens takes the results of padding queries.
+        results = torch.zeros(query.shape[0] + 1, *query.shape[1:], dtype=torch.float32, device=query.device)
         for group in self._groups:
-            result = _attend_group(group, scaled, flat_keys, flat_values)
-            out.index_copy_(0, group.out_rows, result.to(out.dtype))
-        return out
+            _attend_group(group, scaled, rows, results)
+        return results[:-1].to(query.dtype)
 
 
-def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, device) -> _Group:
+def _plan_group(
+    rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, value_row_offset, scratch_row, device
+) -> _Group:
     queries = max(lengths[r] for r in rows)
     rows_t = torch.tensor(rows, dtype=torch.long)
     length_t = torch.tensor([lengths[r] for r in rows], dtype=torch.long)
@@ -152,54 +170,75 @@ def _plan_group(rows, lengths, offsets, starts, host_block_tables, block_size, k
     tables = host_block_tables.index_select(0, rows_t)
     columns = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
     slots = tables[:, columns] * block_size + key_pos % block_size  # [n, K]
+    # Keys past a request's cached length (all in its last tile) read its key 0 instead: whatever
+    # stale bytes their own slots hold (a NaN would poison 0 * NaN), the gathered values stay the
+    # request's own finite ones, and their probability is exactly 0, so they add exactly 0.
+    unstored = key_pos[None, :] >= (offset_t + length_t)[:, None]  # [n, K]
+    slots = torch.where(unstored, slots[:, :1], slots)
+    head_rows = (slots[None] * kv_heads + torch.arange(kv_heads)[:, None, None]).reshape(-1)  # [kv_heads * n * K]
     query_index = torch.arange(queries)
     real = query_index[None, :] < length_t[:, None]  # [n, L]
-    # A padding query sees key 0 only (finite; its result is dropped).
-    positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # [n, L, K]
-    query_rows = (start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)).reshape(-1)
-    valid = real.reshape(-1)
-    all_real = all(lengths[r] == queries for r in rows)
-    out_rows = query_rows if all_real else query_rows[valid]
-    stored = key_pos[None, -KEY_TILE:] < (offset_t + length_t)[:, None]
     hidden_from = num_keys - KEY_TILE if queries == 1 else 0
-    head_rows = slots[None] * kv_heads + torch.arange(kv_heads)[:, None, None]  # [kv_heads, n, K]
+    if queries == 1:  # decode: every key before the last tile is visible; the last tile's are the stored ones
+        hidden = unstored[:, None, -KEY_TILE:]
+        query_rows = start_t[:, None]
+        out_rows = query_rows
+    else:
+        # A padding query sees key 0 only (finite; its result goes to the scratch row).
+        positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
+        hidden = key_pos[None, None, :] > positions[:, :, None]  # [n, L, K]
+        query_rows = start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)
+        out_rows = torch.where(real, query_rows, scratch_row)
     return _Group(
-        head_rows=head_rows.reshape(-1).to(device),
+        kv_rows=torch.cat([head_rows, head_rows + value_row_offset]).to(device),
+        hidden=hidden[None, :, :, None].to(device),
+        hidden_from=hidden_from,
+        query_rows=query_rows,
+        out_rows=out_rows,
         kv_heads=kv_heads,
         num_requests=len(rows),
         num_keys=num_keys,
-        unstored=(~stored)[None, :, :, None].to(device),
-        hidden=(~visible)[None, :, :, None, hidden_from:].to(device),
-        hidden_from=hidden_from,
-        query_rows=query_rows.to(device),
-        valid=None if all_real else valid.to(device),
-        out_rows=out_rows.to(device),
         num_queries=queries,
     )
 
 
-def _attend_group(group: _Group, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor):
-    """The group's attention rows ``[real queries, q_heads, d]`` (fp32)."""
-    head_dim = flat_keys.shape[1]
+def _elements(group: _Group, q_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat element indices, into ``[T(+1), q_heads, d]``, of the group's queries in the layout
+    ``[kv_heads * n, d, L * group]`` the score product takes, and of its results (the same layout)."""
+    if group.elements is None or group.elements[:2] != (q_heads, head_dim):
+        kv_heads = group.kv_heads
+        group_size = q_heads // kv_heads
+        heads = torch.arange(q_heads).view(kv_heads, 1, 1, 1, group_size)  # head = kv_head * group + member
+        dims = torch.arange(head_dim).view(1, 1, head_dim, 1, 1)
+        width = q_heads * head_dim
+
+        def layout(packed_rows):  # [n, L] -> [kv_heads, n, d, L, group]
+            return (packed_rows[None, :, None, :, None] * width + heads * head_dim + dims).reshape(-1).to(device)
+
+        group.elements = (q_heads, head_dim, layout(group.query_rows), layout(group.out_rows))
+    return group.elements[2], group.elements[3]
+
+
+def _attend_group(group: _Group, query: torch.Tensor, cache_rows: torch.Tensor, results: torch.Tensor) -> None:
+    """Write the group's attention (fp32) into ``results [T + 1, q_heads, d]`` from the scaled
+    ``query [T, q_heads, d]`` and one layer's ``cache_rows`` (:meth:`~kv_cache.PagedKVCache.rows_from`)."""
+    head_dim = cache_rows.shape[-1]
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    keys = flat_keys.index_select(0, group.head_rows).float().view(kv_heads * n, num_keys, head_dim)
-    # Values past a request's cached length are zeroed (their probability is 0, but a stale NaN in
-    # a block tail would still poison 0 * NaN); only the group's last key tile holds any.
-    values = flat_values.index_select(0, group.head_rows).float().view(kv_heads, n, num_keys, head_dim)
-    values[:, :, num_keys - KEY_TILE :].masked_fill_(group.unstored, 0.0)
-    values = values.view(kv_heads * n, num_keys, head_dim)
+    query_elements, out_elements = _elements(group, q_heads, head_dim, query.device)
+    # Keys and values of every head in one gather.
+    gathered = cache_rows.index_select(0, group.kv_rows)
+    if gathered.dtype != torch.float32:
+        gathered = gathered.float()
+    keys, values = gathered.view(2, kv_heads * n, num_keys, head_dim)
     # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
-    q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-    q = q.permute(2, 0, 4, 1, 3).reshape(kv_heads * n, head_dim, length * group_size)
-    scores = torch.bmm(keys, q).transpose(1, 2).view(kv_heads, n, length, group_size, num_keys)
+    q = query.take(query_elements).view(kv_heads * n, head_dim, length * group_size)
+    # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
+    scores = torch.bmm(keys, q).transpose(1, 2).contiguous().view(kv_heads, n, length, group_size, num_keys)
     scores[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kv_heads * n, length * group_size, num_keys)
     context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [kv_heads * n, d, L * group]
-    context = context.view(kv_heads, n, head_dim, length, group_size).permute(1, 3, 0, 4, 2)
-    context = context.reshape(n * length, q_heads, head_dim)
-    return context if group.valid is None else context[group.valid]
+    results.view(-1).index_copy_(0, out_elements, context.view(-1))
