@@ -40,7 +40,7 @@ import torch
 from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Group:
     """Requests attended together by the torch path: ``n`` requests of at most ``L`` queries over
     ``K`` (padded) keys. Index tensors are on the device; masks are kept inverted (what
@@ -51,7 +51,7 @@ class _Group:
     kv_rows: torch.Tensor
     hidden: torch.Tensor  # [1, n, L, 1, K - hidden_from] query i of request r does not see key hidden_from + j
     hidden_from: int  # keys before it are seen by every query (decode: all but the last tile)
-    # [n, L]: the packed row each (request, query) reads its query from (a padding query repeats a
+    # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
     # row of its request) and writes its result to (a padding query: the scratch row past the step).
     query_rows: torch.Tensor
     out_rows: torch.Tensor
@@ -59,8 +59,6 @@ class _Group:
     num_requests: int  # n
     num_keys: int  # K
     num_queries: int  # L
-    # Element indices of the query and output layouts, made by the first layer (see _elements).
-    elements: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
 
 
 class StepAttention:
@@ -193,30 +191,13 @@ def _plan_group(
         kv_rows=torch.cat([head_rows, head_rows + value_row_offset]).to(device),
         hidden=hidden[None, :, :, None].to(device),
         hidden_from=hidden_from,
-        query_rows=query_rows,
-        out_rows=out_rows,
+        query_rows=query_rows.reshape(-1).to(device),
+        out_rows=out_rows.reshape(-1).to(device),
         kv_heads=kv_heads,
         num_requests=len(rows),
         num_keys=num_keys,
         num_queries=queries,
     )
-
-
-def _elements(group: _Group, q_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat element indices, into ``[T(+1), q_heads, d]``, of the group's queries in the layout
-    ``[kv_heads * n, d, L * group]`` the score product takes, and of its results (the same layout)."""
-    if group.elements is None or group.elements[:2] != (q_heads, head_dim):
-        kv_heads = group.kv_heads
-        group_size = q_heads // kv_heads
-        heads = torch.arange(q_heads).view(kv_heads, 1, 1, 1, group_size)  # head = kv_head * group + member
-        dims = torch.arange(head_dim).view(1, 1, head_dim, 1, 1)
-        width = q_heads * head_dim
-
-        def layout(packed_rows):  # [n, L] -> [kv_heads, n, d, L, group]
-            return (packed_rows[None, :, None, :, None] * width + heads * head_dim + dims).reshape(-1).to(device)
-
-        group.elements = (q_heads, head_dim, layout(group.query_rows), layout(group.out_rows))
-    return group.elements[2], group.elements[3]
 
 
 def _attend_group(group: _Group, query: torch.Tensor, cache_rows: torch.Tensor, results: torch.Tensor) -> None:
@@ -228,17 +209,18 @@ def _attend_group(group: _Group, query: torch.Tensor, cache_rows: torch.Tensor, 
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    query_elements, out_elements = _elements(group, q_heads, head_dim, query.device)
     # Keys and values of every head in one gather.
     gathered = cache_rows.index_select(0, group.kv_rows)
     if gathered.dtype != torch.float32:
         gathered = gathered.float()
     keys, values = gathered.view(2, kv_heads * n, num_keys, head_dim)
     # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
-    q = query.take(query_elements).view(kv_heads * n, head_dim, length * group_size)
+    q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
+    q = q.permute(2, 0, 4, 1, 3).reshape(kv_heads * n, head_dim, length * group_size)
     # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
     scores = torch.bmm(keys, q).transpose(1, 2).contiguous().view(kv_heads, n, length, group_size, num_keys)
     scores[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kv_heads * n, length * group_size, num_keys)
     context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [kv_heads * n, d, L * group]
-    results.view(-1).index_copy_(0, out_elements, context.view(-1))
+    context = context.view(kv_heads, n, head_dim, length, group_size).permute(1, 3, 0, 4, 2)
+    results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))
