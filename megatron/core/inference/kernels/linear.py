@@ -35,7 +35,13 @@ def _tiled_matmul(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor)
 def _whole_call_matches_tiles(rows: torch.Tensor, weight_t: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether one GEMM over ``rows`` (a multiple of :data:`ROW_TILE`) gives bitwise the tiled
     GEMMs' result, probed once per key with random operands of the same shapes, strides and dtypes."""
-    key = tuple((t.shape, t.stride(), t.dtype) for t in (rows, weight_t)) + (
+    key = (
+        rows.shape,
+        rows.stride(),
+        rows.dtype,
+        weight_t.shape,
+        weight_t.stride(),
+        weight_t.dtype,
         out_dtype,
         rows.device,
         torch.get_num_threads(),
@@ -66,13 +72,13 @@ def torch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if padded != num_rows:
         rows = torch.cat([rows, rows.new_zeros(padded - num_rows, k)])
     out_dtype = torch.result_type(x, weight)
-    out = torch.empty(padded, weight.shape[0], dtype=out_dtype, device=x.device)
     weight_t = weight.t()
-    if padded > ROW_TILE and _whole_call_matches_tiles(rows, weight_t, out_dtype):
-        torch.matmul(rows, weight_t, out=out)
+    if padded == ROW_TILE or _whole_call_matches_tiles(rows, weight_t, out_dtype):
+        out = torch.matmul(rows, weight_t)  # one call: a single tile, or one the probe found gives the tiles' bits
     else:
-        _tiled_matmul(rows, weight_t, out)
-    out = out[:num_rows]
+        out = _tiled_matmul(rows, weight_t, torch.empty(padded, weight.shape[0], dtype=out_dtype, device=x.device))
+    if padded != num_rows:
+        out = out[:num_rows]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
