@@ -49,8 +49,8 @@ class _Group:
     # [2 * kv_heads * n * K]: the row (of PagedKVCache.rows_from) of each (head, request, key)'s
     # key, then of its value; one gather gives the keys and values of every head.
     kv_rows: torch.Tensor
-    hidden: torch.Tensor  # [1, n, L, 1, K - hidden_from] query i of request r does not see key hidden_from + j
-    hidden_from: int  # keys before it are seen by every query (decode: all but the last tile)
+    hidden: torch.Tensor  # [1, n, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
+    hidden_from: int  # K - KEY_TILE: every query of the group sees every key before its last tile
     # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
     # row of its request) and writes its result to (a padding query: the scratch row past the step).
     query_rows: torch.Tensor
@@ -90,23 +90,27 @@ class StepAttention:
         backend = resolve_backend("auto", device)
         groups = []
         if backend == "torch" and step.num_tokens:
-            lengths = step.host_query_lengths
-            offsets = step.host_kv_offsets
-            starts = [0]
-            for length in lengths[:-1]:
-                starts.append(starts[-1] + length)
-            # One group per (decode or prefill, padded key count): a request gathers only its own
-            # key tiles, never those of the longest request in the step.
-            buckets: dict[tuple[bool, int], list[int]] = {}
-            for row, length in enumerate(lengths):
-                buckets.setdefault((length > 1, -(-(offsets[row] + length) // KEY_TILE)), []).append(row)
-            for _, rows in sorted(buckets.items()):
+            # A request's queries in pieces by the key tile they end in: a query sees keys up to its
+            # own position only, so each piece gathers and scores only the key tiles it needs.
+            pieces = []  # (block-table row, queries, tokens cached before them, first packed row)
+            start = 0
+            for row, (length, offset) in enumerate(zip(step.host_query_lengths, step.host_kv_offsets, strict=True)):
+                end = offset + length
+                first = offset
+                while first < end:
+                    last = min((first // KEY_TILE + 1) * KEY_TILE, end)
+                    pieces.append((row, last - first, first, start + first - offset))
+                    first = last
+                start += length
+            # One group per (one query or several, padded key count).
+            buckets: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
+            for piece in pieces:
+                _, length, offset, _ = piece
+                buckets.setdefault((length > 1, -(-(offset + length) // KEY_TILE)), []).append(piece)
+            for _, members in sorted(buckets.items()):
                 groups.append(
                     _plan_group(
-                        rows,
-                        lengths,
-                        offsets,
-                        starts,
+                        members,
                         host_block_tables,
                         block_size,
                         kv_heads,
@@ -154,39 +158,37 @@ class StepAttention:
         return results[:-1].to(query.dtype)
 
 
-def _plan_group(
-    rows, lengths, offsets, starts, host_block_tables, block_size, kv_heads, value_row_offset, scratch_row, device
-) -> _Group:
-    queries = max(lengths[r] for r in rows)
+def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_row_offset, scratch_row, device) -> _Group:
+    """The group of ``pieces`` ``(block-table row, queries, tokens cached before them, first packed
+    row)``: the queries of one request that end in the same key tile, or all of a decode request."""
+    rows, lengths, offsets, starts = zip(*pieces, strict=True)
+    queries = max(lengths)
     rows_t = torch.tensor(rows, dtype=torch.long)
-    length_t = torch.tensor([lengths[r] for r in rows], dtype=torch.long)
-    offset_t = torch.tensor([offsets[r] for r in rows], dtype=torch.long)
-    start_t = torch.tensor([starts[r] for r in rows], dtype=torch.long)
+    length_t = torch.tensor(lengths, dtype=torch.long)
+    offset_t = torch.tensor(offsets, dtype=torch.long)
+    start_t = torch.tensor(starts, dtype=torch.long)
     # Sizes from the host lists: reading them from the tensors would be a host read per group.
-    num_keys = math.ceil(max(offsets[r] + lengths[r] for r in rows) / KEY_TILE) * KEY_TILE
+    num_keys = math.ceil(max(o + n for o, n in zip(offsets, lengths, strict=True)) / KEY_TILE) * KEY_TILE
     key_pos = torch.arange(num_keys)
     tables = host_block_tables.index_select(0, rows_t)
     columns = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
     slots = tables[:, columns] * block_size + key_pos % block_size  # [n, K]
-    # Keys past a request's cached length (all in its last tile) read its key 0 instead: whatever
-    # stale bytes their own slots hold (a NaN would poison 0 * NaN), the gathered values stay the
-    # request's own finite ones, and their probability is exactly 0, so they add exactly 0.
+    # Keys past a piece's last query (all in its last tile; past the request's cached length, or
+    # this step's keys it does not see) read the request's key 0 instead: whatever stale bytes their
+    # own slots hold (a NaN would poison 0 * NaN), the gathered values stay the request's own finite
+    # ones, and their probability is exactly 0, so they add exactly 0.
     unstored = key_pos[None, :] >= (offset_t + length_t)[:, None]  # [n, K]
     slots = torch.where(unstored, slots[:, :1], slots)
     head_rows = (slots[None] * kv_heads + torch.arange(kv_heads)[:, None, None]).reshape(-1)  # [kv_heads * n * K]
+    # Every query of a piece lies in its last key tile, so it sees every key before that tile.
+    hidden_from = num_keys - KEY_TILE
     query_index = torch.arange(queries)
     real = query_index[None, :] < length_t[:, None]  # [n, L]
-    hidden_from = num_keys - KEY_TILE if queries == 1 else 0
-    if queries == 1:  # decode: every key before the last tile is visible; the last tile's are the stored ones
-        hidden = unstored[:, None, -KEY_TILE:]
-        query_rows = start_t[:, None]
-        out_rows = query_rows
-    else:
-        # A padding query sees key 0 only (finite; its result goes to the scratch row).
-        positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
-        hidden = key_pos[None, None, :] > positions[:, :, None]  # [n, L, K]
-        query_rows = start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)
-        out_rows = torch.where(real, query_rows, scratch_row)
+    # A padding query (past a shorter piece) takes position 0 (finite; its result goes to the scratch row).
+    positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
+    hidden = key_pos[None, None, hidden_from:] > positions[:, :, None]  # [n, L, KEY_TILE]
+    query_rows = start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)
+    out_rows = torch.where(real, query_rows, scratch_row)
     return _Group(
         kv_rows=torch.cat([head_rows, head_rows + value_row_offset]).to(device),
         hidden=hidden[None, :, :, None].to(device),
@@ -194,7 +196,7 @@ def _plan_group(
         query_rows=query_rows.reshape(-1).to(device),
         out_rows=out_rows.reshape(-1).to(device),
         kv_heads=kv_heads,
-        num_requests=len(rows),
+        num_requests=len(pieces),
         num_keys=num_keys,
         num_queries=queries,
     )
