@@ -696,7 +696,7 @@ class DynamicInferenceContext:
                 self.device,
                 self.softmax_scale,
                 kv_heads=self.kv_cache.data.shape[-2],
-                value_row_offset=self.kv_cache.value_row_offset,
+                value_slot_offset=self.kv_cache.value_slot_offset,
             )
         return self.step
 

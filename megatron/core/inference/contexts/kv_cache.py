@@ -50,15 +50,16 @@ class PagedKVCache:
         return self.data[0, layer_index], self.data[1, layer_index]
 
     @property
-    def value_row_offset(self) -> int:
-        """Rows of ``dim`` values from a layer's key plane to its value plane (see :meth:`rows_from`)."""
-        return self.data.stride(0) // self.data.shape[-1]
+    def value_slot_offset(self) -> int:
+        """Slots from a layer's key plane to its value plane in :meth:`slots_from`."""
+        return self.data.stride(0) // self.data[0, 0, 0, 0].numel()
 
-    def rows_from(self, layer_index: int) -> torch.Tensor:
-        """The cache as rows ``[*, dim]`` from one local layer's key plane on: row ``slot * heads + head``
-        is that layer's key, row ``value_row_offset`` further its value (one gather reads both)."""
-        flat = self.data.view(-1, self.data.shape[-1])
-        return flat[layer_index * (self.data.stride(1) // self.data.shape[-1]) :]
+    def slots_from(self, layer_index: int) -> torch.Tensor:
+        """The cache as slot rows ``[*, heads * dim]`` from one local layer's key plane on: row
+        ``slot`` is that layer's keys of the slot, row ``slot + value_slot_offset`` its values (one
+        gather reads both)."""
+        flat = self.data.view(-1, self.data[0, 0, 0, 0].numel())
+        return flat[layer_index * (self.data.stride(1) // flat.shape[1]) :]
 
     def store(self, layer_index: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``."""

@@ -46,10 +46,10 @@ class _Group:
     ``K`` (padded) keys. Index tensors are on the device; masks are kept inverted (what
     ``masked_fill`` takes). Built once per step, used by every layer."""
 
-    # [2 * kv_heads * n * K]: the row (of PagedKVCache.rows_from) of each (head, request, key)'s
-    # key, then of its value; one gather gives the keys and values of every head.
+    # [2 * K * n]: the row (of PagedKVCache.slots_from) of each (key, piece)'s keys, then of its
+    # values; one gather gives the keys and values of every head.
     kv_rows: torch.Tensor
-    hidden: torch.Tensor  # [1, n, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
+    hidden: torch.Tensor  # [n, 1, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
     hidden_from: int  # K - KEY_TILE: every query of the group sees every key before its last tile
     # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
     # row of its request) and writes its result to (a padding query: the scratch row past the step).
@@ -81,12 +81,12 @@ class StepAttention:
         softmax_scale: float | None = None,
         *,
         kv_heads: int,
-        value_row_offset: int,
+        value_slot_offset: int,
     ) -> StepAttention:
         """Plan the attention of ``step`` (a :class:`~dynamic_context.StepBatch`) whose request rows
         use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included) over a
-        :class:`~kv_cache.PagedKVCache` of ``kv_heads`` KV heads whose value rows lie
-        ``value_row_offset`` rows after the key rows (:meth:`~kv_cache.PagedKVCache.rows_from`)."""
+        :class:`~kv_cache.PagedKVCache` of ``kv_heads`` KV heads whose values lie
+        ``value_slot_offset`` rows after the keys (:meth:`~kv_cache.PagedKVCache.slots_from`)."""
         backend = resolve_backend("auto", device)
         groups = []
         if backend == "torch" and step.num_tokens:
@@ -114,7 +114,7 @@ class StepAttention:
                         host_block_tables,
                         block_size,
                         kv_heads,
-                        value_row_offset,
+                        value_slot_offset,
                         step.num_padded_tokens,
                         device,
                     )
@@ -149,7 +149,7 @@ class StepAttention:
         cache_heads = kv_cache.data.shape[-2]
         if cache_heads != self.kv_heads:
             raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {cache_heads}")
-        rows = kv_cache.rows_from(layer_index)  # [*, d]: keys at slot * kv_heads + head, then values
+        rows = kv_cache.slots_from(layer_index)  # [*, kv_heads * d]: keys at slot, values further
         scaled = query.float() * scale
         # One scratch row past the padded tokens takes the results of padding queries.
         results = torch.zeros(query.shape[0] + 1, *query.shape[1:], dtype=torch.float32, device=query.device)
@@ -158,7 +158,7 @@ class StepAttention:
         return results[:-1].to(query.dtype)
 
 
-def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_row_offset, scratch_row, device) -> _Group:
+def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_slot_offset, scratch_row, device) -> _Group:
     """The group of ``pieces`` ``(block-table row, queries, tokens cached before them, first packed
     row)``: the queries of one request that end in the same key tile, or all of a decode request."""
     rows, lengths, offsets, starts = zip(*pieces, strict=True)
@@ -179,7 +179,7 @@ def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_row_offse
     # ones, and their probability is exactly 0, so they add exactly 0.
     unstored = key_pos[None, :] >= (offset_t + length_t)[:, None]  # [n, K]
     slots = torch.where(unstored, slots[:, :1], slots)
-    head_rows = (slots[None] * kv_heads + torch.arange(kv_heads)[:, None, None]).reshape(-1)  # [kv_heads * n * K]
+    slots = slots.t().reshape(-1)  # key-major [K * n]: a gather gives every (key, piece) row of all heads
     # Every query of a piece lies in its last key tile, so it sees every key before that tile.
     hidden_from = num_keys - KEY_TILE
     query_index = torch.arange(queries)
@@ -187,11 +187,12 @@ def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_row_offse
     # A padding query (past a shorter piece) takes position 0 (finite; its result goes to the scratch row).
     positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
     hidden = key_pos[None, None, hidden_from:] > positions[:, :, None]  # [n, L, KEY_TILE]
+    hidden = hidden[:, None, :, None]  # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
     query_rows = start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)
     out_rows = torch.where(real, query_rows, scratch_row)
     return _Group(
-        kv_rows=torch.cat([head_rows, head_rows + value_row_offset]).to(device),
-        hidden=hidden[None, :, :, None].to(device),
+        kv_rows=torch.cat([slots, slots + value_slot_offset]).to(device),
+        hidden=hidden.to(device),
         hidden_from=hidden_from,
         query_rows=query_rows.reshape(-1).to(device),
         out_rows=out_rows.reshape(-1).to(device),
@@ -202,27 +203,28 @@ def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_row_offse
     )
 
 
-def _attend_group(group: _Group, query: torch.Tensor, cache_rows: torch.Tensor, results: torch.Tensor) -> None:
+def _attend_group(group: _Group, query: torch.Tensor, cache_slots: torch.Tensor, results: torch.Tensor) -> None:
     """Write the group's attention (fp32) into ``results [T + 1, q_heads, d]`` from the scaled
-    ``query [T, q_heads, d]`` and one layer's ``cache_rows`` (:meth:`~kv_cache.PagedKVCache.rows_from`)."""
-    head_dim = cache_rows.shape[-1]
+    ``query [T, q_heads, d]`` and one layer's ``cache_slots`` (:meth:`~kv_cache.PagedKVCache.slots_from`)."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
+    head_dim = cache_slots.shape[-1] // kv_heads
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    # Keys and values of every head in one gather.
-    gathered = cache_rows.index_select(0, group.kv_rows)
+    # Keys and values of every head in one gather of whole slots, key-major: the products' batch
+    # is (piece, KV head), each matrix [K, d] read with a row stride of n * kv_heads * d.
+    gathered = cache_slots.index_select(0, group.kv_rows)
     if gathered.dtype != torch.float32:
         gathered = gathered.float()
-    keys, values = gathered.view(2, kv_heads * n, num_keys, head_dim)
-    # Queries as [kv_heads * n, d, L * group]: the columns of S = K @ Q^T.
+    keys, values = gathered.view(2, num_keys, n * kv_heads, head_dim).transpose(1, 2)
+    # Queries as [n * kv_heads, d, L * group]: the columns of S = K @ Q^T.
     q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-    q = q.permute(2, 0, 4, 1, 3).reshape(kv_heads * n, head_dim, length * group_size)
+    q = q.permute(0, 2, 4, 1, 3).reshape(n * kv_heads, head_dim, length * group_size)
     # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
-    scores = torch.bmm(keys, q).transpose(1, 2).contiguous().view(kv_heads, n, length, group_size, num_keys)
+    scores = torch.bmm(keys, q).transpose(1, 2).contiguous().view(n, kv_heads, length, group_size, num_keys)
     scores[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(kv_heads * n, length * group_size, num_keys)
-    context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [kv_heads * n, d, L * group]
-    context = context.view(kv_heads, n, head_dim, length, group_size).permute(1, 3, 0, 4, 2)
+    probs = torch.softmax(scores, dim=-1).view(n * kv_heads, length * group_size, num_keys)
+    context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [n * kv_heads, d, L * group]
+    context = context.view(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
     results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))
