@@ -8,18 +8,18 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   :func:`~paged_attention.paged_attention` without host-side checks (the step's lengths are
   consistent by construction), so a call never waits for the device and a CUDA graph can
   capture it.
-- **torch** (the CPU path): the plan computes, for every request, the cache slots of its keys
-  (padded with masked keys to a multiple of :data:`~paged_attention.KEY_TILE`) and the causal
-  mask of its queries once; each layer then gathers the keys and values and computes scores
-  and weighted values as batched matrix products per
-  (request, KV head): ``S = K @ Q^T`` (``[keys, d] @ [d, queries]``) and ``O^T = V^T @ P^T``,
-  values past a request's cached length zeroed first (so a stale NaN cannot leak, as in the
-  reference).
-  Requests are grouped by kind (decode: one query each; prefill chunks: queries padded to the
-  longest chunk) and padded key count, so a request gathers only its own key tiles. The plan
-  holds one row index per group (cache row of each (KV head, request, key)), so each layer
-  gathers its keys and values straight into the products' layout with one ``index_select``
-  each; where every key before the last tile is visible (decode), only that tile is masked.
+- **torch** (the CPU path): each layer gathers keys and values and computes scores and weighted
+  values as batched matrix products per (piece, KV head): ``S = K @ Q^T`` (``[keys, d] @ [d,
+  queries]``) and ``O^T = V^T @ P^T``. A *piece* is a request's queries that end in the same key
+  tile (a decode request is one piece; a prefill chunk is cut at :data:`~paged_attention.KEY_TILE`
+  boundaries), so it sees every key before its last tile and needs no key past it: a piece's keys
+  are padded with masked keys to the end of that tile, and only that tile is masked. Pieces are
+  grouped by kind (one query, or several: padded to the group's longest) and key count. The plan
+  (once per step, on the host) holds per group one index of cache slots, key-major, whose
+  ``index_select`` gives the keys and values of every head of the group at once (the products
+  read each matrix with a row stride), and the mask of the last tile. Masked keys past the piece
+  read the request's key 0 instead of their own slot, so a stale NaN in a block tail can never
+  reach ``0 * NaN`` (as the reference zeroes such values); their probability is exactly 0.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
 requests, of queries per request, of padded keys) are the batch, the queries' axis and a
@@ -42,7 +42,7 @@ from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_att
 
 @dataclass(frozen=True)
 class _Group:
-    """Requests attended together by the torch path: ``n`` requests of at most ``L`` queries over
+    """Pieces attended together by the torch path: ``n`` pieces of at most ``L`` queries over
     ``K`` (padded) keys. Index tensors are on the device; masks are kept inverted (what
     ``masked_fill`` takes). Built once per step, used by every layer."""
 
@@ -56,7 +56,7 @@ class _Group:
     query_rows: torch.Tensor
     out_rows: torch.Tensor
     kv_heads: int
-    num_requests: int  # n
+    num_requests: int  # n (pieces)
     num_keys: int  # K
     num_queries: int  # L
 
