@@ -34,7 +34,8 @@ benchmark stays within a bounded time; the JSON is rewritten after every row.
 
 ``--profile-steps N`` also runs ``torch.profiler`` over N decode steps of the default engine (graphs
 where captured) at each concurrency: per step the wall time and the GPU busy time (the union of
-the kernels' intervals), and the kernels with the most device time, in the row's ``profile``.
+the kernels' intervals), the kernels with the most device time, and (``cProfile`` over as many more
+steps) the engine functions and device waits with the most host time, in the row's ``profile``.
 
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --no-unpadded --profile-steps 20
 """
@@ -256,6 +257,7 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
         _sync(device)
         wall_s = time.perf_counter() - started
     graph_steps = engine.stats["graph_steps"] - graph_steps
+    host = host_profile(engine, num_steps)
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
@@ -275,11 +277,39 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
         gpu_busy_ms_per_step=busy_us / 1e3 / num_steps,
         gpu_busy_fraction=busy_us / 1e6 / wall_s,
         kernels_per_step=len(kernels) / num_steps,
+        host_functions=host,
         top_kernels=[
             dict(name=name[:120], ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
             for name, (total, count) in top
         ],
     )
+
+
+def host_profile(engine: DynamicInferenceEngine, num_steps: int) -> list[dict]:
+    """``cProfile`` over ``num_steps`` more decode steps: the engine's functions, graph replays
+    and waits on the device with the most cumulative host time per step (where the host's part
+    of a step goes, and whether it waits for the device)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    profiler.disable()
+    rows = []
+    for (file, _, name), (_, calls, self_s, cumulative_s, _) in pstats.Stats(profiler).stats.items():
+        if "megatron/core/inference" in file or any(w in name for w in ("synchronize", "replay", "pin_memory")):
+            label = f"{file.rsplit('megatron/core/inference/', 1)[-1]}:{name}" if file != "~" else name
+            rows.append(
+                dict(
+                    function=label[:100],
+                    ms_per_step=1e3 * cumulative_s / num_steps,
+                    self_ms_per_step=1e3 * self_s / num_steps,
+                    calls_per_step=calls / num_steps,
+                )
+            )
+    return sorted(rows, key=lambda row: -row["ms_per_step"])[:25]
 
 
 def engine_for(model, pg, args, max_requests: int, **modes) -> DynamicInferenceEngine:
@@ -400,6 +430,11 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
                 f"{profiled['gpu_busy_ms_per_step']:.2f} ms GPU busy per step "
                 f"({100 * profiled['gpu_busy_fraction']:.0f}%), {profiled['kernels_per_step']:.0f} kernels/step; "
                 "top: " + ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms" for k in profiled["top_kernels"][:5]),
+                flush=True,
+            )
+            print(
+                f"{kind:6s} c={concurrency:<4d} | host per step: "
+                + ", ".join(f"{h['function']} {h['ms_per_step']:.2f} ms" for h in profiled["host_functions"][:12]),
                 flush=True,
             )
         args.write_partial()
