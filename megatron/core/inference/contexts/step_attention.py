@@ -103,22 +103,12 @@ class StepAttention:
                     first = last
                 start += length
             # One group per (one query or several, padded key count).
-            buckets: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
-            for piece in pieces:
-                _, length, offset, _ = piece
-                buckets.setdefault((length > 1, -(-(offset + length) // KEY_TILE)), []).append(piece)
-            for _, members in sorted(buckets.items()):
-                groups.append(
-                    _plan_group(
-                        members,
-                        host_block_tables,
-                        block_size,
-                        kv_heads,
-                        value_slot_offset,
-                        step.num_padded_tokens,
-                        device,
-                    )
-                )
+            buckets: dict[tuple[bool, int], list[int]] = {}
+            for index, (_, length, offset, _) in enumerate(pieces):
+                buckets.setdefault((length > 1, -(-(offset + length) // KEY_TILE)), []).append(index)
+            plan = _PiecePlan(pieces, host_block_tables, block_size, step.num_padded_tokens)
+            for (_, tiles), members in sorted(buckets.items()):
+                groups.append(plan.group(members, tiles * KEY_TILE, kv_heads, value_slot_offset, device))
         return cls(backend, softmax_scale, groups, step, kv_heads)
 
     def attend(self, query: torch.Tensor, kv_cache, layer_index: int) -> torch.Tensor:
@@ -158,49 +148,53 @@ class StepAttention:
         return results[:-1].to(query.dtype)
 
 
-def _plan_group(pieces, host_block_tables, block_size, kv_heads, value_slot_offset, scratch_row, device) -> _Group:
-    """The group of ``pieces`` ``(block-table row, queries, tokens cached before them, first packed
-    row)``: the queries of one request that end in the same key tile, or all of a decode request."""
-    rows, lengths, offsets, starts = zip(*pieces, strict=True)
-    queries = max(lengths)
-    rows_t = torch.tensor(rows, dtype=torch.long)
-    length_t = torch.tensor(lengths, dtype=torch.long)
-    offset_t = torch.tensor(offsets, dtype=torch.long)
-    start_t = torch.tensor(starts, dtype=torch.long)
-    # Sizes from the host lists: reading them from the tensors would be a host read per group.
-    num_keys = math.ceil(max(o + n for o, n in zip(offsets, lengths, strict=True)) / KEY_TILE) * KEY_TILE
-    key_pos = torch.arange(num_keys)
-    tables = host_block_tables.index_select(0, rows_t)
-    columns = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
-    slots = tables[:, columns] * block_size + key_pos % block_size  # [n, K]
-    # Keys past a piece's last query (all in its last tile; past the request's cached length, or
-    # this step's keys it does not see) read the request's key 0 instead: whatever stale bytes their
-    # own slots hold (a NaN would poison 0 * NaN), the gathered values stay the request's own finite
-    # ones, and their probability is exactly 0, so they add exactly 0.
-    unstored = key_pos[None, :] >= (offset_t + length_t)[:, None]  # [n, K]
-    slots = torch.where(unstored, slots[:, :1], slots)
-    slots = slots.t().reshape(-1)  # key-major [K * n]: a gather gives every (key, piece) row of all heads
-    # Every query of a piece lies in its last key tile, so it sees every key before that tile.
-    hidden_from = num_keys - KEY_TILE
-    query_index = torch.arange(queries)
-    real = query_index[None, :] < length_t[:, None]  # [n, L]
-    # A padding query (past a shorter piece) takes position 0 (finite; its result goes to the scratch row).
-    positions = torch.where(real, offset_t[:, None] + query_index[None, :], 0)
-    hidden = key_pos[None, None, hidden_from:] > positions[:, :, None]  # [n, L, KEY_TILE]
-    hidden = hidden[:, None, :, None]  # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
-    query_rows = start_t[:, None] + torch.minimum(query_index[None, :], length_t[:, None] - 1)
-    out_rows = torch.where(real, query_rows, scratch_row)
-    return _Group(
-        kv_rows=torch.cat([slots, slots + value_slot_offset]).to(device),
-        hidden=hidden.to(device),
-        hidden_from=hidden_from,
-        query_rows=query_rows.reshape(-1).to(device),
-        out_rows=out_rows.reshape(-1).to(device),
-        kv_heads=kv_heads,
-        num_requests=len(pieces),
-        num_keys=num_keys,
-        num_queries=queries,
-    )
+class _PiecePlan:
+    """The host-side index math of every piece of a step at once (padded to the longest piece and
+    the most keys); :meth:`group` slices out one group's tensors."""
+
+    def __init__(self, pieces, host_block_tables, block_size, scratch_row):
+        # Sizes from the host lists: reading them from the tensors would be a host read per group.
+        self.max_queries = max(length for _, length, _, _ in pieces)
+        num_keys = -(-max(offset + length for _, length, offset, _ in pieces) // KEY_TILE) * KEY_TILE
+        rows, lengths, offsets, starts = torch.tensor(pieces, dtype=torch.long).unbind(1)
+        self.key_pos = torch.arange(num_keys)
+        tables = host_block_tables.index_select(0, rows)
+        columns = (self.key_pos // block_size).clamp(max=tables.shape[1] - 1)
+        slots = tables[:, columns] * block_size + self.key_pos % block_size  # [P, K]
+        # Keys past a piece's last query (all in its last tile; past the request's cached length, or
+        # this step's keys it does not see) read the request's key 0 instead: whatever stale bytes
+        # their own slots hold (a NaN would poison 0 * NaN), the gathered values stay the request's
+        # own finite ones, and their probability is exactly 0, so they add exactly 0.
+        self.slots = torch.where(self.key_pos >= (offsets + lengths)[:, None], slots[:, :1], slots)
+        query_index = torch.arange(self.max_queries)
+        real = query_index < lengths[:, None]  # [P, L]
+        # A padding query (past a shorter piece) takes position 0 (finite; its result goes to the scratch row).
+        self.positions = torch.where(real, offsets[:, None] + query_index, 0)
+        self.query_rows = starts[:, None] + torch.minimum(query_index, lengths[:, None] - 1)
+        self.out_rows = torch.where(real, self.query_rows, scratch_row)
+        self.lengths = [length for _, length, _, _ in pieces]
+
+    def group(self, members, num_keys, kv_heads, value_slot_offset, device) -> _Group:
+        """The group of pieces ``members`` (indices), over ``num_keys`` keys."""
+        index = torch.tensor(members, dtype=torch.long)
+        queries = max(self.lengths[m] for m in members)
+        slots = self.slots.index_select(0, index)[:, :num_keys].t().reshape(-1)  # key-major [K * n]
+        # Every query of a piece lies in its last key tile, so it sees every key before that tile.
+        hidden_from = num_keys - KEY_TILE
+        positions = self.positions.index_select(0, index)[:, :queries]
+        hidden = self.key_pos[hidden_from:num_keys] > positions[:, :, None]  # [n, L, KEY_TILE]
+        return _Group(
+            kv_rows=torch.cat([slots, slots + value_slot_offset]).to(device),
+            # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
+            hidden=hidden[:, None, :, None].to(device),
+            hidden_from=hidden_from,
+            query_rows=self.query_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
+            out_rows=self.out_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
+            kv_heads=kv_heads,
+            num_requests=len(members),
+            num_keys=num_keys,
+            num_queries=queries,
+        )
 
 
 def _attend_group(group: _Group, query: torch.Tensor, cache_slots: torch.Tensor, results: torch.Tensor) -> None:
