@@ -11,12 +11,12 @@ from megatron.core.inference.contexts.paged_attention import torch_paged_attenti
 BS, Q_HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
 
-def make_context(max_tokens=64):
+def make_context(max_tokens=64, max_sequence_length=96):
     spec = StageCacheSpec((1,), (), num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BS)
     return DynamicInferenceContext(
         spec,
-        Capacity(num_blocks=64, max_requests=8),
-        max_sequence_length=96,
+        Capacity(num_blocks=128, max_requests=8),
+        max_sequence_length=max_sequence_length,
         max_tokens_per_step=max_tokens,
         enable_chunked_prefill=True,
     )
@@ -30,10 +30,10 @@ def sequences(lengths, seed=0):
     }
 
 
-def run_steps(data, schedules, pad_to_tokens=None, max_tokens=64):
+def run_steps(data, schedules, pad_to_tokens=None, max_tokens=64, max_sequence_length=96):
     """Feed each request's q/k/v through the context in the given steps; returns, per request,
     the attention output of every position, in order."""
-    ctx = make_context(max_tokens)
+    ctx = make_context(max_tokens, max_sequence_length)
     for name, (q, _, _) in data.items():
         ctx.add_request(name, list(range(q.shape[0])))
     outputs = {name: [] for name in data}
@@ -125,4 +125,23 @@ def test_requests_over_several_key_tiles_give_the_same_bits_in_any_step_mix():
         max_tokens=128,
     )
     for name in "abc":
+        assert torch.equal(split[name], whole[name]), name
+
+
+def test_a_chunk_from_mid_tile_across_three_tiles_gives_the_whole_prefill_bits():
+    """A prefill chunk that starts inside a key tile and ends two tiles later attends in pieces (one
+    per tile its queries end in), next to decode rows and a chunk of another request: each query as
+    in its request's whole prefill, and as plain causal attention."""
+    data = sequences({"a": 200, "b": 50}, seed=2)
+    whole = run_steps(data, [[("a", 200), ("b", 50)]], max_tokens=256, max_sequence_length=256)
+    for name, (q, k, v) in data.items():
+        torch.testing.assert_close(whole[name], causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    split = run_steps(
+        data,
+        [[("a", 30), ("b", 20)], [("b", 1), ("a", 150)], [("a", 1), ("b", 29)]] + [[("a", 19)]],
+        pad_to_tokens=160,
+        max_tokens=160,
+        max_sequence_length=256,
+    )
+    for name in "ab":
         assert torch.equal(split[name], whole[name]), name
