@@ -77,7 +77,7 @@ from megatron.core.inference.contexts.errors import (
 from megatron.core.inference.contexts.kv_cache import PagedKVCache
 from megatron.core.inference.contexts.mamba_slots import MambaSnapshotStore, MambaStateSlots
 from megatron.core.inference.contexts.prefix_cache import BlockHashChain
-from megatron.core.inference.contexts.step_attention import StepAttention
+from megatron.core.inference.contexts.step_attention import AttentionWorkspace, StepAttention
 from megatron.core.inference.contexts.step_buffers import StepBuffers
 from megatron.core.inference.host_copies import to_device
 from megatron.core.process_groups import ProcessGroupCollection
@@ -228,6 +228,7 @@ class DynamicInferenceContext:
         self._requests: dict[Hashable, RequestState] = {}
         self.step: StepBatch | None = None
         self._step_attention: StepAttention | None = None
+        self._attention_workspace = AttentionWorkspace()
         self._step_mamba_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_deferred_registrations = 0
         # Block tables: one row per request (its blocks, then the dummy block), kept on the host
@@ -697,6 +698,7 @@ class DynamicInferenceContext:
                 self.softmax_scale,
                 kv_heads=self.kv_cache.data.shape[-2],
                 value_slot_offset=self.kv_cache.value_slot_offset,
+                workspace=self._attention_workspace,
             )
         return self.step
 

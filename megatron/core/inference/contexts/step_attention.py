@@ -61,15 +61,41 @@ class _Group:
     num_queries: int  # L
 
 
+class AttentionWorkspace:
+    """Grow-only fp32 buffers for the temporaries of the torch path (gathered keys and values,
+    queries, scores, probabilities, weighted values), kept by the context across steps: a layer
+    writes into them instead of allocating (and page-faulting) megabytes per layer and step."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A contiguous fp32 tensor of ``shape`` over buffer ``name`` (its values are stale)."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buffer[:numel].view(shape)
+
+
 class StepAttention:
     """Paged attention over the step's requests (see module doc). Build with :meth:`plan`."""
 
-    def __init__(self, backend: str, scale: float | None, groups: list[_Group], step, kv_heads: int):
+    def __init__(
+        self,
+        backend: str,
+        scale: float | None,
+        groups: list[_Group],
+        step,
+        kv_heads: int,
+        workspace: AttentionWorkspace | None = None,
+    ):
         self.backend = backend
         self.kv_heads = kv_heads
         self.scale = scale
         self._groups = groups
         self._step = step
+        self._workspace = workspace if workspace is not None else AttentionWorkspace()
 
     @classmethod
     def plan(
@@ -82,11 +108,13 @@ class StepAttention:
         *,
         kv_heads: int,
         value_slot_offset: int,
+        workspace: AttentionWorkspace | None = None,
     ) -> StepAttention:
         """Plan the attention of ``step`` (a :class:`~dynamic_context.StepBatch`) whose request rows
         use ``host_block_tables [rows, max_blocks]`` (CPU; padding requests included) over a
         :class:`~kv_cache.PagedKVCache` of ``kv_heads`` KV heads whose values lie
-        ``value_slot_offset`` rows after the keys (:meth:`~kv_cache.PagedKVCache.slots_from`)."""
+        ``value_slot_offset`` rows after the keys (:meth:`~kv_cache.PagedKVCache.slots_from`);
+        ``workspace``: the caller's buffers for the layers' temporaries (default: fresh ones)."""
         backend = resolve_backend("auto", device)
         groups = []
         if backend == "torch" and step.num_tokens:
@@ -109,7 +137,7 @@ class StepAttention:
             plan = _PiecePlan(pieces, host_block_tables, block_size, step.num_padded_tokens)
             for (_, tiles), members in sorted(buckets.items()):
                 groups.append(plan.group(members, tiles * KEY_TILE, kv_heads, value_slot_offset, device))
-        return cls(backend, softmax_scale, groups, step, kv_heads)
+        return cls(backend, softmax_scale, groups, step, kv_heads, workspace)
 
     def attend(self, query: torch.Tensor, kv_cache, layer_index: int) -> torch.Tensor:
         """Attention ``[T, q_heads, d]`` of the step's packed ``query [T, q_heads, d]`` over local layer
@@ -144,7 +172,7 @@ class StepAttention:
         # One scratch row past the padded tokens takes the results of padding queries.
         results = torch.zeros(query.shape[0] + 1, *query.shape[1:], dtype=torch.float32, device=query.device)
         for group in self._groups:
-            _attend_group(group, scaled, rows, results)
+            _attend_group(group, scaled, rows, results, self._workspace)
         return results[:-1].to(query.dtype)
 
 
@@ -197,28 +225,40 @@ class _PiecePlan:
         )
 
 
-def _attend_group(group: _Group, query: torch.Tensor, cache_slots: torch.Tensor, results: torch.Tensor) -> None:
+def _attend_group(
+    group: _Group, query: torch.Tensor, cache_slots: torch.Tensor, results: torch.Tensor, space: AttentionWorkspace
+) -> None:
     """Write the group's attention (fp32) into ``results [T + 1, q_heads, d]`` from the scaled
-    ``query [T, q_heads, d]`` and one layer's ``cache_slots`` (:meth:`~kv_cache.PagedKVCache.slots_from`)."""
+    ``query [T, q_heads, d]`` and one layer's ``cache_slots`` (:meth:`~kv_cache.PagedKVCache.slots_from`);
+    temporaries live in ``space``."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
     head_dim = cache_slots.shape[-1] // kv_heads
     length = group.num_queries
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
+    batch, columns, device = n * kv_heads, length * group_size, query.device
     # Keys and values of every head in one gather of whole slots, key-major: the products' batch
     # is (piece, KV head), each matrix [K, d] read with a row stride of n * kv_heads * d.
-    gathered = cache_slots.index_select(0, group.kv_rows)
-    if gathered.dtype != torch.float32:
-        gathered = gathered.float()
-    keys, values = gathered.view(2, num_keys, n * kv_heads, head_dim).transpose(1, 2)
+    if cache_slots.dtype == torch.float32:
+        gathered = space.get("gathered", (group.kv_rows.numel(), cache_slots.shape[1]), device)
+        torch.index_select(cache_slots, 0, group.kv_rows, out=gathered)
+    else:
+        gathered = cache_slots.index_select(0, group.kv_rows).float()
+    keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
     # Queries as [n * kv_heads, d, L * group]: the columns of S = K @ Q^T.
     q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-    q = q.permute(0, 2, 4, 1, 3).reshape(n * kv_heads, head_dim, length * group_size)
+    q = space.get("queries", (batch, head_dim, columns), device).copy_(
+        q.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
+    )
+    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, columns), device))
     # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
-    scores = torch.bmm(keys, q).transpose(1, 2).contiguous().view(n, kv_heads, length, group_size, num_keys)
-    scores[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n * kv_heads, length * group_size, num_keys)
-    context = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [n * kv_heads, d, L * group]
+    masked = space.get("masked", (n, kv_heads, length, group_size, num_keys), device)
+    masked.view(batch, columns, num_keys).copy_(scores.transpose(1, 2))
+    masked[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
+    probs = space.get("probs", (batch, columns, num_keys), device)
+    torch.ops.aten._softmax.out(masked.view(batch, columns, num_keys), -1, False, out=probs)
+    context = space.get("context", (batch, head_dim, columns), device)
+    torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context)  # [n * kv_heads, d, L * group]
     context = context.view(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
     results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))
