@@ -56,9 +56,10 @@ class DistributedDataParallel(torch.nn.Module):
     Per iteration: run forward/backward for each micro-batch (all but the last inside
     :meth:`no_sync`), then :meth:`finish_grad_sync`, the optimizer step, and
     :meth:`zero_grad_buffer`. ``param.grad`` stays None: the backward hook adds each gradient
-    to ``main_grad``, where the linear layers' wgrad GEMMs accumulate directly when gradient
-    accumulation fusion applies (:mod:`megatron.core.distributed.main_grad`). With ``overlap_param_gather``, parameters are complete inside a forward
-    pass; read them elsewhere (saving, comparing) after :meth:`finish_param_sync`.
+    to ``main_grad`` (unless a linear layer's wgrad GEMM already accumulated into it: gradient
+    accumulation fusion, :mod:`megatron.core.distributed.main_grad`). With
+    ``overlap_param_gather``, parameters are complete inside a forward pass; read them elsewhere
+    (saving, comparing) after :meth:`finish_param_sync`.
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module, pg_collection=None):
