@@ -10,9 +10,9 @@ config's ``gradient_accumulation_fusion``, read at every forward, so both sides 
 gradients on the same weights are compared between the sides; after timing, one profiled step per
 side reports the CUDA time of the fp32 ``add`` kernels DDP's hook runs and the top kernels.
 
-    PYTHONPATH=. python benchmarks/grad_accumulation_fusion.py --json grad_accumulation_fusion.json
+    python -m benchmarks.grad_accumulation_fusion --json grad_accumulation_fusion.json
     # CPU smoke run (tiny model; the fused path forced on CPU, fp32)
-    PYTHONPATH=. python benchmarks/grad_accumulation_fusion.py --tiny
+    python -m benchmarks.grad_accumulation_fusion --tiny
 """
 
 from __future__ import annotations
