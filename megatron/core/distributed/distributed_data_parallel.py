@@ -59,7 +59,9 @@ class DistributedDataParallel(torch.nn.Module):
     to ``main_grad`` (unless a linear layer's wgrad GEMM already accumulated into it: gradient
     accumulation fusion, :mod:`megatron.core.distributed.main_grad`). With
     ``overlap_param_gather``, parameters are complete inside a forward pass; read them elsewhere
-    (saving, comparing) after :meth:`finish_param_sync`.
+    (saving, comparing) after :meth:`finish_param_sync`. Move and cast the module before wrapping
+    it: the hooks sit on each parameter's gradient accumulator, which a change of a parameter's
+    device or dtype replaces (as in Megatron).
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module, pg_collection=None):
