@@ -15,6 +15,8 @@ gradients. The true global norm counts each element once:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -45,14 +47,24 @@ def _reduce(value: torch.Tensor, groups, op) -> torch.Tensor:
     return value
 
 
-def get_grad_norm_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> float:
-    """L2 norm of all gradients in the job: ``grads`` are this rank's (fp32) counted gradients;
-    the squared sums are added over each group of ``sum_groups`` in turn. One multi-tensor
-    norm for all gradients (no per-tensor launches) and one host sync."""
+def grad_norm_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> torch.Tensor:
+    """L2 norm of all gradients in the job, as a one-element fp32 tensor on ``device`` (no host
+    sync): ``grads`` are this rank's (fp32) counted gradients; the squared sums are added over
+    each group of ``sum_groups`` in turn. One multi-tensor norm for all gradients (no
+    per-tensor launches)."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         total += torch.stack(torch._foreach_norm(grads)).square().sum().to(device)
-    return _reduce(total, sum_groups, dist.ReduceOp.SUM).sqrt().item()
+    return _reduce(total, sum_groups, dist.ReduceOp.SUM).sqrt()
+
+
+def root_sum_squares(norms: list) -> torch.Tensor | float:
+    """``sqrt(a**2 + b**2 + ...)`` of floats or float64 tensors, summed left to right, so that
+    the host's and the device's combination of partial norms give the same bits."""
+    total = norms[0] * norms[0]
+    for norm in norms[1:]:
+        total = total + norm * norm
+    return total.sqrt() if isinstance(total, torch.Tensor) else math.sqrt(total)
 
 
 def count_zeros_fp32(grads: list[torch.Tensor], sum_groups: list, device: torch.device) -> int:

@@ -11,7 +11,9 @@ the whole job (MAX over ``mp`` then ``dp_cp``), update the scaler and skip the s
 overflowed; then compute the true global gradient norm (see :mod:`clip_grads`), skip the step if it
 is not finite (how bf16/fp32 runs, which have nothing to unscale, find inf/nan without a pass over
 the gradients of their own), clip, step and copy back. With torch's fused AdamW (CUDA) the clipping
-factor rides in the step's ``grad_scale`` instead of a pass of its own.
+factor rides in the step's ``grad_scale`` instead of a pass of its own; without a loss scaler the
+skip decision rides in its ``found_inf`` too, so the whole step is launched before the host reads
+the norm (no device idle while the host decides).
 
 The torch optimizer's state is indexed by position in :attr:`MegatronOptimizer.master_params`,
 whose entries name the model parameter (and flat element range) each master stands for.
@@ -29,8 +31,9 @@ from megatron.core.optimizer.clip_grads import (
     clip_coefficient,
     clip_grads_by_total_norm,
     count_zeros_fp32,
-    get_grad_norm_fp32,
     grad_counted_on_this_rank,
+    grad_norm_fp32,
+    root_sum_squares,
     stats_device,
     unscale_and_find_nonfinite,
 )
@@ -178,18 +181,21 @@ class MegatronOptimizer:
             self._master_grads(), self.grad_scaler.inv_scale, self._job_groups(), self.device
         )
 
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the prepared gradients, each parameter counted once, as a
+        one-element float64 tensor on the stats device (no host sync): the root of the
+        gradient domains' squared fp32 norms."""
+        return root_sum_squares([grad_norm_fp32(*domain, self.device).double() for domain in self._grad_domains()])
+
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the prepared gradients, each parameter counted once."""
-        domains = self._grad_domains()
-        if len(domains) == 1:
-            return get_grad_norm_fp32(*domains[0], self.device)
-        return math.sqrt(sum(get_grad_norm_fp32(grads, groups, self.device) ** 2 for grads, groups in domains))
+        """:meth:`grad_norm` on the host."""
+        return self.grad_norm().item()
 
     def count_zeros(self) -> int:
         return sum(count_zeros_fp32(grads, groups, self.device) for grads, groups in self._grad_domains())
 
     def clip_grad_norm(self, total_norm: float) -> None:
-        if not all(group.get("fused") for group in self.optimizer.param_groups):
+        if not self.steps_fused():
             clip_grads_by_total_norm(self._master_grads(), self.config.clip_grad, total_norm)
             return
         # Fused AdamW divides each gradient by ``grad_scale`` as it reads it: no pass of its own.
@@ -197,11 +203,27 @@ class MegatronOptimizer:
         if coefficient < 1.0:
             self.optimizer.grad_scale = torch.full((1,), 1.0 / coefficient, device=self.master_params[0].master.device)
 
+    def steps_fused(self) -> bool:
+        """Whether every group steps in torch's fused AdamW, which takes the clipping factor
+        (``grad_scale``) and the skip decision (``found_inf``) as device tensors."""
+        return all(group.get("fused") for group in self.optimizer.param_groups)
+
+    def decide_on_device(self, total_norm: torch.Tensor) -> None:
+        """Arm the next fused step with the clipping factor and the skip flag that the agreed
+        global norm ``total_norm`` (a float64 device tensor) implies, computed on the device
+        with the host path's float64 arithmetic: the step is skipped when the norm is not
+        finite, and nothing waits for the norm's value."""
+        device = self.master_params[0].master.device if self.master_params else total_norm.device
+        self.optimizer.found_inf = (~torch.isfinite(total_norm)).to(device, torch.float32).reshape(())
+        if self.config.clip_grad > 0:
+            coefficient = clip_coefficient(self.config.clip_grad, total_norm)
+            self.optimizer.grad_scale = torch.where(coefficient < 1.0, 1.0 / coefficient, 1.0).to(device, torch.float32)
+
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Step the masters and write them back into the model parameters."""
         self.optimizer.step()
-        self.optimizer.grad_scale = None  # a clipping factor holds for one step
+        self.optimizer.grad_scale = self.optimizer.found_inf = None  # the decisions of one step
         copies = [entry for entry in self.master_params if entry.is_copy]
         if copies:
             torch._foreach_copy_([e.model_view(e.model_param.data) for e in copies], [e.master for e in copies])
@@ -276,6 +298,8 @@ def step_optimizers(
     returns the values every rank of the job sums or tests, the same on all of them: the
     identity when the members' own groups span the job (:func:`members_agree`), a reduction
     over the job's group when ranks hold different members (the MIMO chain)."""
+    if agree is members_agree and all(_decides_on_device(opt) for opt in optimizers):
+        return _step_deciding_on_device(optimizers)
     found_inf = agree([float(opt.prepare_grads()) for opt in optimizers])  # every member joins its collectives
     skipped = any(flag > 0 for flag in found_inf)
     scalers = {id(opt.grad_scaler): opt.grad_scaler for opt in optimizers if opt.grad_scaler is not None}
@@ -295,3 +319,26 @@ def step_optimizers(
     for opt in optimizers:
         opt.step_with_ready_grads()
     return True, grad_norm, num_zeros
+
+
+def _decides_on_device(opt) -> bool:
+    """Whether ``opt``'s step needs no host decision before it launches: no loss scaler (no
+    overflow vote), no zero count, fused AdamW (clipping and skipping ride in its tensors)."""
+    return opt.grad_scaler is None and not opt.config.log_num_zeros_in_grad and opt.steps_fused()
+
+
+def _step_deciding_on_device(optimizers: list) -> tuple[bool, float | None, int | None]:
+    """:func:`step_optimizers` without a host sync before the update: the global norm, the
+    clipping factor and the skip flag stay on the device, the fused steps and the write-back
+    are launched, and the norm is read once at the end. Same bits as the host path; a skipped
+    step leaves masters, parameters and step counts as they were."""
+    for opt in optimizers:
+        opt.prepare_grads()  # no scaler: nothing to unscale, no vote
+    total_norm = root_sum_squares([opt.grad_norm() for opt in optimizers])
+    for opt in optimizers:
+        opt.decide_on_device(total_norm)
+        opt.step_with_ready_grads()
+    grad_norm = total_norm.item()
+    if not math.isfinite(grad_norm):
+        return False, None, None
+    return True, grad_norm, None

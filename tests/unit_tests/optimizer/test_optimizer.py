@@ -13,7 +13,9 @@ from megatron.core.optimizer import (
     OptimizerConfig,
     OptimizerConfigError,
     get_megatron_optimizer,
+    step_optimizers,
 )
+from megatron.core.optimizer.optimizer import members_agree
 from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.optimizer.toy_models import (
     ADAM,
@@ -146,10 +148,7 @@ def _fused_adamw_clips_through_grad_scale():
     runs = []
     for fused in (False, True):
         model = tiny_mlp()
-        ddp, opt = build(model, pgc, clip_grad=0.05)
-        if fused:  # torch's fused AdamW (what CUDA masters get) runs on CPU too
-            groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.optimizer.param_groups]
-            opt.optimizer = torch.optim.AdamW(groups, fused=True)
+        ddp, opt = build(model, pgc, clip_grad=0.05, fused=fused)
         results = train_dp(ddp, opt, pgc, STEPS)
         assert opt.optimizer.grad_scale is None  # the clipping factor never outlives its step
         runs.append(([norm for _, norm, _ in results], [p.detach().clone() for p in model.parameters()]))
@@ -161,6 +160,49 @@ def _fused_adamw_clips_through_grad_scale():
 
 def test_fused_adamw_applies_the_clipping_factor_as_its_grad_scale():
     run_distributed(_fused_adamw_clips_through_grad_scale, 1)
+
+
+def _device_decisions_match_host_decisions(distributed_optimizer):
+    """Fused AdamW without a loss scaler decides clipping and skipping on the device (no host
+    sync before the update); forcing the host path (an ``agree`` other than the default) must
+    give the same bits: norms, parameters, masters and step counts, a nan step included."""
+    pgc = dp_collection(2)
+    rank, runs = pgc.rank("dp_cp"), []
+    for agree in (members_agree, lambda values: list(values)):
+        model = tiny_mlp(torch.bfloat16)
+        ddp, opt = build(model, pgc, distributed_optimizer=distributed_optimizer, clip_grad=0.05, bf16=True, fused=True)
+        assert opt.grad_scaler is None and opt.steps_fused()  # what the device path needs
+        outcomes = []
+        for step in range(4):
+            x, y = batch(8, step, torch.bfloat16)
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            loss_fn(ddp, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]).backward()
+            ddp.finish_grad_sync()
+            if step == 2:
+                next(model.parameters()).main_grad.view(-1)[0] = float("nan")
+            outcomes.append(step_optimizers([opt], agree=agree))
+        assert opt.optimizer.grad_scale is None and getattr(opt.optimizer, "found_inf", None) is None
+        steps = [float(state["step"]) for state in opt.optimizer.state.values()]
+        runs.append(
+            (
+                outcomes,
+                [p.detach().clone() for p in model.parameters()],
+                [e.master.clone() for e in opt.master_params],
+                steps,
+            )
+        )
+    (outcomes, params, masters, steps), (host_outcomes, host_params, host_masters, host_steps) = runs
+    assert outcomes == host_outcomes and outcomes[2] == (False, None, None) and outcomes[0][1] > 0.05
+    assert steps == host_steps == [3.0] * len(steps)
+    assert all(torch.equal(a, b) for a, b in zip(params + masters, host_params + host_masters, strict=True))
+    return [ok for ok, _, _ in outcomes]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_fused_adamw_decides_clipping_and_skipping_on_the_device_with_the_host_bits(distributed_optimizer):
+    results = run_distributed(_device_decisions_match_host_decisions, 2, distributed_optimizer)
+    assert results == [[True, True, False, True]] * 2
 
 
 def test_dynamic_scaler_waits_for_hysteresis_and_respects_the_floor():

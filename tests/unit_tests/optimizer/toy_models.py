@@ -84,7 +84,13 @@ def reference_training(model, world_rows, steps, clip_grad, adam=ADAM):
     return ref, norms
 
 
-def build(model, pgc, distributed_optimizer=False, bucket_size=None, **config):
+def build(model, pgc, distributed_optimizer=False, bucket_size=None, fused=False, **config):
+    """DDP and our optimizer over ``model``; ``fused``: torch's fused AdamW, which CUDA masters
+    get, also on CPU."""
     ddp = wrap_ddp(model, pgc, distributed_optimizer, bucket_size)
     config = OptimizerConfig(**{**ADAM, **config, "use_distributed_optimizer": distributed_optimizer})
-    return ddp, get_megatron_optimizer(config, [ddp], pgc)
+    optimizer = get_megatron_optimizer(config, [ddp], pgc)
+    if fused:
+        groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
+        optimizer.optimizer = torch.optim.AdamW(groups, fused=True)
+    return ddp, optimizer

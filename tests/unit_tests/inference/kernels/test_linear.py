@@ -51,9 +51,11 @@ def test_triton_linear_keeps_bf16_and_agrees_to_its_rounding():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n", [40, 520])  # 520: the column tile widens with the row count
-def test_rows_are_bitwise_the_same_whatever_the_batch(backend, n):
-    x, w, b = operands(70, n, 72)
+# 520: the column tile widens with the row count; K 600: five K slices, on programs of their own
+# up to 6 rows and summed in one program beyond
+@pytest.mark.parametrize("n, k", [(40, 72), (520, 72), (40, 600)])
+def test_rows_are_bitwise_the_same_whatever_the_batch(backend, n, k):
+    x, w, b = operands(70, n, k)
     full = invariant_linear(x, w, b, backend=backend)
     for rows in (1, 7, 16, 33):
         assert torch.equal(invariant_linear(x[:rows], w, b, backend=backend), full[:rows]), rows
@@ -89,13 +91,21 @@ def test_torch_path_gives_the_bits_of_row_tiles_whether_or_not_one_call_has_them
         assert list(linear._WHOLE_CALL_MATCHES.values()) == [False]
 
 
-def test_k_step_is_a_function_of_the_weight_and_the_column_tile_widens_with_rows():
+def test_k_step_and_slices_are_functions_of_the_weight_and_the_column_tile_widens_with_rows():
     assert {tile_config(2048, 5504, m, 2, 132).block_k for m in (1, 64, 65, 256)} == {128}
     assert tile_config(2048, 5504, 1, 4, 132).block_k == 64  # fp32
     # 2048 columns on 132 SMs: one row tile wants 16-wide tiles (128 programs), four want 64.
     assert [tile_config(2048, 2048, m, 2, 132).block_n for m in (1, 64, 128, 256)] == [16, 16, 32, 64]
     assert tile_config(50304, 2048, 1, 2, 132).block_n == 128
     assert tile_config(520, 72, 1, 4, 8).block_n == 64 and tile_config(520, 72, 70, 4, 8).block_n == 128
+    # A down projection (K >= 2N): 43 K tiles in 8 slices of 6, whatever the rows; on programs of
+    # their own (64-wide column tiles, 32 x 8 programs) up to 64 rows, summed in one program beyond.
+    down = [tile_config(2048, 5504, m, 2, 132) for m in (1, 8, 64, 65, 2048)]
+    assert {config.slice_tiles for config in down} == {6}
+    assert [config.split for config in down] == [True, True, True, False, False]
+    assert down[0].block_n == 64
+    # Square and wide weights keep one slice (all 16 K tiles): a single chain of products.
+    assert {tile_config(n, 2048, m, 2, 132).slice_tiles for n in (2048, 6144, 50304) for m in (1, 2048)} == {16}
 
 
 @on_single_rank
