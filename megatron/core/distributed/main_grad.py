@@ -23,6 +23,7 @@ inside :func:`fusion_devices`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -51,7 +52,22 @@ def fusable_main_grad(weight: torch.Tensor, operand_dtype: torch.dtype) -> bool:
         return False
     if main_grad.dtype == operand_dtype:
         return True
-    return main_grad.is_cuda and operand_dtype in _LOW_PRECISION and main_grad.dtype == torch.float32
+    wide = main_grad.is_cuda and operand_dtype in _LOW_PRECISION and main_grad.dtype == torch.float32
+    return wide and _cuda_addmm_accumulates_in_fp32()
+
+
+@functools.cache
+def _cuda_addmm_accumulates_in_fp32() -> bool:
+    """Whether this PyTorch's CUDA ``addmm`` with an fp32 ``out_dtype`` takes an fp32 ``self`` (the
+    accumulator) of bf16 operands (PyTorch >= 2.10; older ones want ``self`` in the operands'
+    dtype). Asked once per process."""
+    acc = torch.ones(1, 1, device="cuda")
+    operand = torch.ones(1, 1, device="cuda", dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, operand, operand, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return acc.item() == 2.0
 
 
 def add_product_to_main_grad(main_grad: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> None:
