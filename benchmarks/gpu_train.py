@@ -695,9 +695,21 @@ def _write(report: dict, path: str | None) -> None:
             json.dump(report, f, indent=2, default=str)
 
 
+def _config_names(text: str) -> list[str]:
+    names = list(CONFIGS) if text == "all" else [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration {unknown or text!r}; choose all or {', '.join(CONFIGS)}"
+        )
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    parser.add_argument(
+        "--config", type=_config_names, default="all", help=f"all, or comma-separated names of {', '.join(CONFIGS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="2 trials of 2 steps; no profiles, no ours_compiled")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--trials", type=int, default=3, help="alternating trials per variant")
@@ -718,7 +730,7 @@ def main(argv=None) -> int:
     report["kernel_check"] = check_kernels(torch.device("cuda"))
     print(f"environment: {report['environment']}\nkernel check: {report['kernel_check']}", flush=True)
     _write(report, opts.output_json)
-    names = list(CONFIGS) if opts.config == "all" else [opts.config]
+    names = opts.config
     for index, name in enumerate(names):
         try:
             report["configs"][name] = run_config(name, opts, budget, len(names) - index)

@@ -198,6 +198,7 @@ def encoder_config_from_args(args) -> TransformerConfig:
         generalized_tensor_parallel_size=args.encoder_generalized_tensor_parallel_size,
         bf16=args.bf16,
         fp16=args.fp16,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         normalization=args.normalization,

@@ -57,6 +57,9 @@ class ModelParallelConfig:
     calculate_per_token_loss: bool = False
     # Model chunks per pipeline rank for the interleaved schedule (None: one, not interleaved).
     virtual_pipeline_model_parallel_size: int | None = None
+    # Linear layers' weight-gradient GEMMs accumulate into DDP's main_grad where one GEMM can (on
+    # CUDA; see megatron.core.distributed.main_grad). Megatron's default; a run's choice.
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):
         for name in (

@@ -143,6 +143,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--grad-reduce-in-bf16", action="store_true", help="accumulate and reduce gradients in bf16")
     g.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="linear layers write their weight gradient for DDP to add, instead of their wgrad GEMM "
+        "accumulating into the fp32/bf16 main_grad (the fusion runs on CUDA)",
+    )
+    g.add_argument(
         "--distributed-backend",
         choices=["gloo", "nccl"],
         default=None,
@@ -844,6 +851,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         bf16=args.bf16,
         fp16=args.fp16,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,

@@ -144,6 +144,7 @@ def record_for_run(args: argparse.Namespace, record: ModelRecord, tokenizer: Tok
         generalized_tensor_parallel_size=args.generalized_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         init_seed=args.seed,
         params_dtype=torch.float32,  # re-derived from bf16 / fp16
         **{field: getattr(args, dest) for dest, field in BEHAVIOUR_ARGS.items()},

@@ -22,7 +22,7 @@ training loop divides by the token count gathered over ``dp_cp_gtp`` (see
 :meth:`DistributedDataParallel.scale_gradients`).
 
 Overlap. Buckets hold parameters in reverse creation order, so the first bucket's gradients
-are complete early in backward. With ``overlap_grad_reduce`` the post-accumulate-grad hook of
+are complete early in backward. With ``overlap_grad_reduce`` the gradient-accumulator hook of
 each parameter marks it ready and the buffer launches every complete bucket's collective
 (asynchronously, in bucket order on every replica) while backward goes on;
 :meth:`DistributedDataParallel.finish_grad_sync` only waits. With ``overlap_param_gather`` the
@@ -44,6 +44,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
     default_bucket_size,
 )
+from megatron.core.distributed.main_grad import is_main_grad_placeholder
 from megatron.core.distributed.param_and_grad_buffer import GradBucket, ParamAndGradBuffer
 from megatron.core.parallel_state import resolve_pg_collection
 
@@ -54,9 +55,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     Per iteration: run forward/backward for each micro-batch (all but the last inside
     :meth:`no_sync`), then :meth:`finish_grad_sync`, the optimizer step, and
-    :meth:`zero_grad_buffer`. ``param.grad`` stays None: the backward hook moves each gradient
-    into ``main_grad``. With ``overlap_param_gather``, parameters are complete inside a forward
-    pass; read them elsewhere (saving, comparing) after :meth:`finish_param_sync`.
+    :meth:`zero_grad_buffer`. ``param.grad`` stays None: the backward hook adds each gradient
+    to ``main_grad`` (unless a linear layer's wgrad GEMM already accumulated into it: gradient
+    accumulation fusion, :mod:`megatron.core.distributed.main_grad`). With
+    ``overlap_param_gather``, parameters are complete inside a forward pass; read them elsewhere
+    (saving, comparing) after :meth:`finish_param_sync`. Move and cast the module before wrapping
+    it: the hooks sit on each parameter's gradient accumulator, which a change of a parameter's
+    device or dtype replaces (as in Megatron).
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module, pg_collection=None):
@@ -96,8 +101,16 @@ class DistributedDataParallel(torch.nn.Module):
                 self._reducing_in_backward.add(buffer)
         self._buffer_of = {p: buf for buf in self.param_and_grad_buffers for p in buf.params}
         self._sync_enabled = True
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+        self._grad_accumulators = []
+        with torch.enable_grad():
+            for param in params:
+                # The hook sits on the parameter's gradient accumulator node, before it runs: it
+                # sees the sum of the unfused contributions and fires once per backward even when
+                # every contribution went into main_grad by fusion (see main_grad.py). The node
+                # lives while a reference to it does: keep one.
+                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+                accumulator.register_prehook(partial(self._accumulate_into_main_grad, param))
+                self._grad_accumulators.append(accumulator)
         if any(buffer.overlap_param_gather for buffer in self.param_and_grad_buffers):
             self._register_param_gather_hooks()
 
@@ -106,12 +119,16 @@ class DistributedDataParallel(torch.nn.Module):
             return torch.bfloat16
         return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
 
-    def _accumulate_into_main_grad(self, param) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+    def _accumulate_into_main_grad(self, param, grads: tuple) -> tuple:
+        """Add this backward's gradient of ``param`` to its ``main_grad`` (nothing to add where the
+        layers' fusion already did) and mark it ready; ``param.grad`` is never set."""
+        (grad,) = grads
+        if grad is not None and not is_main_grad_placeholder(grad):
+            param.main_grad.add_(grad)
         buffer = self._buffer_of[param]
         if self._sync_enabled and buffer in self._reducing_in_backward:
             buffer.register_grad_ready(param)
+        return (None,)
 
     def _register_param_gather_hooks(self) -> None:
         """Before a module runs, wait for the gathers of the buckets holding its own parameters

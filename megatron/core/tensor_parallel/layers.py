@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron.core.distributed.main_grad import add_product_to_main_grad, fusable_main_grad, main_grad_placeholder
 from megatron.core.fusions.backend import fused_backend
 from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
@@ -50,52 +51,93 @@ def widens(output_dtype: torch.dtype | None, input_dtype: torch.dtype) -> bool:
     return output_dtype is not None and torch.finfo(output_dtype).bits > torch.finfo(input_dtype).bits
 
 
-class _LinearInDtype(torch.autograd.Function):
-    """``x @ W.T`` of low-precision operands computed in a wider ``dtype``: the products and the
-    sum are formed in it and the result is written in it, never rounded to the operands' dtype
-    (on CUDA one GEMM with a wide output; elsewhere a GEMM of the operands cast up). The
-    operands are saved in their own dtype; the gradients are computed in ``dtype`` and returned
-    in the operands' dtypes."""
+class _LinearFunction(torch.autograd.Function):
+    """``x @ W.T (+ b)`` with what ``F.linear`` cannot do (plain linears use it):
+
+    - ``compute_dtype`` wider than the operands: the products and the sum are formed in it and
+      the result is written in it, never rounded to the operands' dtype (on CUDA one GEMM with a
+      wide output; elsewhere a GEMM of the operands cast up); the gradients are computed in it
+      and returned in the operands' dtypes (no bias then);
+    - ``accumulate_wgrad`` (gradient accumulation fusion): the weight-gradient GEMM adds ``d W``
+      straight into ``weight.main_grad`` and the weight's gradient is DDP's placeholder
+      (:mod:`megatron.core.distributed.main_grad`).
+
+    The operands are saved in their own dtype.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, dtype):
+    def forward(ctx, x, weight, bias, compute_dtype, accumulate_wgrad):
         ctx.save_for_backward(x, weight)
-        ctx.dtype = dtype
+        ctx.compute_dtype, ctx.accumulate_wgrad = compute_dtype, accumulate_wgrad
+        if compute_dtype is None:
+            return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and x.dtype == weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
-            out = torch.mm(rows, weight.t(), out_dtype=dtype)  # cuBLAS: fp32 accumulation and output
+        if x.is_cuda and x.dtype == weight.dtype in (torch.float16, torch.bfloat16) and compute_dtype == torch.float32:
+            out = torch.mm(rows, weight.t(), out_dtype=compute_dtype)  # cuBLAS: fp32 accumulation and output
         else:
-            out = torch.mm(rows.to(dtype), weight.to(dtype).t())
+            out = torch.mm(rows.to(compute_dtype), weight.to(compute_dtype).t())
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
-        grad_x = grad_w = None
+        dtype = ctx.compute_dtype or x.dtype
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad, weight.to(ctx.dtype)).to(x.dtype).view(x.shape)
+            grad_x = torch.mm(grad, weight.to(dtype)).to(x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad.t(), x.reshape(-1, x.shape[-1]).to(ctx.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None
+            rows = x.reshape(-1, x.shape[-1]).to(dtype)
+            if ctx.accumulate_wgrad:
+                add_product_to_main_grad(weight.main_grad, grad.t(), rows)
+                grad_w = main_grad_placeholder(weight)
+            else:
+                grad_w = torch.mm(grad.t(), rows).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_x, grad_w, grad_bias, None, None
+
+
+def _accumulates_wgrad(weight: torch.Tensor, config, operand_dtype: torch.dtype) -> bool:
+    """Whether this GEMM's weight gradient goes straight into ``weight.main_grad``
+    (``--no-gradient-accumulation-fusion`` turns it off): in a backward that is recorded, outside
+    ``torch.compile`` (Inductor keeps the plain graph), where DDP keeps a ``main_grad`` one GEMM
+    can accumulate into (see :func:`fusable_main_grad`); modules without DDP get plain gradients."""
+    return (
+        config.gradient_accumulation_fusion
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and fusable_main_grad(weight, operand_dtype)
+    )
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, pg_collection, config, output_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pg_collection,
+    config,
+    output_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T`` with W the TP-local weight (re-materialized from GTP shards when sharded),
-    in ``output_dtype`` when given: computed in it when it is wider than the operands, cast to
-    it otherwise; in the inference forward's batch-invariant mode, rows independent of the row
-    count."""
+    """``x @ W.T (+ bias)`` with W the TP-local weight (re-materialized from GTP shards when
+    sharded), in ``output_dtype`` when given: computed in it when it is wider than the operands,
+    cast to it otherwise; in the inference forward's batch-invariant mode, rows independent of the
+    row count. ``bias`` only for a weight that is not GTP-sharded and no wider ``output_dtype``."""
     gtp_args = _gtp_gather_args(weight, pg_collection, config)
     compute_dtype = output_dtype if widens(output_dtype, x.dtype) else None
     if gtp_args is not None:
-        out = gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args, compute_dtype=compute_dtype)
-    elif compute_dtype is not None:
-        out = _LinearInDtype.apply(x, weight, compute_dtype)
+        return _cast(gtp_ops.linear_with_gtp_weight(x, weight, **gtp_args, compute_dtype=compute_dtype), output_dtype)
+    accumulate_wgrad = not is_batch_invariant() and _accumulates_wgrad(weight, config, compute_dtype or x.dtype)
+    if compute_dtype is not None or accumulate_wgrad:
+        out = _LinearFunction.apply(x, weight, bias, compute_dtype, accumulate_wgrad)
     else:
-        out = invariant_linear(x, weight) if is_batch_invariant() else F.linear(x, weight)
-    return out if output_dtype is None else out.to(output_dtype)
+        out = invariant_linear(x, weight, bias) if is_batch_invariant() else F.linear(x, weight, bias)
+    return _cast(out, output_dtype)
+
+
+def _cast(out: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return out if dtype is None else out.to(dtype)
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -185,15 +227,17 @@ class ColumnParallelLinear(torch.nn.Module):
         tp_group = self.tp_group
         x = self.input_in_tp_region(x)
         add_bias = self.bias is not None and not self.skip_bias_add
-        fuse_bias = add_bias and self.output_dtype is None and not self.weight.gtp_sharded
-        if fuse_bias and fused_backend("linear_bias", x.device) == "triton":
-            # the bias is added in the GEMM's epilogue (the batch-invariant GEMM's in that mode)
-            linear = invariant_linear if is_batch_invariant() else F.linear
-            out = linear(x, self.weight, self.bias)
-        else:
-            out = _linear(x, self.weight, self.pg_collection, self.config, self.output_dtype)
-            if add_bias:
-                out = out + self.bias
+        # The bias in the GEMM's epilogue (cuBLAS; the batch-invariant GEMM's in that mode)
+        fuse_bias = (
+            add_bias
+            and self.output_dtype is None
+            and not self.weight.gtp_sharded
+            and fused_backend("linear_bias", x.device) == "triton"
+        )
+        bias = self.bias if fuse_bias else None
+        out = _linear(x, self.weight, self.pg_collection, self.config, self.output_dtype, bias=bias)
+        if add_bias and not fuse_bias:
+            out = out + self.bias
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, tp_group)
             out = unpack_tp_gathered(out, out.dim() - 1, self.output_partition_sizes, self.pg_collection.size("tp"))

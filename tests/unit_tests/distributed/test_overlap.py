@@ -9,9 +9,12 @@ import torch.distributed as dist
 
 from megatron.core.config import ModelParallelConfig
 from megatron.core.distributed import DistributedConfigError, DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.main_grad import fusion_devices
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups import ProcessGroupCollection, RankLayout
+from megatron.core.tensor_parallel import ColumnParallelLinear, layers
 from tests.unit_tests.dist_harness import device, run_distributed
+from tests.unit_tests.tensor_parallel.helpers import tp_config
 
 NUM_LAYERS, WIDTH = 4, 8
 LAYER_NUMEL = WIDTH * WIDTH + WIDTH  # a bucket of this size holds exactly one layer
@@ -20,6 +23,28 @@ LAYER_NUMEL = WIDTH * WIDTH + WIDTH  # a bucket of this size holds exactly one l
 def _layers():
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(NUM_LAYERS)]).to(device())
+
+
+class _ParallelLayers(torch.nn.Sequential):
+    """The same stack of our column-parallel linears (TP 1), whose wgrad GEMMs accumulate straight
+    into DDP's main_grad (gradient accumulation fusion)."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(dist.get_world_size()))
+        init = torch.nn.init.normal_
+        super().__init__(
+            *[
+                ColumnParallelLinear(WIDTH, WIDTH, config=tp_config(), init_method=init, pg_collection=pgc)
+                for _ in range(NUM_LAYERS)
+            ]
+        )
+        self.to(device())
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)[0]
+        return x
 
 
 def _loss(model, step=0):
@@ -66,9 +91,9 @@ class _Recorder:
         return launch
 
 
-def _grad_events(overlap, monkeypatch):
+def _grad_events(overlap, monkeypatch, build=_layers):
     pgc = ProcessGroupCollection.from_layout(RankLayout.for_world(2))
-    model = _layers()
+    model = build()
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=LAYER_NUMEL)
     ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model, pg_collection=pgc)
     recorder = _Recorder(ddp, monkeypatch)
@@ -108,6 +133,20 @@ def test_each_bucket_is_reduced_while_earlier_layers_are_still_in_backward(overl
             return _grad_events(overlap, monkeypatch)
 
     assert run_distributed(events, 2) == [expected, expected]
+
+
+def test_fused_wgrad_accumulation_marks_each_parameter_ready_once_as_its_backward_ends():
+    """The linears' weight gradients reach DDP as placeholders (the GEMM already accumulated into
+    main_grad): each bucket is still launched once, as soon as its layer's backward is done."""
+
+    def events():
+        with pytest.MonkeyPatch.context() as monkeypatch, fusion_devices(device().type):
+            calls = []
+            accumulate = layers.add_product_to_main_grad
+            monkeypatch.setattr(layers, "add_product_to_main_grad", lambda *a: calls.append(1) or accumulate(*a))
+            return _grad_events(True, monkeypatch, _ParallelLayers), len(calls)
+
+    assert run_distributed(events, 2) == [(OVERLAPPED, NUM_LAYERS)] * 2
 
 
 def _param_gather_events(monkeypatch):

@@ -46,6 +46,13 @@ def test_speed_flags_reach_the_config():
     )
 
 
+def test_gradient_accumulation_fusion_is_on_by_default_and_reaches_the_config():
+    default = parse_args(BASE, world_size=1)
+    assert default.gradient_accumulation_fusion and transformer_config_from_args(default).gradient_accumulation_fusion
+    off = parse_args(BASE + ["--no-gradient-accumulation-fusion"], world_size=1)
+    assert not off.gradient_accumulation_fusion and not transformer_config_from_args(off).gradient_accumulation_fusion
+
+
 def test_sequence_parallel_is_dropped_at_tp1():
     assert parse_args(BASE + ["--sequence-parallel"], world_size=1).sequence_parallel is False
 
