@@ -68,14 +68,25 @@ class AttentionWorkspace:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        # Views handed out this step (every layer of a step asks for the same ones).
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def start_step(self) -> None:
+        """Forget the views of the previous step (the buffers stay)."""
+        self._views.clear()
 
     def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A contiguous fp32 tensor of ``shape`` over buffer ``name`` (its values are stale)."""
+        view = self._views.get((name, shape))
+        if view is not None and view.device == device:
+            return view
         numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.device != device:
             buffer = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
-        return buffer[:numel].view(shape)
+            self._views = {key: v for key, v in self._views.items() if key[0] != name}
+        view = self._views[(name, shape)] = buffer[:numel].view(shape)
+        return view
 
 
 class StepAttention:
@@ -96,6 +107,8 @@ class StepAttention:
         self._groups = groups
         self._step = step
         self._workspace = workspace if workspace is not None else AttentionWorkspace()
+        self._workspace.start_step()
+        self._elements: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @classmethod
     def plan(
@@ -171,9 +184,25 @@ class StepAttention:
         scaled = query.float() * scale
         # One scratch row past the padded tokens takes the results of padding queries.
         results = torch.zeros(query.shape[0] + 1, *query.shape[1:], dtype=torch.float32, device=query.device)
-        for group in self._groups:
-            _attend_group(group, scaled, rows, results, self._workspace)
+        for index, group in enumerate(self._groups):
+            elements = self._decode_elements(index, query.shape[1], query.shape[2]) if group.num_queries == 1 else None
+            _attend_group(group, scaled, rows, results, self._workspace, elements)
         return results[:-1].to(query.dtype)
+
+    def _decode_elements(self, index: int, q_heads: int, head_dim: int) -> torch.Tensor:
+        """Flat element indices, into ``[T(+1), q_heads, d]``, of one-query group ``index``'s queries in
+        the layout ``[n * kv_heads, d, group]`` the products take (and give: each piece writes its
+        own row), made by the first layer of the step."""
+        key = (index, q_heads, head_dim)
+        if key not in self._elements:
+            group = self._groups[index]
+            kv_heads = group.kv_heads
+            group_size = q_heads // kv_heads
+            heads = torch.arange(q_heads, device=group.query_rows.device).view(1, kv_heads, 1, group_size)
+            dims = torch.arange(head_dim, device=group.query_rows.device).view(1, 1, head_dim, 1)
+            rows = group.query_rows.view(-1, 1, 1, 1) * (q_heads * head_dim)
+            self._elements[key] = (rows + heads * head_dim + dims).reshape(-1)
+        return self._elements[key]
 
 
 class _PiecePlan:
@@ -226,11 +255,17 @@ class _PiecePlan:
 
 
 def _attend_group(
-    group: _Group, query: torch.Tensor, cache_slots: torch.Tensor, results: torch.Tensor, space: AttentionWorkspace
+    group: _Group,
+    query: torch.Tensor,
+    cache_slots: torch.Tensor,
+    results: torch.Tensor,
+    space: AttentionWorkspace,
+    elements: torch.Tensor | None = None,
 ) -> None:
     """Write the group's attention (fp32) into ``results [T + 1, q_heads, d]`` from the scaled
     ``query [T, q_heads, d]`` and one layer's ``cache_slots`` (:meth:`~kv_cache.PagedKVCache.slots_from`);
-    temporaries live in ``space``."""
+    temporaries live in ``space``. ``elements`` (one-query groups): where the products' queries
+    come from and their results go, element by element (one op each way instead of four)."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
     head_dim = cache_slots.shape[-1] // kv_heads
@@ -247,10 +282,13 @@ def _attend_group(
         gathered = cache_slots.index_select(0, group.kv_rows).float()
     keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
     # Queries as [n * kv_heads, d, L * group]: the columns of S = K @ Q^T.
-    q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-    q = space.get("queries", (batch, head_dim, columns), device).copy_(
-        q.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
-    )
+    if elements is not None:
+        q = query.take(elements).view(batch, head_dim, columns)
+    else:
+        q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
+        q = space.get("queries", (batch, head_dim, columns), device).copy_(
+            q.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
+        )
     scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, columns), device))
     # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
     masked = space.get("masked", (n, kv_heads, length, group_size, num_keys), device)
@@ -260,5 +298,8 @@ def _attend_group(
     torch.ops.aten._softmax.out(masked.view(batch, columns, num_keys), -1, False, out=probs)
     context = space.get("context", (batch, head_dim, columns), device)
     torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context)  # [n * kv_heads, d, L * group]
+    if elements is not None:
+        results.view(-1).index_copy_(0, elements, context.view(-1))
+        return
     context = context.view(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
     results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))
