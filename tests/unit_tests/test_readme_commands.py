@@ -74,6 +74,7 @@ GPU_ONLY = {
     "python -m benchmarks.mamba_kernels_gpu": "python -m benchmarks.mamba_kernels_gpu --help",
     "python -m benchmarks.inference_kernels_gpu": "python -m benchmarks.inference_kernels_gpu --help",
     "python benchmarks/gpu_train.py --config all": "python benchmarks/gpu_train.py --help",
+    "python -m benchmarks.grad_accumulation_fusion": "python -m benchmarks.grad_accumulation_fusion --help",
     "python benchmarks/fused_kernels_gpu.py --output-json": "python benchmarks/fused_kernels_gpu.py --help",
     "python benchmarks/moe_gpu.py --output-json": "python benchmarks/moe_gpu.py --help",
     "python -m benchmarks.cp_attention_gpu": "python -m benchmarks.cp_attention_gpu --help",

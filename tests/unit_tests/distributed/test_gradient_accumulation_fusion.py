@@ -5,7 +5,14 @@ input gradients do not change at all; without DDP the layers keep plain ``.grad`
 with fp32 logits (a wide ``output_dtype``) accumulate an fp32 wgrad that is never rounded to bf16;
 the placeholder gradient owns no memory. The fused path runs on CPU inside
 ``fusion_devices("cpu")`` (same-dtype ``addmm_``, the call CUDA makes for fp32 or bf16 buffers of
-operands of their own dtype); bf16 operands into an fp32 buffer are the GPU test's."""
+operands of their own dtype); bf16 operands into an fp32 buffer are the GPU test's. The GPU
+benchmark's CPU smoke run finds the same gradients fused and unfused."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +166,18 @@ def test_the_placeholder_owns_no_memory_and_only_it_is_skipped():
     assert is_main_grad_placeholder(placeholder)
     assert not is_main_grad_placeholder(torch.zeros(3, 5))
     assert not is_main_grad_placeholder(placeholder + torch.ones(3, 5))  # a contribution summed with it
+
+
+def test_benchmark_runs_on_cpu_as_written_and_finds_the_same_gradients(tmp_path):
+    """``python -m benchmarks.grad_accumulation_fusion --tiny`` (the GPU benchmark's CPU smoke
+    run): both sides train, and the fused gradients equal the unfused ones on the same weights."""
+    repo = Path(__file__).resolve().parents[3]
+    out = tmp_path / "gaf.json"
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "benchmarks.grad_accumulation_fusion", "--tiny", "--json", str(out)]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["gradients_fused_vs_unfused"] == {"relative_l2": 0.0, "worst_param_relative_l2": 0.0}
+    assert report["fused"]["step_ms"] > 0 and report["unfused"]["step_ms"] > 0
+    assert "speedup fused/unfused:" in done.stdout

@@ -55,8 +55,9 @@ Each step:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,7 @@ class DynamicInferenceContext:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         # Negative-control switch for tests only: hand out fresh pages without zeroing them.
         self._skip_private_page_init_for_tests = False
+        self._deferred_page_ids: list[int] | None = None  # inside batched_page_init()
         self.kv_cache = PagedKVCache(
             len(spec.attention_layer_numbers),
             capacity.num_blocks + 1,
@@ -786,9 +788,29 @@ class DynamicInferenceContext:
         self.mamba_snapshots.save(state.hash_chain.hashes[num_blocks - 1], self.mamba_slots, state.mamba_slot)
 
     # ---- internals -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batched_page_init(self) -> Iterator[None]:
+        """Within the block, the fresh private pages handed out are initialized together when it
+        ends (one device call instead of one per allocation: the scheduler's growth of every
+        request in a step). Nothing may write KV pages inside the block; nested blocks join the
+        outer one."""
+        if self._deferred_page_ids is not None:
+            yield
+            return
+        self._deferred_page_ids = []
+        try:
+            yield
+        finally:
+            block_ids, self._deferred_page_ids = self._deferred_page_ids, None
+            if block_ids:
+                self._init_private_pages(block_ids)
+
     def _init_private_pages(self, block_ids: list[int]) -> None:
-        """The one place fresh private pages are initialized (called by the block pool)."""
-        if not self._skip_private_page_init_for_tests:
+        """The one place fresh private pages are initialized (called by the block pool; deferred
+        to the end of a :meth:`batched_page_init` block)."""
+        if self._deferred_page_ids is not None:
+            self._deferred_page_ids.extend(block_ids)
+        elif not self._skip_private_page_init_for_tests:
             self.kv_cache.zero_blocks(block_ids)
 
     def _require_step(self) -> StepBatch:

@@ -90,15 +90,16 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[ScheduledRequest], SchedulerEvents]:
         events = SchedulerEvents()
-        while True:
-            self._grow_or_pause(events)
-            self._evict_over_budget(events)
-            runnable = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
-            if runnable or not self.paused:
-                break
-            self._evict(self.paused[-1], events)  # nothing can run: make room
-        if not self.paused:
-            self._admit(events)
+        with self.context.batched_page_init():  # every fresh page of the step zeroed in one call
+            while True:
+                self._grow_or_pause(events)
+                self._evict_over_budget(events)
+                runnable = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
+                if runnable or not self.paused:
+                    break
+                self._evict(self.paused[-1], events)  # nothing can run: make room
+            if not self.paused:
+                self._admit(events)
         return self._pack(), events
 
     def _grow_or_pause(self, events: SchedulerEvents) -> None:

@@ -150,3 +150,26 @@ def test_negative_control_skip_switch_leaves_poison_in_place():
     ctx.add_request("a", list(range(5)))
     assert torch.isnan(ctx.kv_cache.data[:, :, ctx.request("a").block_ids]).all()
     assert ctx.private_page_init_counts["admission"] == 2  # still counted: the path ran
+
+
+def test_pages_handed_out_in_a_batched_block_are_zeroed_together_when_it_ends():
+    """The scheduler grows every request of a step inside ``batched_page_init``: the fresh pages
+    are zeroed in one call at its end (before any write), still each one exactly, the counts per
+    path unchanged; nested blocks join the outer one."""
+    ctx = make_context()
+    for name, start in (("a", 0), ("b", 20)):
+        ctx.add_request(name, list(range(start, start + 8)))
+        prefill(ctx, name)
+        ctx.append_tokens(name, [start + 8])
+    poison(ctx)
+    calls = []
+    zero_blocks = ctx.kv_cache.zero_blocks
+    ctx.kv_cache.zero_blocks = lambda ids: (calls.append(list(ids)), zero_blocks(ids))
+    with ctx.batched_page_init():
+        new_a = ctx.ensure_token_capacity("a", 9, PageReason.DECODE_GROWTH)
+        with ctx.batched_page_init():
+            new_b = ctx.ensure_token_capacity("b", 9, PageReason.DECODE_GROWTH)
+        assert calls == [] and torch.isnan(ctx.kv_cache.data[:, :, new_a + new_b]).all()
+    assert calls == [new_a + new_b]
+    assert_zero(ctx, new_a + new_b)
+    assert ctx.private_page_init_counts["decode_growth"] == 2

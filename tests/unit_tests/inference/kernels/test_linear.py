@@ -70,13 +70,13 @@ def _tiles_by_hand(x, w, b):
     return out[: len(x)] + b
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the torch path is the CPU one")
 @pytest.mark.parametrize("whole_call_differs", [False, True])
 def test_torch_path_gives_the_bits_of_row_tiles_whether_or_not_one_call_has_them(monkeypatch, whole_call_differs):
     """One GEMM over the padded rows is used only where a probe found it gives the tiles' bits; a
-    BLAS whose long GEMM rounds differently (simulated) gets the tiles."""
+    BLAS whose long GEMM rounds differently (simulated) gets the tiles. (The torch path is the
+    CPU one: CPU tensors on a GPU machine too.)"""
     monkeypatch.setattr(linear, "_WHOLE_CALL_MATCHES", {})
-    x, w, b = operands(70, 40, 72)
+    x, w, b = (t.cpu() for t in operands(70, 40, 72))
     want = _tiles_by_hand(x, w, b)
     if whole_call_differs:
         matmul = torch.matmul
