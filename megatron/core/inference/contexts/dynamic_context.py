@@ -502,7 +502,7 @@ class DynamicInferenceContext:
         (zeroed) pages for ``reason``; returns the new block ids (raises, allocating nothing,
         when the pool is short)."""
         state = self.request(request_id)
-        needed = self.blocks_for_tokens(num_tokens) - len(state.block_ids)
+        needed = -(-num_tokens // self.block_size) - len(state.block_ids)  # blocks_for_tokens, inlined (hot)
         if needed <= 0:
             return []
         new = self.pool.allocate(needed, reason)
@@ -580,32 +580,35 @@ class DynamicInferenceContext:
         for request_id, num_new in schedule:
             state = self.request(request_id)
             start = state.num_computed_tokens
-            problem = (
-                "appears twice"
-                if request_id in seen
-                else "is paused"
-                if state.paused
-                else f"asks for {num_new} new tokens but has {len(state.tokens) - start} uncomputed"
-                if not 1 <= num_new <= len(state.tokens) - start
-                else f"has blocks for {len(state.block_ids) * bs} tokens, needs {start + num_new} "
-                f"(call ensure_token_capacity first)"
-                if len(state.block_ids) * bs < start + num_new
-                else None
-            )
-            if problem:
+            tokens = state.tokens
+            blocks = state.block_ids
+            end = start + num_new
+            if request_id in seen or state.paused or not start < end <= len(tokens) or len(blocks) * bs < end:
+                problem = (
+                    "appears twice"
+                    if request_id in seen
+                    else "is paused"
+                    if state.paused
+                    else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
+                    if not 1 <= num_new <= len(tokens) - start
+                    else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
+                )
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
             seen.add(request_id)
-            blocks = state.block_ids
-            end = start + num_new
-            if state.num_pending_tokens and end == len(state.tokens):
+            if state.num_pending_tokens and end == len(tokens):
                 if pending_tokens is None:
                     raise StepError(f"request {request_id!r} has a pending token but no pending_tokens were given")
                 pending_targets.append(len(token_ids) + num_new - 1)
                 pending_sources.append(state.pending_source_row)
-            token_ids.extend(state.tokens[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if num_new == 1:  # decode: one token
+                token_ids.append(tokens[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                token_ids.extend(tokens[start:end])
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             q_lens.append(num_new)
             offsets.append(start)
             rows.append(state.table_row)

@@ -99,6 +99,7 @@ class _Step:
     sample_rows: list[range] = field(default_factory=list)
     prompt_counts: list[int] = field(default_factory=list)
     top_widths: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # the draft tokens its rows verify
     sampled_tokens: torch.Tensor | None = None  # [rows] on the device: the next step's pending tokens
     readback: DeviceToHost | None = None
 
@@ -504,11 +505,13 @@ class DynamicInferenceEngine:
         all of it in one copy. Every stage records which requests sample (no device work)."""
         rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
         draft_prefixes = []  # per row: the drafts before its depth
+        find = self.context.find
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
             prompt_count = 0
-            state = self.context.find(request.request_id) if request.status is not RequestStatus.FINISHED else None
+            request_drafts = []
+            state = find(request.request_id) if request.status is not RequestStatus.FINISHED else None
             if state is not None:
                 if request.wants_prompt_log_probs:
                     # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
@@ -530,16 +533,22 @@ class DynamicInferenceEngine:
             step.sample_rows.append(range(first_row, len(rows)))
             step.prompt_counts.append(prompt_count)
             step.top_widths.append(request.sampling_params.top_logprobs)
+            step.drafts.append(request_drafts)
         if not self.runner.is_last_stage or not (rows or prompt_rows):
             return
         device = step.logits.device
+        # The sampled rows, the prompt log-prob rows and their targets: one host tensor, one copy.
+        indices = to_device(torch.tensor(rows + prompt_rows + prompt_targets), device)
+        num_sampled, num_prompt = len(rows), len(prompt_rows)
         parts = []
         if rows:
-            logits = step.logits.index_select(0, to_device(torch.tensor(rows), device))
+            logits = step.logits.index_select(0, indices[:num_sampled])
             log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
             self._apply_sampling_controls(logits, requests, draft_prefixes)
-            for processor in self.logits_processors:
-                processor(logits, [r.request_id for r in requests])
+            if self.logits_processors:
+                request_ids = [r.request_id for r in requests]
+                for processor in self.logits_processors:
+                    processor(logits, request_ids)
             self.structured_outputs.mask_logits(logits, requests, drafts)
             params = [r.sampling_params for r in requests]
             tokens = sample(logits, SamplingRows.build(params, [r.generator for r in requests], draws, device))
@@ -550,8 +559,8 @@ class DynamicInferenceEngine:
                 top_values, top_ids = log_probs.topk(width, dim=-1)
                 parts += [top_ids.double().flatten(), top_values.double().flatten()]
         if prompt_rows:
-            prompt_logits = step.logits.index_select(0, to_device(torch.tensor(prompt_rows), device))
-            targets = to_device(torch.tensor(prompt_targets), device)
+            prompt_logits = step.logits.index_select(0, indices[num_sampled : num_sampled + num_prompt])
+            targets = indices[num_sampled + num_prompt :]
             parts.append(kernels.log_softmax(prompt_logits).gather(1, targets[:, None])[:, 0].double())
         step.readback = DeviceToHost(torch.cat(parts))
 
@@ -580,14 +589,12 @@ class DynamicInferenceEngine:
         top_values = values[2 * num_rows + num_rows * width : 2 * num_rows + 2 * num_rows * width]
         prompt = values[2 * num_rows + 2 * num_rows * width :]
         decisions, prompt_start = [], 0
-        for entry, rows, prompt_count, top_width in zip(
-            step.scheduled, step.sample_rows, step.prompt_counts, step.top_widths, strict=True
+        for entry, rows, prompt_count, top_width, drafts in zip(
+            step.scheduled, step.sample_rows, step.prompt_counts, step.top_widths, step.drafts, strict=True
         ):
             decision = Decision(prompt_log_probs=prompt[prompt_start : prompt_start + prompt_count])
             prompt_start += prompt_count
             request = entry.request
-            drafts = self.context.find(request.request_id) if rows else None
-            drafts = drafts.tokens[len(drafts.tokens) - drafts.num_draft_tokens :] if drafts is not None else []
             for depth, row in enumerate(rows):
                 token = tokens[row]
                 decision.tokens.append(token)
@@ -598,7 +605,7 @@ class DynamicInferenceEngine:
                     decision.top_log_probs.append([(int(t), lp) for t, lp in zip(ids, lps, strict=True)])
                 # A draft after EOS is not verified (nothing follows EOS). Tokens after a stop
                 # sequence may be: every stage drops them when it finds the stop (_accept).
-                if self._is_eos(request, token) or depth >= len(drafts) or token != drafts[depth]:
+                if depth >= len(drafts) or self._is_eos(request, token) or token != drafts[depth]:
                     break
                 decision.accepted_drafts += 1
             decisions.append(decision)

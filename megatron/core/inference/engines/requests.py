@@ -129,8 +129,8 @@ class EngineRequest:
             self.prompt_log_probs_sent = True
         return RequestOutput(
             request_id=self.request_id,
-            new_token_ids=list(new),
-            new_log_probs=list(new_log_probs),
+            new_token_ids=new,
+            new_log_probs=new_log_probs,
             new_text=self.text.take() if self.text is not None else None,
             finished=finished,
             finish_reason=self.finish_reason if finished else None,

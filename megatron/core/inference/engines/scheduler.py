@@ -124,8 +124,10 @@ class Scheduler:
 
     def _add_drafts(self, request: EngineRequest) -> None:
         drafts, request.drafts = request.drafts, []
+        if not drafts:
+            return
         state = self.context.request(request.request_id)
-        if not drafts or state.num_computed_tokens + 1 != len(state.tokens):
+        if state.num_computed_tokens + 1 != len(state.tokens):
             return
         try:
             self.context.ensure_token_capacity(
@@ -183,25 +185,26 @@ class Scheduler:
     def _pack(self) -> list[ScheduledRequest]:
         budget = self.max_tokens_per_step
         scheduled = []
-        active = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
-        decoding, prefilling = [], []
-        for request in active:
-            done = self.context.request(request.request_id).num_computed_tokens >= request.prefill_target
-            (decoding if done else prefilling).append(request)
-        for request in decoding:
-            num_tokens = self._uncomputed(request)
+        decoding, prefilling = [], []  # (request, its context state), each looked up once
+        for request in self.admitted:
+            if request.status is RequestStatus.ACTIVE:
+                state = self.context.request(request.request_id)
+                done = state.num_computed_tokens >= request.prefill_target
+                (decoding if done else prefilling).append((request, state))
+        for request, state in decoding:
+            num_tokens = len(state.tokens) - state.num_computed_tokens
             if not num_tokens:  # its next token is still being sampled and ends it by length
                 continue
             if num_tokens > budget:
                 self._drop_drafts(request)
-                num_tokens = self._uncomputed(request)
+                num_tokens = len(state.tokens) - state.num_computed_tokens
             if num_tokens <= budget:
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
-        for request in prefilling:
+        for request, state in prefilling:
             # Up to the admitted context: a token added since (the result of an overlapped step
             # that was still running at admission) is decoded after, with its own growth.
-            remaining = request.prefill_target - self.context.request(request.request_id).num_computed_tokens
+            remaining = request.prefill_target - state.num_computed_tokens
             take = min(remaining, budget)
             if take < remaining:
                 if not self._may_chunk(request):
