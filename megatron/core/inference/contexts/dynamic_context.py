@@ -673,9 +673,10 @@ class DynamicInferenceContext:
         )
         token_ids_view = buffers.field(device, "token_ids", padded)
         if pending_targets:
-            targets = to_device(torch.tensor(pending_targets), self.device)
+            num_pending = len(pending_targets)
+            pending_index = to_device(torch.tensor(pending_targets + pending_sources), self.device)  # one copy
             token_ids_view.index_copy_(
-                0, targets, pending_tokens.index_select(0, to_device(torch.tensor(pending_sources), self.device))
+                0, pending_index[:num_pending], pending_tokens.index_select(0, pending_index[num_pending:])
             )
         self.step = StepBatch(
             request_ids=tuple(ids),

@@ -655,8 +655,9 @@ class DynamicInferenceEngine:
         if not wanted:
             return
         device = step.hidden.device
-        rows = to_device(torch.tensor([row for _, row, _ in wanted]), device)
-        tokens = to_device(torch.tensor([d.tokens[-1] for d, _, _ in wanted]), device)
+        # Rows, then their last tokens: one host tensor, one copy.
+        packed = to_device(torch.tensor([row for _, row, _ in wanted] + [d.tokens[-1] for d, _, _ in wanted]), device)
+        rows, tokens = packed[: len(wanted)], packed[len(wanted) :]
         drafts = self.drafter.propose(step.hidden[rows], tokens, step.positions[rows], max(c for _, _, c in wanted))
         for (decision, _, count), row_drafts in zip(wanted, drafts.tolist(), strict=True):
             decision.next_drafts = row_drafts[:count]

@@ -150,6 +150,8 @@ class Scheduler:
         events.evictions += 1
 
     def _admit(self, events: SchedulerEvents) -> None:
+        if not self.waiting:
+            return
         context = self.context
         budget = self.max_tokens_per_step - sum(min(self._uncomputed(r), 1) for r in self.admitted)
         while self.waiting and budget > 0 and context.num_requests < context.capacity.max_requests:
