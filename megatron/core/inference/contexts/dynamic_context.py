@@ -435,7 +435,7 @@ class DynamicInferenceContext:
     def _write_table(self, state: RequestState, first: int) -> None:
         """Copy the request's blocks from index ``first`` on into its block-table row."""
         if len(state.block_ids) > first:
-            self._host_tables[state.table_row, first : len(state.block_ids)] = torch.tensor(state.block_ids[first:])
+            self._host_tables.numpy()[state.table_row, first : len(state.block_ids)] = state.block_ids[first:]
 
     def _forget(self, state: RequestState) -> None:
         """Drop a request from the context's books (its storage is the caller's)."""
@@ -658,12 +658,10 @@ class DynamicInferenceContext:
             cu_query_lengths=cu,
             mamba_slot_ids=mamba_slots if self.mamba_slots is not None else [],
         )
-        for name, values in fields.items():
-            if values:
-                buffers.field(staging, name, len(values)).copy_(torch.tensor(values, dtype=torch.long))
+        buffers.fill(staging, fields)
         # Full rows: a CUDA graph reads [rows, max_blocks]; entries past a request's blocks are the dummy.
         host_tables = buffers.block_tables(staging, num_rows, buffers.max_blocks)
-        torch.index_select(self._host_tables, 0, torch.tensor(rows, dtype=torch.long), out=host_tables)
+        host_tables.numpy()[:] = self._host_tables.numpy()[rows]
         buffers.upload(staging, num_rows)
         device = buffers.buffer
         width = (

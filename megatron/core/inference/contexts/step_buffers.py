@@ -51,6 +51,14 @@ class StepBuffers:
         start = self._offsets[name]
         return buffer[start : start + length]
 
+    def fill(self, staging: torch.Tensor, fields: dict[str, list[int]]) -> None:
+        """Write each field's values at the start of that field of the host staging tensor, through
+        its numpy view (a list converts there much faster than through a temporary tensor)."""
+        host = staging.numpy()
+        for name, values in fields.items():
+            start = self._offsets[name]
+            host[start : start + len(values)] = values
+
     def block_tables(self, buffer: torch.Tensor, rows: int, width: int) -> torch.Tensor:
         """``[rows, width]`` view of the block-table field (rows of ``max_blocks`` entries)."""
         start = self._offsets["block_tables"]

@@ -477,9 +477,10 @@ class DynamicInferenceEngine:
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
                 result = self.runner.forward(self.context, batch)
-        for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True):
-            prefill = min(entry.num_tokens, entry.request.prefill_target - offset)
-            self._stats["prefill_tokens_computed"] += max(prefill, 0)
+        self._stats["prefill_tokens_computed"] += sum(
+            max(min(entry.num_tokens, entry.request.prefill_target - offset), 0)
+            for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True)
+        )
         self.context.commit_step()
         self._stats["steps"] += 1
         starts = [0]
@@ -664,12 +665,13 @@ class DynamicInferenceEngine:
 
     # ---- bookkeeping (every stage) ----------------------------------------------------------
     def _apply(self, scheduled: list[ScheduledRequest], decisions: list[Decision]) -> list[RequestOutput]:
-        outputs = []
+        outputs, num_generated = [], 0
+        context = self.context
         for entry, decision in zip(scheduled, decisions, strict=True):
             request = entry.request
             if request.status is RequestStatus.FINISHED:  # aborted or handed off since the step launched
                 continue
-            state = self.context.find(request.request_id)  # None: evicted since (waiting again)
+            state = context.find(request.request_id)  # None: evicted since (waiting again)
             request.prompt_log_probs.extend(decision.prompt_log_probs)
             num_before = len(request.generated_tokens)
             reason = self._accept(request, decision.tokens)
@@ -684,20 +686,22 @@ class DynamicInferenceEngine:
             request.generated_log_probs.extend(decision.log_probs[:num_kept])
             if request.sampling_params.top_logprobs:
                 request.generated_top_log_probs.extend(decision.top_log_probs[:num_kept])
-            self._stats["tokens_generated"] += num_kept
+            num_generated += num_kept
             if state is not None:
                 new = decision.tokens[accepted:num_kept]
                 if state.num_pending_tokens:  # the token a step already running continues from
-                    self.context.resolve_pending_token(request.request_id, new.pop(0))
-                self.context.append_tokens(request.request_id, new)
+                    context.resolve_pending_token(request.request_id, new.pop(0))
+                if new:
+                    context.append_tokens(request.request_id, new)
             if reason is not None:
                 request.finish_reason = reason
                 if state is not None:
-                    self.context.release_request(request.request_id)
+                    context.release_request(request.request_id)
                 self._finish(request)
             else:
                 request.drafts = decision.next_drafts
                 outputs.append(request.take_output())
+        self._stats["tokens_generated"] += num_generated
         return outputs
 
     def _accept(self, request: EngineRequest, tokens: list[int]) -> str | None:
