@@ -95,11 +95,11 @@ class _Step:
     hidden: torch.Tensor | None  # [T, h] (last stage)
     positions: torch.Tensor | None  # [T] (for the MTP drafter)
     # Filled by _sample: per scheduled request, its rows among the sampled ones, its prompt
-    # log-prob count, and its top log-prob width.
+    # log-prob count, its top log-prob width, and the draft tokens its rows verify.
     sample_rows: list[range] = field(default_factory=list)
     prompt_counts: list[int] = field(default_factory=list)
     top_widths: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)  # the draft tokens its rows verify
+    drafts: list[list[int]] = field(default_factory=list)
     sampled_tokens: torch.Tensor | None = None  # [rows] on the device: the next step's pending tokens
     readback: DeviceToHost | None = None
 
