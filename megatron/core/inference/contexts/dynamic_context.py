@@ -56,6 +56,7 @@ Each step:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -643,10 +644,8 @@ class DynamicInferenceContext:
         num_rows = len(q_lens)
         buffers = self.step_buffers
         staging = buffers.host_staging()
-        cu = [0]
-        for length in q_lens:
-            cu.append(cu[-1] + length)
         token_requests = [row for row, length in enumerate(q_lens) for _ in range(length)]
+        kv_lengths = [o + n for o, n in zip(offsets, q_lens, strict=True)]
         fields = dict(
             token_ids=token_ids + [0] * pad,
             positions=positions + [0] * pad,
@@ -654,8 +653,8 @@ class DynamicInferenceContext:
             token_requests=token_requests + [0] * pad,
             query_lengths=q_lens,
             kv_offsets=offsets,
-            kv_lengths=[o + n for o, n in zip(offsets, q_lens, strict=True)],
-            cu_query_lengths=cu,
+            kv_lengths=kv_lengths,
+            cu_query_lengths=[0, *itertools.accumulate(q_lens)],
             mamba_slot_ids=mamba_slots if self.mamba_slots is not None else [],
         )
         buffers.fill(staging, fields)
@@ -667,7 +666,7 @@ class DynamicInferenceContext:
         width = (
             buffers.max_blocks
             if pad_to_requests is not None
-            else max((self.blocks_for_tokens(o + n) for o, n in zip(offsets, q_lens, strict=True)), default=0)
+            else self.blocks_for_tokens(max(kv_lengths, default=0))  # the longest row's blocks
         )
         token_ids_view = buffers.field(device, "token_ids", padded)
         if pending_targets:
