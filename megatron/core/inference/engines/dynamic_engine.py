@@ -44,6 +44,7 @@ of a roomy pool.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -483,9 +484,7 @@ class DynamicInferenceEngine:
         )
         self.context.commit_step()
         self._stats["steps"] += 1
-        starts = [0]
-        for length in batch.host_query_lengths[: len(scheduled) - 1]:
-            starts.append(starts[-1] + length)
+        starts = [0, *itertools.accumulate(batch.host_query_lengths[: len(scheduled) - 1])]
         logits, hidden = result if result is not None else (None, None)
         return _Step(scheduled, starts, list(batch.host_kv_offsets[: len(scheduled)]), logits, hidden, batch.positions)
 
