@@ -503,7 +503,7 @@ class DynamicInferenceContext:
         (zeroed) pages for ``reason``; returns the new block ids (raises, allocating nothing,
         when the pool is short)."""
         state = self.request(request_id)
-        needed = -(-num_tokens // self.block_size) - len(state.block_ids)  # blocks_for_tokens, inlined (hot)
+        needed = self.blocks_for_tokens(num_tokens) - len(state.block_ids)
         if needed <= 0:
             return []
         new = self.pool.allocate(needed, reason)
@@ -584,16 +584,18 @@ class DynamicInferenceContext:
             tokens = state.tokens
             blocks = state.block_ids
             end = start + num_new
-            if request_id in seen or state.paused or not start < end <= len(tokens) or len(blocks) * bs < end:
-                problem = (
-                    "appears twice"
-                    if request_id in seen
-                    else "is paused"
-                    if state.paused
-                    else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
-                    if not 1 <= num_new <= len(tokens) - start
-                    else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
-                )
+            problem = (
+                "appears twice"
+                if request_id in seen
+                else "is paused"
+                if state.paused
+                else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
+                if not 1 <= num_new <= len(tokens) - start
+                else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
+                if len(blocks) * bs < end
+                else None
+            )
+            if problem:
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
             seen.add(request_id)
