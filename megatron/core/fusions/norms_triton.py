@@ -163,12 +163,12 @@ def _block_and_warps(n_cols: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def program_count(device: torch.device) -> int:
-    """Programs of a backward grid: a few per SM on CUDA (one wave, good balance); a handful on
-    the CPU interpreter."""
+def program_count(device: torch.device, per_sm: int = 4) -> int:
+    """Programs of a backward grid: ``per_sm`` per SM on CUDA (one wave, good balance); a handful
+    on the CPU interpreter."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def add_norm_forward(x, bias, residual, seed, p, weight, norm_bias, eps, is_rms, do_norm):
