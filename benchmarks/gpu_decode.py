@@ -51,7 +51,7 @@ import time
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.benchmark_report import finish, write_report
+from megatron.core.benchmark_report import busy_us, finish, write_report
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models import hf_mapping
@@ -225,16 +225,6 @@ def hf_generate(hf, prompts, new_tokens: int, device: torch.device, budget_s: fl
     return dict(tokens=generated, elapsed_s=elapsed, timed_out=len(generated[0]) < new_tokens)
 
 
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    busy, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
-
-
 def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
     """``torch.profiler`` over ``num_steps`` decode steps of ``engine`` with ``prompts`` all decoding:
     wall and GPU busy milliseconds per step, and the 10 kernels with the most device time."""
@@ -263,7 +253,7 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
     while engine.has_unfinished_requests():
         engine.step()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_us = _busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
     totals: dict[str, list[float]] = {}
     for e in kernels:
         entry = totals.setdefault(e.name, [0.0, 0])
@@ -274,8 +264,8 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
         steps=num_steps,
         graph_steps=graph_steps,
         wall_ms_per_step=1e3 * wall_s / num_steps,
-        gpu_busy_ms_per_step=busy_us / 1e3 / num_steps,
-        gpu_busy_fraction=busy_us / 1e6 / wall_s,
+        gpu_busy_ms_per_step=busy / 1e3 / num_steps,
+        gpu_busy_fraction=busy / 1e6 / wall_s,
         kernels_per_step=len(kernels) / num_steps,
         host_functions=host,
         top_kernels=[

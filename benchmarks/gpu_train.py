@@ -21,8 +21,8 @@ in alternating trials; the median step time gives tokens/s and TFLOP/s (every va
 one FLOPs formula,
 :func:`megatron.training.metrics.training_flops_per_token`). Each configuration also reports
 peak memory, a forward/backward/optimizer split, which fused kernels and attention backend were
-active, the attention kernel's time per SDPA backend and layout, and the top CUDA kernels of one
-step. Before any configuration runs, every fused kernel is checked against its torch reference
+active, the attention kernel's time per SDPA backend and layout, and one profiled step's GPU busy
+time and top CUDA kernels. Before any configuration runs, every fused kernel is checked against its torch reference
 on the GPU; a kernel that fails is switched off (reported), so the numbers still come.
 
 A failure in one configuration or variant is recorded in the JSON and the rest still runs; a
@@ -380,17 +380,34 @@ def plain_phases(loop: PlainLoop):
     return forward, backward, loop.optimizer_step
 
 
-def top_cuda_kernels(step, count: int = 15) -> list:
-    """``[name, ms]`` of the CUDA kernels that took the most time in one step."""
+def step_profile(step, count: int = 25) -> dict:
+    """One step under ``torch.profiler``: its wall and GPU busy milliseconds (the union of the
+    kernels' intervals; the rest is the GPU waiting on the host), kernel launches, and
+    ``[name, ms, calls]`` of the ``count`` CUDA kernels that took the most time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from megatron.core.benchmark_report import busy_us
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    return [[e.key[:110], round(e.device_time_total / 1000, 3), e.count] for e in events[:count]]
+        wall_s = time.perf_counter() - started
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    totals: dict[str, list] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return {
+        "wall_ms": round(1e3 * wall_s, 2),
+        "gpu_busy_ms": round(busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3, 2),
+        "kernel_launches": len(kernels),
+        "top_kernels": [[name[:110], round(total / 1e3, 3), calls] for name, (total, calls) in top],
+    }
 
 
 def sdpa_probe(heads: int, groups: int, head_dim: int) -> dict:
@@ -580,10 +597,7 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
     if not opts.quick:
         result["sdpa_ms"] = sdpa_probe(HEADS, spec["plain"]["groups"], HIDDEN // HEADS)
         with contextlib.suppress(Exception):
-            result["top_cuda_kernels"] = {
-                "ours": top_cuda_kernels(ours.step),
-                "plain_eager": top_cuda_kernels(plain.step),
-            }
+            result["step_profile"] = {"ours": step_profile(ours.step), "plain_eager": step_profile(plain.step)}
 
     ours_times = list(eager["ours"])
     try:

@@ -1,5 +1,6 @@
 """How the scripts under ``benchmarks/`` end: the report written as JSON where the script's
-``--json`` / ``--output-json`` flag points, and the distributed world the script joined left.
+``--json`` / ``--output-json`` flag points, and the distributed world the script joined left;
+and the GPU busy time their profiles report.
 
 It lives in the package (not in ``benchmarks/``) because the benchmarks also run as plain
 scripts (``python benchmarks/NAME.py``), which import only what is installed.
@@ -29,3 +30,14 @@ def finish(report, path: str | None, exit_code: int = 0) -> int:
     write_report(report, path)
     destroy_distributed()
     return exit_code
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals: a profile's GPU busy time from its
+    kernels' intervals (the rest of the wall time the GPU waited on the host)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron.core.benchmark_report import finish, write_report
+from megatron.core.benchmark_report import busy_us, finish, write_report
 from tests.unit_tests.dist_harness import run_distributed
 
 
@@ -28,3 +28,9 @@ def test_without_a_world_the_report_is_written_and_the_code_returned(tmp_path):
     path = tmp_path / "report.json"
     assert finish({"keys": ["kept", "as", "given"]}, str(path)) == 0
     assert json.loads(path.read_text()) == {"keys": ["kept", "as", "given"]}
+
+
+def test_busy_time_is_the_union_of_the_kernel_intervals():
+    # Overlapping [0, 4) and [2, 5), one nested [3, 4), a gap, then [7, 9): 5 + 2 busy.
+    assert busy_us([(7.0, 9.0), (0.0, 4.0), (3.0, 4.0), (2.0, 5.0)]) == 7.0
+    assert busy_us([]) == 0.0
