@@ -24,7 +24,10 @@ _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _SQRT_2_PI = tl.constexpr(0.7978845608028654)
 _TANH_C = tl.constexpr(0.044715)
-BLOCK_R, BLOCK_C = 16, 256
+# Forward tiles: 2 rows x 1024 channels, 4 warps (an H200 sweep of 1-32 rows, 256-2048 channels,
+# 4-8 warps: [16384, 8192] GELU + bias 0.243 -> 0.220 ms, [16384, 2 x 5504] SwiGLU 0.174 -> 0.155
+# ms against 16 x 256; elementwise, so the same bits at any tile).
+BLOCK_R, BLOCK_C = 2, 1024
 # Backward tiles: 8 rows x 1024 channels (8 warps: 32 elements a thread per tensor, in 16-byte
 # vectors), looped over each program's rows with the bias gradient kept in registers; 8 programs
 # per SM in one wave. Memory-bound at ~3 tensor passes, with the erf GELU's ~40 fp32 instructions
