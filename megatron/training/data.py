@@ -65,9 +65,14 @@ def microbatches(
 ):
     """Endless iterator of this data rank's micro-batches (dicts of [b, s] tensors), starting at
     global sample ``start_sample`` (the consumed-sample count when resuming)."""
+    def to_device(batch: torch.Tensor) -> torch.Tensor:
+        if device.type != "cuda":
+            return batch.to(device)
+        return batch.pin_memory().to(device, non_blocking=True)  # no wait on the GPU's queue
+
     index = start_sample
     while True:
         first = index + data_rank * micro_batch_size
         samples = [dataset[(first + j) % len(dataset)] for j in range(micro_batch_size)]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device) for key in samples[0]}
+        yield {key: to_device(torch.stack([torch.as_tensor(s[key]) for s in samples])) for key in samples[0]}
         index += micro_batch_size * data_width

@@ -366,6 +366,8 @@ class Trainer:
         if not metrics:
             return torch.zeros((), device=self.device), None
         loss = torch.stack([m["lm loss"].float() for m in metrics]).mean()
+        if dist.get_world_size(data_group) == 1:
+            return loss, None
         dist.all_reduce(loss, group=data_group)
         return loss / dist.get_world_size(data_group), None
 
