@@ -8,11 +8,15 @@ in_proj output and its backward writes the input gradient straight into the pack
 so neither direction splits, transposes or concatenates. fp32 arithmetic, results in the
 tensors' dtypes.
 
-The backward saves nothing: it recomputes the pre-activation (for SiLU's derivative) from x.
-Token t's input gradient gathers the pre-activation gradients of tokens t .. t + K - 1; each is
-recomputed in registers from shifted reads of the same tile (cache hits), so x and the output
-gradient each come from memory about once. Weight and bias gradients are reduced per program
-in fp32 and then summed over programs in a fixed order (deterministic).
+The backward saves nothing: it recomputes the pre-activation (for SiLU's derivative) from x, in
+two passes. The first reads x (the K shifted tap reads of a tile hit the cache) and the output
+gradient once and writes every token's pre-activation gradient, in fp32, to a scratch
+``[b, s, c]`` buffer; it also reduces the weight and bias gradients per program in fp32, summed
+over programs afterwards in a fixed order (deterministic). The second gathers token t's input
+gradient from the pre-activation gradients of tokens t .. t + K - 1 (shifted reads of the
+scratch). One pass would recompute each token's pre-activation and SiLU K times (a register tile
+cannot be shifted), which made the backward about 16 times slower than its memory traffic on an
+H200 (2.5 ms per call at the hybrid benchmark's [8, 2048, 6144]).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors,
 which is how the unit tests check them without a GPU.
@@ -70,12 +74,12 @@ def _conv1d_silu_fwd_kernel(
 
 
 @triton.jit
-def _conv1d_silu_bwd_kernel(
+def _conv1d_silu_bwd_dpre_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     dout_ptr,
-    dx_ptr,
+    dpre_ptr,
     dw_part_ptr,
     db_part_ptr,
     seqlen,
@@ -85,8 +89,6 @@ def _conv1d_silu_bwd_kernel(
     stride_xs,
     stride_gb,
     stride_gs,
-    stride_dxb,
-    stride_dxs,
     stride_wc,
     stride_wk,
     WIDTH: tl.constexpr,
@@ -94,6 +96,8 @@ def _conv1d_silu_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """Pass 1: each token's pre-activation gradient (fp32, into ``dpre [b, s, c]``) and the
+    program's weight and bias gradient partials, from the tap inputs read once per tile."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2)
@@ -101,47 +105,71 @@ def _conv1d_silu_bwd_kernel(
     c_ok = c < channels
     x_row = x_ptr + batch.to(tl.int64) * stride_xb
     dout_row = dout_ptr + batch.to(tl.int64) * stride_gb
+    dpre_row = dpre_ptr + batch.to(tl.int64) * seqlen * channels
     bias = tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
     taps = tl.arange(0, WIDTH_POW2)
     dw_acc = tl.zeros((BLOCK_C, WIDTH_POW2), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for tile in range(tiles_per_program):
         t = ((pid_t * tiles_per_program + tile) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        # Token t + j's pre-activation gradient reaches x[t] through tap K - 1 - j.
-        for j in tl.static_range(WIDTH):
-            s = t + j
-            pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
-            for k in tl.static_range(WIDTH):
-                src = s - (WIDTH - 1) + k
-                src_ok = (src >= 0) & (src < seqlen)
-                xv = tl.load(
-                    x_row + src[:, None] * stride_xs + c[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0
-                )
-                wk = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-                pre += xv.to(tl.float32) * wk[None, :]
-            s_ok = (s < seqlen)[:, None] & c_ok[None, :]
-            g = tl.load(dout_row + s[:, None] * stride_gs + c[None, :], mask=s_ok, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(pre)
-            dpre = g * sig * (1.0 + pre * (1.0 - sig))
-            w_tap = tl.load(w_ptr + c * stride_wc + (WIDTH - 1 - j) * stride_wk, mask=c_ok, other=0.0)
-            dx += dpre * w_tap.to(tl.float32)[None, :]
-            if j == 0:  # each token's own gradient feeds the weight and bias gradients once
-                db_acc += tl.sum(dpre, axis=0)
-                for k in tl.static_range(WIDTH):
-                    src = t - (WIDTH - 1) + k
-                    src_ok = (src >= 0) & (src < seqlen)
-                    xv = tl.load(
-                        x_row + src[:, None] * stride_xs + c[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0
-                    )
-                    tap_sum = tl.sum(dpre * xv.to(tl.float32), axis=0)
-                    dw_acc += tl.where(taps[None, :] == k, tap_sum[:, None], 0.0)
-        dx_ptrs = dx_ptr + batch.to(tl.int64) * stride_dxb + t[:, None] * stride_dxs + c[None, :]
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=(t < seqlen)[:, None] & c_ok[None, :])
+        t_ok = (t < seqlen)[:, None] & c_ok[None, :]
+        pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
+        for k in tl.static_range(WIDTH):
+            src = t - (WIDTH - 1) + k
+            src_ok = (src >= 0) & (src < seqlen)
+            xv = tl.load(x_row + src[:, None] * stride_xs + c[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0)
+            wk = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+            pre += xv.to(tl.float32) * wk[None, :]
+        g = tl.load(dout_row + t[:, None] * stride_gs + c[None, :], mask=t_ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(pre)
+        dpre = g * sig * (1.0 + pre * (1.0 - sig))
+        tl.store(dpre_row + t[:, None] * channels + c[None, :], dpre, mask=t_ok)
+        db_acc += tl.sum(dpre, axis=0)
+        for k in tl.static_range(WIDTH):  # the tap inputs again: cache hits of the loads above
+            src = t - (WIDTH - 1) + k
+            src_ok = (src >= 0) & (src < seqlen)
+            xv = tl.load(x_row + src[:, None] * stride_xs + c[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0)
+            tap_sum = tl.sum(dpre * xv.to(tl.float32), axis=0)
+            dw_acc += tl.where(taps[None, :] == k, tap_sum[:, None], 0.0)
     part = batch * tl.num_programs(0) + pid_t
     dw_ptrs = dw_part_ptr + (part * channels + c)[:, None] * WIDTH + taps[None, :]
     tl.store(dw_ptrs, dw_acc, mask=c_ok[:, None] & (taps[None, :] < WIDTH))
     tl.store(db_part_ptr + part * channels + c, db_acc, mask=c_ok)
+
+
+@triton.jit
+def _conv1d_silu_bwd_dx_kernel(
+    dpre_ptr,
+    w_ptr,
+    dx_ptr,
+    seqlen,
+    channels,
+    stride_dxb,
+    stride_dxs,
+    stride_wc,
+    stride_wk,
+    WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pass 2: ``dx[t] = sum_j dpre[t + j] * w[K - 1 - j]`` (j in order, fp32)."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    dpre_row = dpre_ptr + batch * seqlen * channels
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    # Token t + j's pre-activation gradient reaches x[t] through tap K - 1 - j.
+    for j in tl.static_range(WIDTH):
+        s = t + j
+        s_ok = (s < seqlen)[:, None] & c_ok[None, :]
+        d = tl.load(dpre_row + s[:, None] * channels + c[None, :], mask=s_ok, other=0.0)
+        w_tap = tl.load(w_ptr + c * stride_wc + (WIDTH - 1 - j) * stride_wk, mask=c_ok, other=0.0)
+        dx += d * w_tap.to(tl.float32)[None, :]
+    dx_ptrs = dx_ptr + batch * stride_dxb + t[:, None] * stride_dxs + c[None, :]
+    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=(t < seqlen)[:, None] & c_ok[None, :])
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int, int, int]:
@@ -214,13 +242,14 @@ def conv1d_silu_backward(
     parts = batch * token_programs
     dw_part = torch.empty(parts, channels, width, dtype=torch.float32, device=x.device)
     db_part = torch.empty(parts, channels, dtype=torch.float32, device=x.device)
-    grid = (token_programs, triton.cdiv(channels, BLOCK_C), batch)
-    _conv1d_silu_bwd_kernel[grid](
+    dpre = torch.empty(batch, seqlen, channels, dtype=torch.float32, device=x.device)
+    channel_blocks = triton.cdiv(channels, BLOCK_C)
+    _conv1d_silu_bwd_dpre_kernel[(token_programs, channel_blocks, batch)](
         x,
         weight,
         bias,
         grad_out,
-        grad_x,
+        dpre,
         dw_part,
         db_part,
         seqlen,
@@ -230,15 +259,27 @@ def conv1d_silu_backward(
         x.stride(1),
         grad_out.stride(0),
         grad_out.stride(1),
-        grad_x.stride(0),
-        grad_x.stride(1),
         weight.stride(0),
         weight.stride(2),
         WIDTH=width,
         WIDTH_POW2=triton.next_power_of_2(width),
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
-        num_warps=8,  # several live [BLOCK_T, BLOCK_C] fp32 tiles per program
+        num_warps=8,
+    )
+    _conv1d_silu_bwd_dx_kernel[(triton.cdiv(seqlen, BLOCK_T), channel_blocks, batch)](
+        dpre,
+        weight,
+        grad_x,
+        seqlen,
+        channels,
+        grad_x.stride(0),
+        grad_x.stride(1),
+        weight.stride(0),
+        weight.stride(2),
+        WIDTH=width,
+        BLOCK_T=BLOCK_T,
+        BLOCK_C=BLOCK_C,
     )
     grad_weight = dw_part.sum(0).unsqueeze(1).to(weight.dtype)
     grad_bias = db_part.sum(0).to(bias.dtype)
