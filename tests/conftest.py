@@ -6,10 +6,12 @@ CUDA"); any other skip fails the run, so a package the test extra installs can n
 silently turn a test into a skip.
 """
 
+import importlib.util
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -18,6 +20,37 @@ import torch  # noqa: E402
 # module imports it (transformers' NemotronH does), so the switch is set before any test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpret_dot_row_by_row() -> None:
+    """Make the interpreter's ``tl.dot`` compute each output row on its own, as the GPU does.
+
+    The interpreter multiplies a tile with numpy's BLAS, whose GEMM kernels on some CPUs (AVX2
+    OpenBLAS, for one) round a row differently by its position in the tile, where an MMA on the
+    GPU computes every output element by the same reduction wherever its row lies. The kernels'
+    row-invariance tests check the kernels' structure (no split by row count), so the emulation
+    must not add a row dependence of its own: one product per row gives every row the same bits
+    wherever it sits.
+    """
+    from triton.runtime import interpreter
+
+    tile_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def row_of(handle, i):
+            return interpreter.TensorHandle(handle.data[..., i : i + 1, :], handle.dtype)
+
+        rows = [
+            tile_dot(self, row_of(a, i), b, row_of(d, i), input_precision, max_num_imprecise_acc)
+            for i in range(a.data.shape[-2])
+        ]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows], axis=-2), rows[0].dtype)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    _interpret_dot_row_by_row()
 
 ALLOWED_SKIP_MARKERS = ("needs a GPU", "GPUs", "needs CUDA")
 
