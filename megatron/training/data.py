@@ -65,6 +65,8 @@ def microbatches(
 ):
     """Endless iterator of this data rank's micro-batches (dicts of [b, s] tensors), starting at
     global sample ``start_sample`` (the consumed-sample count when resuming)."""
+    device = torch.device(device)
+
     def to_device(batch: torch.Tensor) -> torch.Tensor:
         if device.type != "cuda":
             return batch.to(device)
