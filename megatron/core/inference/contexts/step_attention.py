@@ -39,6 +39,13 @@ import torch
 
 from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
 
+# The fewest query columns a product of the torch path takes (zero columns pad it). BLAS may
+# compute a GEMM with few output columns by another kernel, whose sums round differently: MKL
+# on AVX2 does below 12 columns, so a decode query's 2 columns (a GQA group) and the same query
+# among a prefill chunk's 128 would not give the same bits. Every column of a product of 16 or
+# more comes out the same whatever the column count.
+MIN_PRODUCT_COLUMNS = 16
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -273,6 +280,8 @@ def _attend_group(
     q_heads = query.shape[1]
     group_size = q_heads // kv_heads
     batch, columns, device = n * kv_heads, length * group_size, query.device
+    # Both products take at least MIN_PRODUCT_COLUMNS query columns, zero-padded (see the constant).
+    padded = max(columns, MIN_PRODUCT_COLUMNS)
     # Keys and values of every head in one gather of whole slots, key-major: the products' batch
     # is (piece, KV head), each matrix [K, d] read with a row stride of n * kv_heads * d.
     if cache_slots.dtype == torch.float32:
@@ -281,25 +290,31 @@ def _attend_group(
     else:
         gathered = cache_slots.index_select(0, group.kv_rows).float()
     keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
-    # Queries as [n * kv_heads, d, L * group]: the columns of S = K @ Q^T.
+    # Queries as [n * kv_heads, d, L * group] (then the padding columns): the columns of S = K @ Q^T.
+    q = space.get("queries", (batch, head_dim, padded), device)
+    q[..., columns:] = 0.0
     if elements is not None:
-        q = query.take(elements).view(batch, head_dim, columns)
+        q[..., :columns] = query.take(elements).view(batch, head_dim, columns)
     else:
-        q = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-        q = space.get("queries", (batch, head_dim, columns), device).copy_(
-            q.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
-        )
-    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, columns), device))
+        q_rows = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
+        q[..., :columns] = q_rows.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
+    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, padded), device))[..., :columns]
     # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
     masked = space.get("masked", (n, kv_heads, length, group_size, num_keys), device)
     masked.view(batch, columns, num_keys).copy_(scores.transpose(1, 2))
     masked[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
     probs = space.get("probs", (batch, columns, num_keys), device)
     torch.ops.aten._softmax.out(masked.view(batch, columns, num_keys), -1, False, out=probs)
-    context = space.get("context", (batch, head_dim, columns), device)
-    torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context)  # [n * kv_heads, d, L * group]
+    if padded > columns:
+        wide = space.get("padded_probs", (batch, padded, num_keys), device)
+        wide[:, columns:] = 0.0
+        wide[:, :columns] = probs
+        probs = wide
+    context = space.get("context", (batch, head_dim, padded), device)
+    torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context)  # [n * kv_heads, d, padded]
+    context = context[..., :columns]
     if elements is not None:
-        results.view(-1).index_copy_(0, elements, context.view(-1))
+        results.view(-1).index_copy_(0, elements, context.reshape(-1))
         return
-    context = context.view(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
+    context = context.reshape(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
     results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))

@@ -145,3 +145,20 @@ def test_a_chunk_from_mid_tile_across_three_tiles_gives_the_whole_prefill_bits()
     )
     for name in "ab":
         assert torch.equal(split[name], whole[name]), name
+
+
+def test_every_product_takes_at_least_the_minimum_columns(monkeypatch):
+    """BLAS may round a product with few columns by another kernel (MKL on AVX2 does below 12), so
+    a decode query's few columns are zero-padded: no product of the torch path is narrower."""
+    from megatron.core.inference.contexts import step_attention
+
+    bmm, widths = torch.bmm, []
+
+    def recording_bmm(a, b, out=None):
+        widths.append(b.shape[-1])
+        return bmm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "bmm", recording_bmm)
+    data = sequences({"a": 9, "b": 3})
+    run_steps(data, [[("a", 9), ("b", 2)], [("b", 1)]])
+    assert widths and min(widths) == step_attention.MIN_PRODUCT_COLUMNS
