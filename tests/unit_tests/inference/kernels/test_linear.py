@@ -91,6 +91,26 @@ def test_torch_path_gives_the_bits_of_row_tiles_whether_or_not_one_call_has_them
         assert list(linear._WHOLE_CALL_MATCHES.values()) == [False]
 
 
+def test_torch_path_multiplies_row_by_row_where_blas_rounds_a_row_by_its_tile_position(monkeypatch):
+    """A BLAS that rounds odd rows of a tile differently (simulated; MKL on AVX2 does for some
+    weight shapes) is found by the probe, and each row then gets its own call: its bits equal the
+    row's own whatever the batch."""
+    monkeypatch.setattr(linear, "_POSITION_FREE", {})
+    x, w, b = (t.cpu() for t in operands(70, 40, 72))
+    matmul = torch.matmul
+
+    def odd_rows_round_differently(a, m, out=None):
+        result = matmul(a, m, out=out)
+        result[1::2] += 1e-3
+        return result
+
+    monkeypatch.setattr(torch, "matmul", odd_rows_round_differently)
+    alone = torch.cat([matmul(x[i : i + 1], w.t()) for i in range(len(x))]) + b
+    assert torch.equal(linear.torch_invariant_linear(x, w, b), alone)
+    assert torch.equal(linear.torch_invariant_linear(x[5:6], w, b), alone[5:6])
+    assert list(linear._POSITION_FREE.values()) == [False]
+
+
 def test_k_step_and_slices_are_functions_of_the_weight_and_the_column_tile_widens_with_rows():
     assert {tile_config(2048, 5504, m, 2, 132).block_k for m in (1, 64, 65, 256)} == {128}
     assert tile_config(2048, 5504, 1, 4, 132).block_k == 64  # fp32
