@@ -11,12 +11,13 @@ tensors' dtypes.
 The backward saves nothing: it recomputes the pre-activation (for SiLU's derivative) from x, in
 two passes. The first reads x (the K shifted tap reads of a tile hit the cache) and the output
 gradient once and writes every token's pre-activation gradient, in fp32, to a scratch
-``[b, s, c]`` buffer; it also reduces the weight and bias gradients per program in fp32, summed
-over programs afterwards in a fixed order (deterministic). The second gathers token t's input
+``[b, s, c]`` buffer; it also sums the weight and bias gradients per program in fp32 (register
+tiles over the program's tokens, reduced once at its end), summed over programs afterwards in a
+fixed order (deterministic). The second gathers token t's input
 gradient from the pre-activation gradients of tokens t .. t + K - 1 (shifted reads of the
 scratch). One pass would recompute each token's pre-activation and SiLU K times (a register tile
 cannot be shifted), which made the backward about 16 times slower than its memory traffic on an
-H200 (2.5 ms per call at the hybrid benchmark's [8, 2048, 6144]).
+H200 (2.7 ms per call at the hybrid benchmark's [8, 2048, 6144]; these two passes: 1.3 ms).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors,
 which is how the unit tests check them without a GPU.
@@ -33,6 +34,7 @@ from megatron.core.ssm.triton_launch import backward_programs, check_channel_vie
 BLOCK_T = 32  # tokens per tile
 BLOCK_C = 128  # channels per tile (256 contiguous bytes of bf16)
 BWD_TILES_PER_PROGRAM = 8  # token tiles one backward program walks (fewer weight-grad partials)
+MAX_WIDTH = 4  # the backward keeps one register tile per tap (mamba-ssm's causal-conv1d: 2 to 4)
 
 
 @triton.jit
@@ -74,6 +76,26 @@ def _conv1d_silu_fwd_kernel(
 
 
 @triton.jit
+def _accumulate_tap(acc0, acc1, acc2, acc3, prod, k: tl.constexpr):
+    """``prod`` added to tap ``k``'s accumulator (a register tile cannot be indexed by a tap)."""
+    if k == 0:
+        acc0 += prod
+    elif k == 1:
+        acc1 += prod
+    elif k == 2:
+        acc2 += prod
+    else:
+        acc3 += prod
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_tap(dw_ptrs, acc, c_ok, k: tl.constexpr, WIDTH: tl.constexpr):
+    if k < WIDTH:
+        tl.store(dw_ptrs + k, tl.sum(acc, axis=0), mask=c_ok)
+
+
+@triton.jit
 def _conv1d_silu_bwd_dpre_kernel(
     x_ptr,
     w_ptr,
@@ -92,12 +114,13 @@ def _conv1d_silu_bwd_dpre_kernel(
     stride_wc,
     stride_wk,
     WIDTH: tl.constexpr,
-    WIDTH_POW2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Pass 1: each token's pre-activation gradient (fp32, into ``dpre [b, s, c]``) and the
-    program's weight and bias gradient partials, from the tap inputs read once per tile."""
+    program's weight and bias gradient partials. The partials accumulate elementwise in register
+    tiles (one per tap) over the program's token tiles and are reduced over tokens once, at the
+    end: a reduction per tile and tap made this pass 10 times slower than its memory traffic."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2)
@@ -107,9 +130,11 @@ def _conv1d_silu_bwd_dpre_kernel(
     dout_row = dout_ptr + batch.to(tl.int64) * stride_gb
     dpre_row = dpre_ptr + batch.to(tl.int64) * seqlen * channels
     bias = tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    taps = tl.arange(0, WIDTH_POW2)
-    dw_acc = tl.zeros((BLOCK_C, WIDTH_POW2), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for tile in range(tiles_per_program):
         t = ((pid_t * tiles_per_program + tile) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         t_ok = (t < seqlen)[:, None] & c_ok[None, :]
@@ -124,17 +149,19 @@ def _conv1d_silu_bwd_dpre_kernel(
         sig = tl.sigmoid(pre)
         dpre = g * sig * (1.0 + pre * (1.0 - sig))
         tl.store(dpre_row + t[:, None] * channels + c[None, :], dpre, mask=t_ok)
-        db_acc += tl.sum(dpre, axis=0)
+        db_acc += dpre
         for k in tl.static_range(WIDTH):  # the tap inputs again: cache hits of the loads above
             src = t - (WIDTH - 1) + k
             src_ok = (src >= 0) & (src < seqlen)
             xv = tl.load(x_row + src[:, None] * stride_xs + c[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0)
-            tap_sum = tl.sum(dpre * xv.to(tl.float32), axis=0)
-            dw_acc += tl.where(taps[None, :] == k, tap_sum[:, None], 0.0)
+            acc0, acc1, acc2, acc3 = _accumulate_tap(acc0, acc1, acc2, acc3, dpre * xv.to(tl.float32), k)
     part = batch * tl.num_programs(0) + pid_t
-    dw_ptrs = dw_part_ptr + (part * channels + c)[:, None] * WIDTH + taps[None, :]
-    tl.store(dw_ptrs, dw_acc, mask=c_ok[:, None] & (taps[None, :] < WIDTH))
-    tl.store(db_part_ptr + part * channels + c, db_acc, mask=c_ok)
+    dw_ptrs = dw_part_ptr + (part * channels + c) * WIDTH
+    _store_tap(dw_ptrs, acc0, c_ok, 0, WIDTH)
+    _store_tap(dw_ptrs, acc1, c_ok, 1, WIDTH)
+    _store_tap(dw_ptrs, acc2, c_ok, 2, WIDTH)
+    _store_tap(dw_ptrs, acc3, c_ok, 3, WIDTH)
+    tl.store(db_part_ptr + part * channels + c, tl.sum(db_acc, axis=0), mask=c_ok)
 
 
 @triton.jit
@@ -181,6 +208,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[i
             f"conv1d weight must be [{channels}, 1, width] and bias [{channels}], "
             f"got {tuple(weight.shape)} and {tuple(bias.shape)}"
         )
+    if weight.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"conv1d width (mamba_d_conv) must be at most {MAX_WIDTH}, got {weight.shape[-1]}")
     return batch, seqlen, channels, weight.shape[-1]
 
 
@@ -262,7 +291,6 @@ def conv1d_silu_backward(
         weight.stride(0),
         weight.stride(2),
         WIDTH=width,
-        WIDTH_POW2=triton.next_power_of_2(width),
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
         num_warps=8,

@@ -63,7 +63,7 @@ def reference_conv_grads(xBC, weight, bias, grad_out):
     return out.detach(), *(t.grad for t in leaves)
 
 
-@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("width", [2, 3, 4])
 def test_conv_forward_and_backward_match_reference_on_packed_views(width):
     xBC = packed_xbc(torch.float32)
     weight, bias = conv_params(width, torch.float32)
@@ -105,6 +105,9 @@ def test_conv_rejects_mismatched_weights_and_strided_channels():
         conv_fwd(xBC, weight[:-1], bias)
     with pytest.raises(ValueError, match="conv1d input needs channel stride 1"):
         conv_fwd(xBC.transpose(1, 2).contiguous().transpose(1, 2), weight, bias)
+    wide, _ = conv_params(5, torch.float32)
+    with pytest.raises(ValueError, match=r"conv1d width \(mamba_d_conv\) must be at most 4, got 5"):
+        conv_bwd(xBC, wide, bias, torch.zeros_like(xBC))
 
 
 NORM_ROWS_S, NORM_ROWS_B = 23, 3
