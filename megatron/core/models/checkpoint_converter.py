@@ -337,11 +337,15 @@ def convert(argv: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    joined = dist.is_initialized()
     try:
         path = convert(argv)
     except (ValueError, MegatronError) as error:  # bad input, or a corrupt checkpoint: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if not joined:  # the world convert joined: left before exit, so no gloo thread dies with the interpreter
+            parallel_state.destroy_distributed()
     print(f"converted {argv if argv is not None else sys.argv[1:]} -> {path}")
     return 0
 
