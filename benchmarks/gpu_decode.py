@@ -9,7 +9,8 @@ Models (bf16, random weights built in HF and converted with ``hf_mapping``):
   Mamba-2 state 128, head dim 64, 8 groups, ffn 8192, 16 heads), as a NemotronH model.
 
 At each concurrency (1, 8, 64, 256 requests of 128 random prompt tokens, 128 new tokens each,
-greedy, EOS ignored) it measures output tokens/s and time to first token of:
+greedy, EOS ignored) it measures output tokens/s and time to first token, from the run of median
+time of ``--trials`` (3) in which every side runs in turn, of:
 
 - ours with graphs (``enable_cuda_graphs`` left to the engine: graphs where the stage can be
   captured; the JSON says why not where not) and ours eager (``enable_cuda_graphs=False``),
@@ -192,8 +193,9 @@ def drive(engine: DynamicInferenceEngine, prompts, params, budget_s: float) -> d
 
 
 @torch.no_grad()
-def hf_generate(hf, prompts, new_tokens: int, device: torch.device, budget_s: float, **options) -> dict:
-    """One left-padded ``generate`` call over all prompts, after a full-size warm-up call."""
+def hf_generator(hf, prompts, new_tokens: int, device: torch.device, budget_s: float, **options):
+    """A function that times one left-padded ``generate`` call over all prompts; the full-size
+    warm-up call (which compiles the static-cache forward) runs here, once."""
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -215,14 +217,23 @@ def hf_generate(hf, prompts, new_tokens: int, device: torch.device, budget_s: fl
             **options,
         )
 
-    call()  # warm-up at full size (compiles the static-cache forward)
-    _sync(device)
-    started = time.perf_counter()
-    out = call()
-    _sync(device)
-    elapsed = time.perf_counter() - started
-    generated = out[:, longest:].tolist()
-    return dict(tokens=generated, elapsed_s=elapsed, timed_out=len(generated[0]) < new_tokens)
+    @torch.no_grad()
+    def timed() -> dict:
+        _sync(device)
+        started = time.perf_counter()
+        out = call()
+        _sync(device)
+        elapsed = time.perf_counter() - started
+        generated = out[:, longest:].tolist()
+        return dict(tokens=generated, elapsed_s=elapsed, timed_out=len(generated[0]) < new_tokens)
+
+    call()  # warm-up at full size
+    return timed
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median elapsed time (the upper median of an even count)."""
+    return sorted(runs, key=lambda run: run["elapsed_s"])[len(runs) // 2]
 
 
 def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
@@ -364,13 +375,23 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             print(f"{kind:6s} c={concurrency:<4d} | skipped: --model-budget-s spent", flush=True)
             continue
         prompts = make_prompts(concurrency, args.prompt_tokens, vocab, seed=concurrency)
-        row = dict(concurrency=concurrency)
-        runs = {}
-        for mode, engine in engines.items():
-            if mode == "graphs" and not graphs_on:
-                continue
+        row = dict(concurrency=concurrency, trials=args.trials)
+        modes = {mode: engine for mode, engine in engines.items() if mode != "graphs" or graphs_on}
+        for engine in modes.values():
             drive(engine, prompts, warmup, args.run_budget_s)  # the shapes of this concurrency
-            runs[mode] = drive(engine, prompts, params, args.run_budget_s)
+        hf_calls = {"hf_dynamic": hf_generator(hf, prompts, args.new_tokens, device, args.run_budget_s)}
+        if static_ok and concurrency in args.hf_static_concurrency:
+            hf_calls["hf_static"] = hf_generator(
+                hf, prompts, args.new_tokens, device, args.run_budget_s, cache_implementation="static"
+            )
+        trials = {name: [] for name in [*modes, *hf_calls]}
+        for _ in range(args.trials):  # alternating, so that clock and load drift hit every side alike
+            for mode, engine in modes.items():
+                trials[mode].append(drive(engine, prompts, params, args.run_budget_s))
+            for name, timed in hf_calls.items():
+                trials[name].append(timed())
+        runs = {mode: median_run(trials[mode]) for mode in modes}
+        hf_runs = {name: median_run(trials[name]) for name in hf_calls}
         context = args.prompt_tokens + args.new_tokens / 2
         roofline = concurrency / (step_bytes(ours, engines["eager"], concurrency, context) / bandwidth)
         row["roofline_tokens_per_s"] = roofline
@@ -389,11 +410,6 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             row["graph_vs_eager_identical_tokens"] = graphs["tokens"] == eager["tokens"]
             row["graph_vs_eager_identical_log_probs"] = graphs["log_probs"] == eager["log_probs"]
             row["ours_graphs_graph_steps"] = graphs["graph_steps"]
-        hf_runs = {"hf_dynamic": hf_generate(hf, prompts, args.new_tokens, device, args.run_budget_s)}
-        if static_ok and concurrency in args.hf_static_concurrency:
-            hf_runs["hf_static"] = hf_generate(
-                hf, prompts, args.new_tokens, device, args.run_budget_s, cache_implementation="static"
-            )
         best = runs.get("graphs", runs["eager"])
         for name, run in hf_runs.items():
             rate = _rate(concurrency, args, run)
@@ -487,6 +503,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-tokens-per-step", type=int, default=2048)
+    parser.add_argument("--trials", type=int, default=3, help="alternating timed runs per side (median kept)")
     parser.add_argument("--run-budget-s", type=float, default=30.0, help="a run past this is stopped and reported")
     parser.add_argument(
         "--model-budget-s",
