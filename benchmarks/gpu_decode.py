@@ -33,9 +33,10 @@ benchmark stays within a bounded time; the JSON is rewritten after every row.
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --hf-static-concurrency 64
     python -m benchmarks.gpu_decode --tiny --device cpu        (a smoke run of every code path)
 
-``--profile-steps N`` also runs ``torch.profiler`` over N decode steps of the default engine (graphs
-where captured) at each concurrency: per step the wall time and the GPU busy time (the union of
-the kernels' intervals), the kernels with the most device time, and (``cProfile`` over as many more
+``--profile-steps N`` also runs ``torch.profiler`` over the prefill steps and then N decode steps of
+the default engine (graphs where captured) at each concurrency: per step of each phase the wall
+time and the GPU busy time (the union of the kernels' intervals), the kernels with the most device
+time, and (``cProfile`` over as many more
 steps) the engine functions and device waits with the most host time, in the row's ``profile``.
 
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --no-unpadded --profile-steps 20
@@ -236,19 +237,52 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda run: run["elapsed_s"])[len(runs) // 2]
 
 
-def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
-    """``torch.profiler`` over ``num_steps`` decode steps of ``engine`` with ``prompts`` all decoding:
-    wall and GPU busy milliseconds per step, and the 10 kernels with the most device time."""
+def _kernel_summary(prof, num_steps: int, wall_s: float) -> dict:
+    """Per step of a ``torch.profiler`` run over ``num_steps`` steps: wall and GPU busy
+    milliseconds (the union of the kernels' intervals), kernel count, the 10 kernels with the
+    most device time."""
     from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
+    return dict(
+        steps=num_steps,
+        wall_ms_per_step=1e3 * wall_s / num_steps,
+        gpu_busy_ms_per_step=busy / 1e3 / num_steps,
+        gpu_busy_fraction=busy / 1e6 / wall_s,
+        kernels_per_step=len(kernels) / num_steps,
+        top_kernels=[
+            dict(name=name[:120], ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
+            for name, (total, count) in top
+        ],
+    )
+
+
+def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
+    """``torch.profiler`` over the prefill steps of ``prompts`` (until every request has its first
+    token; in ``prefill``) and then over ``num_steps`` decode steps with them all decoding: the
+    :func:`_kernel_summary` of each, and the host functions of as many more decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = [f"profile-{index}" for index in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    started_decoding = set()
-    while len(started_decoding) < len(ids):  # prefill done: every request has a token
-        started_decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prefill_prof:
+        started, prefill_steps = time.perf_counter(), 0
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(request_id, prompt, params)
+        started_decoding = set()
+        while len(started_decoding) < len(ids):  # prefill done: every request has a token
+            started_decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
+            prefill_steps += 1
+        _sync(device)
+        prefill_wall_s = time.perf_counter() - started
     graph_steps = engine.stats["graph_steps"]
     _sync(device)
     with profile(activities=activities) as prof:
@@ -263,26 +297,10 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
         engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    totals: dict[str, list[float]] = {}
-    for e in kernels:
-        entry = totals.setdefault(e.name, [0.0, 0])
-        entry[0] += e.time_range.elapsed_us()
-        entry[1] += 1
-    top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
-    return dict(
-        steps=num_steps,
+    return _kernel_summary(prof, num_steps, wall_s) | dict(
         graph_steps=graph_steps,
-        wall_ms_per_step=1e3 * wall_s / num_steps,
-        gpu_busy_ms_per_step=busy / 1e3 / num_steps,
-        gpu_busy_fraction=busy / 1e6 / wall_s,
-        kernels_per_step=len(kernels) / num_steps,
         host_functions=host,
-        top_kernels=[
-            dict(name=name[:120], ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
-            for name, (total, count) in top
-        ],
+        prefill=_kernel_summary(prefill_prof, prefill_steps, prefill_wall_s),
     )
 
 
@@ -436,6 +454,14 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
                 f"{profiled['gpu_busy_ms_per_step']:.2f} ms GPU busy per step "
                 f"({100 * profiled['gpu_busy_fraction']:.0f}%), {profiled['kernels_per_step']:.0f} kernels/step; "
                 "top: " + ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms" for k in profiled["top_kernels"][:5]),
+                flush=True,
+            )
+            prefill = profiled["prefill"]
+            print(
+                f"{kind:6s} c={concurrency:<4d} | profile of the {prefill['steps']} prefill steps: "
+                f"{prefill['wall_ms_per_step']:.2f} ms wall, "
+                f"{prefill['gpu_busy_ms_per_step']:.2f} ms GPU busy per step; "
+                "top: " + ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms" for k in prefill["top_kernels"][:5]),
                 flush=True,
             )
             print(
