@@ -19,7 +19,11 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   ``index_select`` gives the keys and values of every head of the group at once (the products
   read each matrix with a row stride), and the mask of the last tile. Masked keys past the piece
   read the request's key 0 instead of their own slot, so a stale NaN in a block tail can never
-  reach ``0 * NaN`` (as the reference zeroes such values); their probability is exactly 0.
+  reach ``0 * NaN`` (as the reference zeroes such values); their probability is exactly 0. A
+  layer makes three data movements for all groups at once: one gather of every group's keys and
+  values, one ``take`` of every group's queries in the products' layout (columns of the query
+  axis), one ``index_copy_`` of every result to its token's row (element indices made by the
+  step's first layer); the per-group work is the two products and the masked softmax between them.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
 requests, of queries per request, of padded keys) are the batch, the queries' axis and a
@@ -58,6 +62,7 @@ class _Group:
     kv_rows: torch.Tensor
     hidden: torch.Tensor  # [n, 1, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
     hidden_from: int  # K - KEY_TILE: every query of the group sees every key before its last tile
+    hidden_score: torch.Tensor  # -inf (0-dim): the score of a hidden key
     # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
     # row of its request) and writes its result to (a padding query: the scratch row past the step).
     query_rows: torch.Tensor
@@ -96,6 +101,21 @@ class AttentionWorkspace:
         return view
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where every group's operands lie in a layer's shared buffers, for one (query heads, head
+    dim): group ``i`` takes gathered rows ``[row_starts[i], row_starts[i + 1])`` and query elements
+    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, d,
+    L * group]`` (without the padding columns)."""
+
+    # [E]: the element of the scaled queries ``[T, q_heads, d]`` each product column takes, and the
+    # element of the results ``[T + 1, q_heads, d]`` it goes to (a padding query: the scratch row T).
+    query_elements: torch.Tensor
+    out_elements: torch.Tensor
+    row_starts: list[int]
+    element_starts: list[int]
+
+
 class StepAttention:
     """Paged attention over the step's requests (see module doc). Build with :meth:`plan`."""
 
@@ -115,7 +135,8 @@ class StepAttention:
         self._step = step
         self._workspace = workspace if workspace is not None else AttentionWorkspace()
         self._workspace.start_step()
-        self._elements: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._kv_rows = torch.cat([group.kv_rows for group in groups]) if groups else None
+        self._layouts: dict[tuple[int, int], _Layout] = {}
 
     @classmethod
     def plan(
@@ -166,11 +187,11 @@ class StepAttention:
         step = self._step
         head_dim = query.shape[-1]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
-        out = torch.zeros_like(query)
         count = step.num_tokens
         if not count:
-            return out
+            return torch.zeros_like(query)
         if self.backend == "triton":
+            out = torch.zeros_like(query)
             key_cache, value_cache = kv_cache.layer(layer_index)
             out[:count] = paged_attention(
                 query[:count],
@@ -188,28 +209,57 @@ class StepAttention:
         if cache_heads != self.kv_heads:
             raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {cache_heads}")
         rows = kv_cache.slots_from(layer_index)  # [*, kv_heads * d]: keys at slot, values further
+        space = self._workspace
+        padded_tokens, q_heads = query.shape[:2]
+        layout = self._layout(q_heads, head_dim)
+        device = query.device
         scaled = query.float() * scale
-        # One scratch row past the padded tokens takes the results of padding queries.
-        results = torch.zeros(query.shape[0] + 1, *query.shape[1:], dtype=torch.float32, device=query.device)
+        if rows.dtype == torch.float32:
+            gathered = space.get("gathered", (self._kv_rows.numel(), rows.shape[1]), device)
+            torch.index_select(rows, 0, self._kv_rows, out=gathered)
+        else:
+            gathered = rows.index_select(0, self._kv_rows).float()
+        queries = space.get("query_columns", (layout.query_elements.numel(),), device)
+        torch.take(scaled, layout.query_elements, out=queries)
+        context = space.get("context_columns", (layout.query_elements.numel(),), device)
         for index, group in enumerate(self._groups):
-            elements = self._decode_elements(index, query.shape[1], query.shape[2]) if group.num_queries == 1 else None
-            _attend_group(group, scaled, rows, results, self._workspace, elements)
+            elements = slice(layout.element_starts[index], layout.element_starts[index + 1])
+            _attend_group(
+                group,
+                gathered[layout.row_starts[index] : layout.row_starts[index + 1]],
+                queries[elements],
+                context[elements],
+                q_heads,
+                space,
+            )
+        # Every token's row gets its results; the padding tokens' rows are zero, and one scratch
+        # row past them takes the results of padding queries.
+        results = torch.empty(padded_tokens + 1, q_heads, head_dim, dtype=torch.float32, device=device)
+        results[count:].zero_()
+        results.view(-1).index_copy_(0, layout.out_elements, context)
         return results[:-1].to(query.dtype)
 
-    def _decode_elements(self, index: int, q_heads: int, head_dim: int) -> torch.Tensor:
-        """Flat element indices, into ``[T(+1), q_heads, d]``, of one-query group ``index``'s queries in
-        the layout ``[n * kv_heads, d, group]`` the products take (and give: each piece writes its
-        own row), made by the first layer of the step."""
-        key = (index, q_heads, head_dim)
-        if key not in self._elements:
-            group = self._groups[index]
-            kv_heads = group.kv_heads
-            group_size = q_heads // kv_heads
-            heads = torch.arange(q_heads, device=group.query_rows.device).view(1, kv_heads, 1, group_size)
-            dims = torch.arange(head_dim, device=group.query_rows.device).view(1, 1, head_dim, 1)
-            rows = group.query_rows.view(-1, 1, 1, 1) * (q_heads * head_dim)
-            self._elements[key] = (rows + heads * head_dim + dims).reshape(-1)
-        return self._elements[key]
+    def _layout(self, q_heads: int, head_dim: int) -> _Layout:
+        """The groups' element indices for queries of ``q_heads`` heads of ``head_dim`` (see
+        :class:`_Layout`), made by the first layer of the step."""
+        key = (q_heads, head_dim)
+        if key not in self._layouts:
+            query_elements, out_elements, row_starts, element_starts = [], [], [0], [0]
+            width = q_heads * head_dim
+            for group in self._groups:
+                n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
+                group_size = q_heads // kv_heads
+                device = group.query_rows.device
+                # [n, kv_heads, d, L, group]: piece r's query l, head (h, m), channel i
+                heads = torch.arange(q_heads, device=device).view(1, kv_heads, 1, 1, group_size)
+                dims = torch.arange(head_dim, device=device).view(1, 1, head_dim, 1, 1)
+                within = heads * head_dim + dims
+                for rows, elements in ((group.query_rows, query_elements), (group.out_rows, out_elements)):
+                    elements.append((rows.view(n, 1, 1, length, 1) * width + within).reshape(-1))
+                row_starts.append(row_starts[-1] + group.kv_rows.numel())
+                element_starts.append(element_starts[-1] + n * kv_heads * head_dim * length * group_size)
+            self._layouts[key] = _Layout(torch.cat(query_elements), torch.cat(out_elements), row_starts, element_starts)
+        return self._layouts[key]
 
 
 class _PiecePlan:
@@ -252,6 +302,7 @@ class _PiecePlan:
             # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
             hidden=hidden[:, None, :, None].to(device),
             hidden_from=hidden_from,
+            hidden_score=torch.tensor(float("-inf"), device=device),
             query_rows=self.query_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
             out_rows=self.out_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
             kv_heads=kv_heads,
@@ -263,58 +314,51 @@ class _PiecePlan:
 
 def _attend_group(
     group: _Group,
-    query: torch.Tensor,
-    cache_slots: torch.Tensor,
-    results: torch.Tensor,
+    gathered: torch.Tensor,
+    queries: torch.Tensor,
+    context: torch.Tensor,
+    q_heads: int,
     space: AttentionWorkspace,
-    elements: torch.Tensor | None = None,
 ) -> None:
-    """Write the group's attention (fp32) into ``results [T + 1, q_heads, d]`` from the scaled
-    ``query [T, q_heads, d]`` and one layer's ``cache_slots`` (:meth:`~kv_cache.PagedKVCache.slots_from`);
-    temporaries live in ``space``. ``elements`` (one-query groups): where the products' queries
-    come from and their results go, element by element (one op each way instead of four)."""
+    """The group's attention: from its ``gathered [2 * K * n, kv_heads * d]`` keys then values (of
+    ``group.kv_rows``) and its scaled ``queries`` as the products' columns ``[n * kv_heads, d, L *
+    group]`` (flat), write the weighted values ``context`` in the same layout (fp32); temporaries
+    live in ``space``."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
-    head_dim = cache_slots.shape[-1] // kv_heads
+    head_dim = gathered.shape[-1] // kv_heads
     length = group.num_queries
-    q_heads = query.shape[1]
     group_size = q_heads // kv_heads
-    batch, columns, device = n * kv_heads, length * group_size, query.device
+    batch, columns, device = n * kv_heads, length * group_size, gathered.device
+    # Keys and values of every head, key-major: the products' batch is (piece, KV head), each
+    # matrix [K, d] read with a row stride of n * kv_heads * d.
+    keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
     # Both products take at least MIN_PRODUCT_COLUMNS query columns, zero-padded (see the constant).
     padded = max(columns, MIN_PRODUCT_COLUMNS)
-    # Keys and values of every head in one gather of whole slots, key-major: the products' batch
-    # is (piece, KV head), each matrix [K, d] read with a row stride of n * kv_heads * d.
-    if cache_slots.dtype == torch.float32:
-        gathered = space.get("gathered", (group.kv_rows.numel(), cache_slots.shape[1]), device)
-        torch.index_select(cache_slots, 0, group.kv_rows, out=gathered)
-    else:
-        gathered = cache_slots.index_select(0, group.kv_rows).float()
-    keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
-    # Queries as [n * kv_heads, d, L * group] (then the padding columns): the columns of S = K @ Q^T.
-    q = space.get("queries", (batch, head_dim, padded), device)
-    q[..., columns:] = 0.0
-    if elements is not None:
-        q[..., :columns] = query.take(elements).view(batch, head_dim, columns)
-    else:
-        q_rows = query.index_select(0, group.query_rows).view(n, length, kv_heads, group_size, head_dim)
-        q[..., :columns] = q_rows.permute(0, 2, 4, 1, 3).reshape(batch, head_dim, columns)
-    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, padded), device))[..., :columns]
-    # Softmax reads the scores with the keys innermost: one copy into that layout, masked in place there.
-    masked = space.get("masked", (n, kv_heads, length, group_size, num_keys), device)
-    masked.view(batch, columns, num_keys).copy_(scores.transpose(1, 2))
-    masked[..., group.hidden_from :].masked_fill_(group.hidden, float("-inf"))
-    probs = space.get("probs", (batch, columns, num_keys), device)
-    torch.ops.aten._softmax.out(masked.view(batch, columns, num_keys), -1, False, out=probs)
+    q = queries.view(batch, head_dim, columns)  # the columns of S = K @ Q^T
     if padded > columns:
-        wide = space.get("padded_probs", (batch, padded, num_keys), device)
-        wide[:, columns:] = 0.0
-        wide[:, :columns] = probs
-        probs = wide
-    context = space.get("context", (batch, head_dim, padded), device)
-    torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context)  # [n * kv_heads, d, padded]
-    context = context[..., :columns]
-    if elements is not None:
-        results.view(-1).index_copy_(0, elements, context.reshape(-1))
+        q = space.get("padded_queries", (batch, head_dim, padded), device)
+        q[..., columns:] = 0.0
+        q[..., :columns] = queries.view(batch, head_dim, columns)
+    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, padded), device))[..., :columns]
+    # Softmax reads the scores with the keys innermost: one copy into that layout, the last tile
+    # masked on the way.
+    masked = space.get("masked", (batch, columns, num_keys), device)
+    by_query = scores.transpose(1, 2)
+    hidden_from = group.hidden_from
+    if hidden_from:
+        masked[..., :hidden_from].copy_(by_query[..., :hidden_from])
+    shape = (n, kv_heads, length, group_size, num_keys)
+    last_tile = masked.view(shape)[..., hidden_from:]
+    torch.where(group.hidden, group.hidden_score, by_query.view(shape)[..., hidden_from:], out=last_tile)
+    probs = space.get("probs", (batch, columns, num_keys), device)
+    torch.ops.aten._softmax.out(masked, -1, False, out=probs)
+    if padded == columns:
+        torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context.view(batch, head_dim, columns))
         return
-    context = context.reshape(n, kv_heads, head_dim, length, group_size).permute(0, 3, 1, 4, 2)
-    results.index_copy_(0, group.out_rows, context.reshape(n * length, q_heads, head_dim))
+    wide = space.get("padded_probs", (batch, padded, num_keys), device)
+    wide[:, columns:] = 0.0
+    wide[:, :columns] = probs
+    weighted = space.get("padded_context", (batch, head_dim, padded), device)
+    torch.bmm(values.transpose(1, 2), wide.transpose(1, 2), out=weighted)
+    context.view(batch, head_dim, columns).copy_(weighted[..., :columns])
