@@ -357,15 +357,18 @@ class MambaMixer(nn.Module):
 
     def _packed_token_by_token(self, backend, xBC, dt, inference_context):
         """The recurrence of :meth:`_packed_step` in torch: the ``j``-th token of every request
-        that has one, together, padded to ``T`` rows so every call has the same shape."""
+        that has one, together, padded to the smallest of the step's ``row_buckets`` that holds
+        them (sizes whose rows the engine checked bitwise against the largest), else to ``T``
+        rows, so every call has a checked shape."""
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
         starts, lengths = step.cu_query_lengths[:-1], step.query_lengths
-        num_rows = xBC.shape[0]
-        y = xBC.new_zeros(num_rows, self.dims.local(self.dims.d_inner))
+        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        buckets = getattr(step, "row_buckets", ())
         for offset in range(int(lengths.max()) if lengths.numel() else 0):
             rows = (lengths > offset).nonzero().squeeze(1)
             count = rows.numel()
+            num_rows = next((size for size in buckets if size >= count), xBC.shape[0])
             tokens = torch.zeros(num_rows, dtype=torch.long, device=xBC.device)
             tokens[:count] = starts[rows] + offset
             conv = conv_state.new_zeros(num_rows, *conv_state.shape[1:])

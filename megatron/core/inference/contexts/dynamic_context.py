@@ -140,6 +140,10 @@ class StepBatch:
     host_query_lengths: tuple[int, ...]  # [R]
     host_kv_offsets: tuple[int, ...]  # [R]
     decode_only: bool  # every row has exactly one new token
+    # Row counts at which the per-row kernels give every row the bits they give at T (the engine's
+    # checked step buckets): a kernel run over part of the step's rows may pad them to the
+    # smallest that holds them. Empty: to T.
+    row_buckets: tuple[int, ...] = ()
 
     @property
     def num_padded_tokens(self) -> int:
@@ -560,6 +564,7 @@ class DynamicInferenceContext:
         pad_to_tokens: int | None = None,
         pad_to_requests: int | None = None,
         pending_tokens: torch.Tensor | None = None,
+        row_buckets: Sequence[int] = (),
     ) -> StepBatch:
         """Pack ``(request_id, num_new_tokens)`` entries into this step's :class:`StepBatch`
         (also kept as ``self.step`` for the hooks). Each request's next uncomputed tokens are
@@ -571,6 +576,7 @@ class DynamicInferenceContext:
                 static-buffer decode path: then ``pad_to_tokens`` must equal it).
             pending_tokens: the device tensor a step in flight samples into; a request's pending
                 token (:meth:`append_pending_token`) is read from it on the device.
+            row_buckets: the step's :attr:`StepBatch.row_buckets` (sorted).
         """
         if self.step is not None:
             raise StepError("the previous step was not committed; call commit_step() first")
@@ -693,6 +699,7 @@ class DynamicInferenceContext:
             host_query_lengths=tuple(q_lens),
             host_kv_offsets=tuple(offsets),
             decode_only=all(n == 1 for n in q_lens),
+            row_buckets=tuple(row_buckets),
         )
         if self.spec.attention_layer_numbers:
             self._step_attention = StepAttention.plan(

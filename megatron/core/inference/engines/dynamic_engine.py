@@ -474,7 +474,12 @@ class DynamicInferenceEngine:
             self._stats["graph_steps"] += 1
         else:
             pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
-            batch = self.context.build_step(schedule, pad_to_tokens=pad, pending_tokens=pending)
+            batch = self.context.build_step(
+                schedule,
+                pad_to_tokens=pad,
+                pending_tokens=pending,
+                row_buckets=self.buckets.sizes if self.buckets is not None else (),
+            )
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
                 result = self.runner.forward(self.context, batch)

@@ -48,8 +48,25 @@ def _record_steps(engine) -> list[tuple[int, int]]:
 
 
 @on_single_rank
-def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg):
+def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
     model = hybrid_model(pg)
+    token_by_token, one_token_step = MambaMixer._packed_token_by_token, MambaMixer._step
+    prefill_calls, step_size = [], []  # (rows of a one-token call, its prefill step's padded size)
+
+    def recording_prefill(self, backend, xBC, *args):
+        step_size.append(xBC.shape[0])
+        try:
+            return token_by_token(self, backend, xBC, *args)
+        finally:
+            step_size.clear()
+
+    def recording_step(self, backend, xBC, *args):
+        if step_size:
+            prefill_calls.append((xBC.shape[0], step_size[0]))
+        return one_token_step(self, backend, xBC, *args)
+
+    monkeypatch.setattr(MambaMixer, "_packed_token_by_token", recording_prefill)
+    monkeypatch.setattr(MambaMixer, "_step", recording_step)
     padded = DynamicInferenceEngine(
         model, enable_cuda_graphs=False, enable_chunked_prefill=True, pg_collection=pg, **ARGS
     )
@@ -60,7 +77,12 @@ def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg):
     unpadded.buckets = StepBuckets(list(range(1, ARGS["max_tokens_per_step"] + 1)))  # every size: no padding
     padded_steps, unpadded_steps = _record_steps(padded), _record_steps(unpadded)
     want = run(unpadded, prompts(LENGTHS), STAGGERED)
+    prefill_calls.clear()
     got = run(padded, prompts(LENGTHS), STAGGERED)
+    # The prefill steps' token-by-token recurrence runs each position's requests at the smallest
+    # checked bucket that holds them, not at the step's padded size.
+    assert prefill_calls and {rows for rows, _ in prefill_calls} <= set(padded.buckets.sizes)
+    assert any(rows < size for rows, size in prefill_calls)
     assert all(tokens == rows for tokens, rows in unpadded_steps)
     assert any(rows > tokens for tokens, rows in padded_steps)
     assert any(rows > tokens == 3 for tokens, rows in padded_steps)  # a decode step of 3 ran at bucket 4
