@@ -12,6 +12,7 @@ the sequence path runs on whole sequences of ``1/cp`` of the heads (:mod:`mamba_
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -359,24 +360,41 @@ class MambaMixer(nn.Module):
         """The recurrence of :meth:`_packed_step` in torch: the ``j``-th token of every request
         that has one, together, padded to the smallest of the step's ``row_buckets`` that holds
         them (sizes whose rows the engine checked bitwise against the largest), else to ``T``
-        rows, so every call has a checked shape."""
+        rows, so every call has a checked shape. The requests run longest first, so those with a
+        ``j``-th token are a prefix of the working states; a request's states go back to it once,
+        after its last token (the rows past the prefix only pad later calls)."""
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
-        starts, lengths = step.cu_query_lengths[:-1], step.query_lengths
-        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        lengths = step.host_query_lengths
+        starts = [0, *itertools.accumulate(lengths)]
+        order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
         buckets = getattr(step, "row_buckets", ())
-        for offset in range(int(lengths.max()) if lengths.numel() else 0):
-            rows = (lengths > offset).nonzero().squeeze(1)
-            count = rows.numel()
-            num_rows = next((size for size in buckets if size >= count), xBC.shape[0])
-            tokens = torch.zeros(num_rows, dtype=torch.long, device=xBC.device)
-            tokens[:count] = starts[rows] + offset
-            conv = conv_state.new_zeros(num_rows, *conv_state.shape[1:])
-            ssm = ssm_state.new_zeros(num_rows, *ssm_state.shape[1:])
-            conv[:count], ssm[:count] = conv_state[rows], ssm_state[rows]
-            out = self._step(backend, xBC[tokens, None], dt[tokens, None], conv, ssm)[:, 0]
-            y[tokens[:count]] = out[:count].to(y.dtype)
-            conv_state[rows], ssm_state[rows] = conv[:count], ssm[:count]
+
+        def padded_rows(count: int) -> int:
+            return next((size for size in buckets if size >= count), xBC.shape[0])
+
+        device = xBC.device
+        rows = torch.tensor(order, dtype=torch.long, device=device)
+        width = padded_rows(len(order))
+        conv = conv_state.new_zeros(width, *conv_state.shape[1:])
+        ssm = ssm_state.new_zeros(width, *ssm_state.shape[1:])
+        conv[: len(order)], ssm[: len(order)] = conv_state[rows], ssm_state[rows]
+        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        active = len(order)
+        for offset in range(lengths[order[0]] if order else 0):
+            done = active
+            while lengths[order[active - 1]] <= offset:
+                active -= 1
+            if active < done:  # these requests had their last token: their states go back
+                conv_state.index_copy_(0, rows[active:done], conv[active:done])
+                ssm_state.index_copy_(0, rows[active:done], ssm[active:done])
+            num_rows = padded_rows(active)
+            positions = [starts[row] + offset for row in order[:active]] + [0] * (num_rows - active)
+            tokens = torch.tensor(positions, dtype=torch.long, device=device)
+            out = self._step(backend, xBC[tokens, None], dt[tokens, None], conv[:num_rows], ssm[:num_rows])[:, 0]
+            y.index_copy_(0, tokens[:active], out[:active].to(y.dtype))
+        conv_state.index_copy_(0, rows[:active], conv[:active])
+        ssm_state.index_copy_(0, rows[:active], ssm[:active])
         return y
 
     def _packed_chunked_prefill(self, backend, xBC, dt, inference_context):
