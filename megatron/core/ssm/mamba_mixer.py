@@ -50,9 +50,11 @@ class MambaInferenceContext(Protocol):
 
     A context with a ``step`` attribute (the dynamic context's packed batch) instead packs R
     requests as ``[T, 1]`` tokens, request ``r``'s at ``step.cu_query_lengths[r]:[r + 1]``
-    (``step.query_lengths`` each; ``step.num_tokens`` real tokens, ``step.request_ids``;
-    ``step.decode_only``: one token per request row, on the host), and ``mamba_states`` has one
-    row per request. Such a context may also offer
+    (``step.query_lengths`` each, ``step.host_query_lengths`` on the host; ``step.num_tokens``
+    real tokens, ``step.request_ids``; ``step.decode_only``: one token per request row, on the
+    host; ``step.row_buckets``: the row counts a part of the step may be padded to, see
+    :class:`~megatron.core.inference.contexts.dynamic_context.StepBatch`), and ``mamba_states``
+    has one row per request. Such a context may also offer
     ``mamba_state_slots(layer_number) -> (conv_slots [S, ...], ssm_slots [S, ...], slot_ids [R])``:
     the layer's slot tensors themselves and the step's slot of each request (on the device), for
     the Triton kernels that update the slots in place (a layer uses one of the two hooks per step).
@@ -368,7 +370,7 @@ class MambaMixer(nn.Module):
         lengths = step.host_query_lengths
         starts = [0, *itertools.accumulate(lengths)]
         order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
-        buckets = getattr(step, "row_buckets", ())
+        buckets = step.row_buckets
 
         def padded_rows(count: int) -> int:
             return next((size for size in buckets if size >= count), xBC.shape[0])
