@@ -191,10 +191,10 @@ class StepAttention:
         if not count:
             return torch.zeros_like(query)
         if self.backend == "triton":
-            out = torch.zeros_like(query)
+            # The lengths are read on the device; rows past them (padding) come back zero.
             key_cache, value_cache = kv_cache.layer(layer_index)
-            out[:count] = paged_attention(
-                query[:count],
+            return paged_attention(
+                query,
                 key_cache,
                 value_cache,
                 step.block_tables,
@@ -204,7 +204,6 @@ class StepAttention:
                 backend="triton",
                 validate=False,  # build_step made the lengths consistent; checking reads them on the host
             )
-            return out
         cache_heads = kv_cache.data.shape[-2]
         if cache_heads != self.kv_heads:
             raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {cache_heads}")
