@@ -131,14 +131,16 @@ def _freqs_strides(freqs: torch.Tensor, batch: int) -> tuple[int, int]:
 
 def split_rotary_forward(qkv, freqs, heads, groups, head_dim):
     """``(q, k, v)`` of :func:`megatron.core.fusions.rope.split_qkv`: new tensors of shape
-    ``[s, b, n, d]`` stored batch-major (``[b, s, n, d]`` memory, as attention kernels read it)."""
+    ``[s, b, n, d]`` stored batch-major (``[b, s, n, d]`` memory, as attention kernels read it);
+    ``k`` and ``v`` are the two planes of one buffer (a paged KV cache stores both in one copy)."""
     qkv = qkv.contiguous()
     s, b, _ = qkv.shape
 
-    def batch_major(n):
-        return torch.empty(b, s, n, head_dim, device=qkv.device, dtype=qkv.dtype).transpose(0, 1)
+    def batch_major(*planes, n):
+        return torch.empty(*planes, b, s, n, head_dim, device=qkv.device, dtype=qkv.dtype).transpose(-4, -3)
 
-    q, k, v = batch_major(heads), batch_major(groups), batch_major(groups)
+    q = batch_major(n=heads)
+    k, v = batch_major(2, n=groups).unbind(0)
     block_h, block_d, warps = _blocks(heads, groups, head_dim)
     _split_rotary_fwd_kernel[(s * b,)](
         qkv,

@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.fusions import fusion_backend, split_qkv
 from megatron.core.fusions.rope import split_qkv_reference
+from megatron.core.inference.contexts.kv_cache import planes_of_one_tensor
 from megatron.core.transformer.rope import RotaryEmbedding
 from tests.unit_tests.fusions.kernels import DEVICE, assert_bitwise_equal, assert_triton_matches_torch, leaf
 
@@ -91,3 +92,12 @@ def test_forward_only_torch_path_reuses_angles_only_while_they_are_unchanged():
     check(qkv, freqs)
     check(qkv, freqs.clone() + 0.25)  # another tensor
     check(qkv.bfloat16(), freqs)  # another dtype
+
+
+def test_fused_split_gives_k_and_v_as_two_planes_of_one_buffer():
+    """(A paged KV cache then stores both in one copy: see ``PagedKVCache.store``.)"""
+    qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32)
+    with fusion_backend("triton"):
+        _, k, v = split_qkv(qkv.detach(), 4, 2, 8, freqs)
+    pair = planes_of_one_tensor(k, v)
+    assert pair is not None and torch.equal(pair[0], k) and torch.equal(pair[1], v)

@@ -62,7 +62,28 @@ class PagedKVCache:
         return flat[layer_index * (self.data.stride(1) // flat.shape[1]) :]
 
     def store(self, layer_index: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``."""
-        for plane, tokens in ((0, key), (1, value)):
-            flat = self.data[plane, layer_index].view(-1, *self.data.shape[-2:])
-            flat.index_copy_(0, slot_mapping, tokens.to(self.data.dtype))
+        """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``:
+        one copy when they are two planes of one tensor (as the fused RoPE split makes them)."""
+        planes = self.data[:, layer_index].flatten(1, 2)  # [2, slots, heads, dim]
+        pair = planes_of_one_tensor(key, value)
+        if pair is not None:
+            planes.index_copy_(1, slot_mapping, pair.to(self.data.dtype))
+            return
+        for plane, tokens in zip(planes, (key, value), strict=True):
+            plane.index_copy_(0, slot_mapping, tokens.to(self.data.dtype))
+
+
+def planes_of_one_tensor(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """A ``[2, *first.shape]`` view whose planes are ``first`` and ``second``, where both lie in one
+    storage with the same shape, strides and dtype, ``second`` further on; else None."""
+    if (first.shape, first.stride(), first.dtype, first.device) != (
+        second.shape,
+        second.stride(),
+        second.dtype,
+        second.device,
+    ):
+        return None
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None
+    gap = second.storage_offset() - first.storage_offset()
+    return first.as_strided((2, *first.shape), (gap, *first.stride())) if gap > 0 else None
