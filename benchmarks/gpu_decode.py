@@ -353,8 +353,10 @@ def _rate(num_requests: int, args, run: dict) -> float | None:
 
 def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, result: dict) -> dict:
     """Fill ``result`` (in the report: written after each row) with the model's rows."""
-    args.deadline = time.monotonic() + args.model_budget_s
+    started = time.monotonic()
+    args.deadline = started + args.model_budget_s
     hf, ours = build_models(kind, args, pg, device)
+    print(f"{kind}: models built in {time.monotonic() - started:.0f} s", flush=True)
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=True)
     max_requests = max(args.concurrency)
@@ -381,11 +383,13 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
         f"{kind}: decode CUDA graphs captured for buckets {decode_graphs.buckets}"
         if captured
         else f"{kind}: decode CUDA graphs not captured ({engines['graphs'].cuda_graphs_blocker or 'not on CUDA'})",
+        f"(engines ready at {time.monotonic() - started:.0f} s)",
         flush=True,
     )
     warmup = dataclasses.replace(params, max_tokens=8)
-    for engine in engines.values():  # compile Triton kernels, settle the allocator
+    for mode, engine in engines.items():  # compile Triton kernels, settle the allocator
         drive(engine, make_prompts(max_requests, args.prompt_tokens, vocab, seed=99), warmup, args.run_budget_s)
+        print(f"{kind}: {mode} engine warmed up at {time.monotonic() - started:.0f} s", flush=True)
     static_ok = kind == "gpt"  # NemotronH keeps its own hybrid cache: no static cache
     for concurrency in args.concurrency:
         if _model_time_left_s(args) < 0:
