@@ -192,7 +192,7 @@ def attention_section(timer: Timer, copy_bw: float, checks: dict) -> list[dict]:
 
 # ---- 2. GEMM -------------------------------------------------------------------------------
 def gemm_section(timer: Timer, copy_bw: float, checks: dict) -> dict:
-    from megatron.core.inference.kernels.matmul_triton import BLOCK_M, device_sm_count, tile_config, triton_linear
+    from megatron.core.inference.kernels.matmul_triton import device_sm_count, tile_config, triton_linear
 
     rows, per_step = [], {m: {"ours": 0.0, "cublas": 0.0} for m in ROWS}
     sms = device_sm_count(torch.cuda.current_device())
@@ -222,7 +222,7 @@ def gemm_section(timer: Timer, copy_bw: float, checks: dict) -> dict:
                 "N": n,
                 "K": k,
                 "M": m,
-                "tile": f"{BLOCK_M}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}",
+                "tile": f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}",
                 "ours_us": times["ours"] * 1e6,
                 "cublas_us": times["cublas"] * 1e6,
                 "ours_vs_cublas": times["cublas"] / times["ours"],

@@ -120,12 +120,17 @@ def test_k_step_and_slices_are_functions_of_the_weight_and_the_column_tile_widen
     assert tile_config(520, 72, 1, 4, 8).block_n == 64 and tile_config(520, 72, 70, 4, 8).block_n == 128
     # A down projection (K >= 2N): 43 K tiles in 8 slices of 6, whatever the rows; on programs of
     # their own (64-wide column tiles, 32 x 8 programs) up to 64 rows, summed in one program beyond.
-    down = [tile_config(2048, 5504, m, 2, 132) for m in (1, 8, 64, 65, 2048)]
+    down = [tile_config(2048, 5504, m, 2, 132) for m in (1, 8, 64, 65, 1023)]
     assert {config.slice_tiles for config in down} == {6}
     assert [config.split for config in down] == [True, True, True, False, False]
     assert down[0].block_n == 64
     # Square and wide weights keep one slice (all 16 K tiles): a single chain of products.
-    assert {tile_config(n, 2048, m, 2, 132).slice_tiles for n in (2048, 6144, 50304) for m in (1, 2048)} == {16}
+    assert {tile_config(n, 2048, m, 2, 132).slice_tiles for n in (2048, 6144, 50304) for m in (1, 1023)} == {16}
+    # Long 16-bit prefill steps: 128-row tiles with 64-deep K steps, the same slices in K elements.
+    long = [tile_config(n, k, 2048, 2, 132) for n, k in ((6144, 2048), (2048, 5504))]
+    assert [(c.block_m, c.block_k, c.num_warps) for c in long] == [(128, 64, 8)] * 2
+    assert [c.slice_tiles * c.block_k for c in long] == [2048, 6 * 128]
+    assert tile_config(6144, 2048, 1023, 2, 132).block_m == 64 and tile_config(6144, 2048, 2048, 4, 132).block_m == 64
 
 
 @on_single_rank
@@ -167,11 +172,12 @@ def test_backend_resolution_argument_then_environment_then_device(monkeypatch):
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11008, 2048), (2048, 5504), (50304, 2048)])
 def test_gpu_gemm_rows_are_bitwise_the_same_at_every_bucket_and_match_cublas(n, k):
-    """The 1.4B model's shapes in bf16: each bucket's rows equal the 256-row batch's bitwise,
-    and the GEMM agrees with cuBLAS to bf16 rounding."""
-    x, w, _ = operands(256, n, k, dtype=torch.bfloat16)
+    """The 1.4B model's shapes in bf16: each bucket's rows equal the 2048-row batch's bitwise
+    (decode tiles and the long-prefill tiles alike), and the GEMM agrees with cuBLAS to bf16
+    rounding."""
+    x, w, _ = operands(2048, n, k, dtype=torch.bfloat16)
     full = invariant_linear(x, w)
-    for rows in (1, 2, 3, 4, 8, 16, 31, 32, 64, 128, 200):
+    for rows in (1, 2, 3, 4, 8, 16, 31, 32, 64, 128, 200, 256, 512, 1023, 1024, 1500):
         assert torch.equal(invariant_linear(x[:rows], w), full[:rows]), rows
     assert torch.equal(invariant_linear(torch.roll(x, 77, 0), w), torch.roll(full, 77, 0))
     want = x.float() @ w.float().t()
