@@ -60,11 +60,18 @@ def test_streamed_tokens_match_the_engine_and_end_with_one_terminal_output():
 
 
 def test_two_replicas_share_the_load():
+    """Least-pending routing: 20 requests submitted while both engines hold theirs (paused, so
+    none finishes and frees a place early, as one could on a slow machine) split 10/10."""
     engines = [HashEngine(step_delay_s=0.002), HashEngine(step_delay_s=0.002)]
+    for engine in engines:
+        engine.pause()
     with running_cluster(engines) as coordinator:
 
         async def scenario(client):
             handles = [await client.submit([i], GREEDY) for i in range(20)]
+            await async_wait_until(lambda: sum(len(e.requests) for e in engines) == 20, "every request at an engine")
+            for engine in engines:
+                engine.resume()
             return [await h.result() for h in handles]
 
         results = run_with_client(coordinator, scenario)
