@@ -48,6 +48,15 @@ def _raw_pair(address: str, curve: tuple[bytes, bytes, bytes] | None = None) -> 
     return peer
 
 
+def _offer(peer: zmq.Socket, frame: bytes) -> None:
+    """Queue ``frame`` on ``peer`` if its pipe is up; never wait (a peer whose one handshake
+    already failed has no pipe, and a PAIR send would then block for good)."""
+    try:
+        peer.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def _receive_one(channel: HandoffChannel) -> list:
     messages = []
     while not messages:
@@ -64,7 +73,7 @@ def test_only_a_holder_of_the_engine_key_pair_gets_a_frame_through():
     stop = msgpack.packb(["stop", {}])
     try:
         plain = _raw_pair(worker.address)  # no CURVE at all
-        plain.send(stop)
+        _offer(plain, stop)
         # which end notices the mechanism mismatch first is a race: the worker's end reports it
         # as a protocol failure, or the plain peer's hang-up as one without detail
         failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -76,7 +85,7 @@ def test_only_a_holder_of_the_engine_key_pair_gets_a_frame_through():
         stranger.close()
 
         client = _raw_pair(worker.address, (*launch.pair(Role.CLIENT), launch.engine_public))  # this launch, wrong role
-        client.send(stop)
+        _offer(client, stop)
         failures.wait_for(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         client.close()
         assert worker.auth_failures == 1
