@@ -583,28 +583,25 @@ class DynamicInferenceContext:
         bs = self.block_size
         ids, token_ids, positions, slots, q_lens, offsets, rows, mamba_slots = [], [], [], [], [], [], [], []
         pending_targets, pending_sources = [], []
-        seen = set()
+        states = self._requests
         for request_id, num_new in schedule:
-            state = self.request(request_id)
+            state = states.get(request_id)
+            if state is None:
+                raise UnknownRequestError(f"request {request_id!r} is not in the context")
             start = state.num_computed_tokens
             tokens = state.tokens
             blocks = state.block_ids
             end = start + num_new
-            problem = (
-                "appears twice"
-                if request_id in seen
-                else "is paused"
-                if state.paused
-                else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
-                if not 1 <= num_new <= len(tokens) - start
-                else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
-                if len(blocks) * bs < end
-                else None
-            )
-            if problem:
+            if state.paused or not 1 <= num_new <= len(tokens) - start or len(blocks) * bs < end:
+                problem = (
+                    "is paused"
+                    if state.paused
+                    else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
+                    if not 1 <= num_new <= len(tokens) - start
+                    else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
+                )
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
-            seen.add(request_id)
             if state.num_pending_tokens and end == len(tokens):
                 if pending_tokens is None:
                     raise StepError(f"request {request_id!r} has a pending token but no pending_tokens were given")
@@ -615,13 +612,16 @@ class DynamicInferenceContext:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                token_ids.extend(tokens[start:end])
-                positions.extend(range(start, end))
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+                token_ids += tokens[start:end]
+                positions += range(start, end)
+                slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             q_lens.append(num_new)
             offsets.append(start)
             rows.append(state.table_row)
             mamba_slots.append(state.mamba_slot)
+        if len(set(ids)) < len(ids):
+            twice = next(request_id for index, request_id in enumerate(ids) if request_id in ids[:index])
+            raise StepError(f"request {twice!r} appears twice")
         num_tokens = sum(q_lens)
         if num_tokens > self.max_tokens_per_step:
             raise StepError(f"step has {num_tokens} tokens, more than max_tokens_per_step={self.max_tokens_per_step}")
@@ -677,8 +677,11 @@ class DynamicInferenceContext:
             else self.blocks_for_tokens(max(kv_lengths, default=0))  # the longest row's blocks
         )
         token_ids_view = buffers.field(device, "token_ids", padded)
-        if pending_targets:
-            num_pending = len(pending_targets)
+        num_pending = len(pending_targets)
+        if num_pending and pending_targets[-1] == num_pending - 1 and pending_sources == pending_targets:
+            # Rows 0..n-1 (the targets increase) take sampled tokens 0..n-1, as in a steady decode batch: one copy.
+            token_ids_view[:num_pending].copy_(pending_tokens[:num_pending])
+        elif num_pending:
             pending_index = to_device(torch.tensor(pending_targets + pending_sources), self.device)  # one copy
             token_ids_view.index_copy_(
                 0, pending_index[:num_pending], pending_tokens.index_select(0, pending_index[num_pending:])

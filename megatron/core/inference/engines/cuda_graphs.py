@@ -5,9 +5,12 @@ A decode-only step of ``R`` requests runs at the bucket ``b >= R`` of the engine
 step buffers with ``b`` request rows (the rows past ``R`` are padding requests: one token that
 attends the dummy block and uses the scratch Mamba slot), so every step of bucket ``b`` reads the
 same addresses. :meth:`DecodeGraphs.capture` records, for each bucket, the model's forward over
-those views and the write-back of the Mamba states; :meth:`DecodeGraphs.run` replays it after the
-step's inputs were copied in, and returns the graph's static logits and decoder output. Sampling
-runs after the graph, eagerly on the device (where per-request logits processors fit).
+those views, the write-back of the Mamba states and the per-row log-softmax of the logits (the
+log-probs, by the same row-invariant kernel an eager step samples with, so they are the same bits
+and the host launches one graph instead of the log-softmax kernel too); :meth:`DecodeGraphs.run`
+replays it after the step's inputs were copied in, and returns the graph's static logits, decoder
+output and log-probs. Sampling runs after the graph, eagerly on the device (where per-request
+logits processors fit).
 
 On a CPU device nothing is captured: :meth:`run` runs the same static-buffer step eagerly, which
 is how the tests check that this path gives exactly the outputs of the dynamic one.
@@ -23,6 +26,7 @@ import argparse
 
 import torch
 
+from megatron.core.inference import kernels
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
 from megatron.core.inference.contexts.paged_attention import resolve_backend
 from megatron.core.inference.model_runner import ModelRunner
@@ -69,7 +73,7 @@ class DecodeGraphs:
         limit = next((b for b in fitting if b >= context.capacity.max_requests), None)
         self.buckets = [b for b in fitting if limit is None or b <= limit]
         self.capturing = capture
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def bucket_for(self, num_requests: int) -> int | None:
         """The bucket of a decode step of ``num_requests`` requests (None: above every bucket)."""
@@ -94,22 +98,23 @@ class DecodeGraphs:
             current.wait_stream(warmup)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits, hidden = self._forward(batch)
+                outputs = self._forward(batch)
             pool = graph.pool()
             self.context.commit_step()
-            self._graphs[bucket] = (graph, logits, hidden)
+            self._graphs[bucket] = (graph, outputs)
         torch.cuda.synchronize()
 
-    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [b, V], hidden [b, h])`` of a static decode batch (built with
-        ``pad_to_requests=b``); replayed from its graph when captured. On the last stage only."""
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits [b, V] fp32, hidden [b, h], log_probs [b, V] fp32)`` of a static decode batch
+        (built with ``pad_to_requests=b``); replayed from its graph when captured. On the last
+        stage only."""
         if not self.capturing:
             return self._forward(batch)
-        graph, logits, hidden = self._graphs[batch.num_rows]
+        graph, outputs = self._graphs[batch.num_rows]
         graph.replay()
-        return logits, hidden
+        return outputs
 
-    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.runner.forward(self.context, batch)
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, hidden = self.runner.forward(self.context, batch)
         self.context.write_back_step_states()
-        return out
+        return logits, hidden, kernels.log_softmax(logits)

@@ -95,6 +95,7 @@ class _Step:
     logits: torch.Tensor | None  # [T, V] fp32 (last stage)
     hidden: torch.Tensor | None  # [T, h] (last stage)
     positions: torch.Tensor | None  # [T] (for the MTP drafter)
+    log_probs: torch.Tensor | None  # [T, V] fp32 log-softmax of every row (decode graphs), or None
     # Filled by _sample: per scheduled request, its rows among the sampled ones, its prompt
     # log-prob count, its top log-prob width, and the draft tokens its rows verify.
     sample_rows: list[range] = field(default_factory=list)
@@ -470,7 +471,7 @@ class DynamicInferenceEngine:
             )
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
-                result = self.graphs.run(batch)
+                logits, hidden, log_probs = self.graphs.run(batch)
             self._stats["graph_steps"] += 1
         else:
             pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
@@ -483,6 +484,8 @@ class DynamicInferenceEngine:
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
                 result = self.runner.forward(self.context, batch)
+            logits, hidden = result if result is not None else (None, None)
+            log_probs = None
         self._stats["prefill_tokens_computed"] += sum(
             max(min(entry.num_tokens, entry.request.prefill_target - offset), 0)
             for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True)
@@ -490,8 +493,8 @@ class DynamicInferenceEngine:
         self.context.commit_step()
         self._stats["steps"] += 1
         starts = [0, *itertools.accumulate(batch.host_query_lengths[: len(scheduled) - 1])]
-        logits, hidden = result if result is not None else (None, None)
-        return _Step(scheduled, starts, list(batch.host_kv_offsets[: len(scheduled)]), logits, hidden, batch.positions)
+        offsets = list(batch.host_kv_offsets[: len(scheduled)])
+        return _Step(scheduled, starts, offsets, logits, hidden, batch.positions, log_probs)
 
     def _add_pending_tokens(self, in_flight: _Step) -> None:
         """Give every request the step in flight samples its next token as a pending one (read on
@@ -511,6 +514,7 @@ class DynamicInferenceEngine:
         rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
         draft_prefixes = []  # per row: the drafts before its depth
         find = self.context.find
+        sample_rows, prompt_counts, top_widths, step_drafts = [], [], [], []
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
@@ -525,30 +529,45 @@ class DynamicInferenceEngine:
                     prompt_rows += range(start + first - offset, start + last - offset)
                     prompt_targets += request.prompt_tokens[first + 1 : last + 1]
                     prompt_count = max(last - first, 0)
-                if offset + entry.num_tokens == len(state.tokens):
+                end = offset + entry.num_tokens
+                if end == len(state.tokens):
                     num_drafts = state.num_draft_tokens
                     base = start + entry.num_tokens - 1 - num_drafts
-                    request_drafts = state.tokens[len(state.tokens) - num_drafts :]
+                    if num_drafts:
+                        request_drafts = state.tokens[end - num_drafts :]
+                    generated = len(request.generated_tokens)
                     for depth in range(num_drafts + 1):
                         rows.append(base + depth)
                         requests.append(request)
-                        draws.append(len(request.generated_tokens) + depth)
+                        draws.append(generated + depth)
                         drafts.append(request_drafts)
                         draft_prefixes.append(request_drafts[:depth])
-            step.sample_rows.append(range(first_row, len(rows)))
-            step.prompt_counts.append(prompt_count)
-            step.top_widths.append(request.sampling_params.top_logprobs)
-            step.drafts.append(request_drafts)
+            sample_rows.append(range(first_row, len(rows)))
+            prompt_counts.append(prompt_count)
+            top_widths.append(request.sampling_params.top_logprobs)
+            step_drafts.append(request_drafts)
+        step.sample_rows, step.prompt_counts, step.top_widths, step.drafts = (
+            sample_rows,
+            prompt_counts,
+            top_widths,
+            step_drafts,
+        )
         if not self.runner.is_last_stage or not (rows or prompt_rows):
             return
         device = step.logits.device
-        # The sampled rows, the prompt log-prob rows and their targets: one host tensor, one copy.
-        indices = to_device(torch.tensor(rows + prompt_rows + prompt_targets), device)
         num_sampled, num_prompt = len(rows), len(prompt_rows)
+        # Rows 0..n-1 (every request decoding, none finished): views, no index or gather; else
+        # the sampled rows, the prompt log-prob rows and their targets as one host tensor, one copy.
+        leading = not prompt_rows and rows[-1] == num_sampled - 1
+        indices = None if leading else to_device(torch.tensor(rows + prompt_rows + prompt_targets), device)
         parts = []
         if rows:
-            logits = step.logits.index_select(0, indices[:num_sampled])
-            log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
+            # The sampled rows' logits (the engine's: the controls and processors below change them in place).
+            logits = self._rows(step.logits, num_sampled, None if leading else indices)
+            if step.log_probs is None:
+                log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
+            else:  # the same kernel's rows, computed by the decode graph before the changes
+                log_probs = self._rows(step.log_probs, num_sampled, None if leading else indices)
             self._apply_sampling_controls(logits, requests, draft_prefixes)
             if self.logits_processors:
                 request_ids = [r.request_id for r in requests]
@@ -559,7 +578,7 @@ class DynamicInferenceEngine:
             tokens = sample(logits, SamplingRows.build(params, [r.generator for r in requests], draws, device))
             step.sampled_tokens = tokens
             parts += [tokens.double(), log_probs.gather(1, tokens[:, None])[:, 0].double()]
-            width = max(step.top_widths)
+            width = max(top_widths)
             if width:
                 top_values, top_ids = log_probs.topk(width, dim=-1)
                 parts += [top_ids.double().flatten(), top_values.double().flatten()]
@@ -568,6 +587,11 @@ class DynamicInferenceEngine:
             targets = indices[num_sampled + num_prompt :]
             parts.append(kernels.log_softmax(prompt_logits).gather(1, targets[:, None])[:, 0].double())
         step.readback = DeviceToHost(torch.cat(parts))
+
+    @staticmethod
+    def _rows(values: torch.Tensor, count: int, indices: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``indices[:count]`` of ``values``; the first ``count`` rows (a view) when None."""
+        return values[:count] if indices is None else values.index_select(0, indices[:count])
 
     def _apply_sampling_controls(
         self, logits: torch.Tensor, requests: list[EngineRequest], drafts: list[list[int]]
