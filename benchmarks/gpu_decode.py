@@ -36,8 +36,9 @@ benchmark stays within a bounded time; the JSON is rewritten after every row.
 ``--profile-steps N`` also runs ``torch.profiler`` over the prefill steps and then N decode steps of
 the default engine (graphs where captured) at each concurrency: per step of each phase the wall
 time and the GPU busy time (the union of the kernels' intervals), the kernels with the most device
-time, and (``cProfile`` over as many more
-steps) the engine functions and device waits with the most host time, in the row's ``profile``.
+time, the CUDA runtime calls with the most host time, and (``cProfile`` over as many more steps)
+the engine functions, device waits and garbage collections with the most host time, in the row's
+``profile``.
 
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --no-unpadded --profile-steps 20
 """
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -251,6 +253,13 @@ def _kernel_summary(prof, num_steps: int, wall_s: float) -> dict:
         entry[0] += e.time_range.elapsed_us()
         entry[1] += 1
     top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
+    # CUDA runtime calls on the host (a launch that waits for the device shows up here).
+    runtime: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+            entry = runtime.setdefault(e.name, [0.0, 0])
+            entry[0] += e.time_range.elapsed_us()
+            entry[1] += 1
     return dict(
         steps=num_steps,
         wall_ms_per_step=1e3 * wall_s / num_steps,
@@ -260,6 +269,10 @@ def _kernel_summary(prof, num_steps: int, wall_s: float) -> dict:
         top_kernels=[
             dict(name=name[:120], ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
             for name, (total, count) in top
+        ],
+        cuda_runtime_calls=[
+            dict(name=name, ms_per_step=total / 1e3 / num_steps, calls_per_step=count / num_steps)
+            for name, (total, count) in sorted(runtime.items(), key=lambda item: -item[1][0])[:8]
         ],
     )
 
@@ -311,11 +324,22 @@ def host_profile(engine: DynamicInferenceEngine, num_steps: int) -> list[dict]:
     import cProfile
     import pstats
 
+    collections = []  # (generation, seconds) of every garbage collection during the steps
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append((info["generation"], time.perf_counter()))
+        else:
+            generation, started = collections[-1]
+            collections[-1] = (generation, time.perf_counter() - started)
+
     profiler = cProfile.Profile()
+    gc.callbacks.append(on_gc)
     profiler.enable()
     for _ in range(num_steps):
         engine.step()
     profiler.disable()
+    gc.callbacks.remove(on_gc)
     rows = []
     for (file, _, name), (_, calls, self_s, cumulative_s, _) in pstats.Stats(profiler).stats.items():
         if "megatron/core/inference" in file or any(w in name for w in ("synchronize", "replay", "pin_memory")):
@@ -328,6 +352,14 @@ def host_profile(engine: DynamicInferenceEngine, num_steps: int) -> list[dict]:
                     calls_per_step=calls / num_steps,
                 )
             )
+    rows.append(
+        dict(
+            function=f"garbage collection (generations {sorted({g for g, _ in collections})})",
+            ms_per_step=1e3 * sum(seconds for _, seconds in collections) / num_steps,
+            self_ms_per_step=0.0,
+            calls_per_step=len(collections) / num_steps,
+        )
+    )
     return sorted(rows, key=lambda row: -row["ms_per_step"])[:25]
 
 
@@ -466,6 +498,11 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
                 f"{prefill['wall_ms_per_step']:.2f} ms wall, "
                 f"{prefill['gpu_busy_ms_per_step']:.2f} ms GPU busy per step; "
                 "top: " + ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms" for k in prefill["top_kernels"][:5]),
+                flush=True,
+            )
+            print(
+                f"{kind:6s} c={concurrency:<4d} | CUDA runtime calls per step: "
+                + ", ".join(f"{c['name']} {c['ms_per_step']:.3f} ms" for c in profiled["cuda_runtime_calls"]),
                 flush=True,
             )
             print(
