@@ -7,6 +7,7 @@ the CPU) give exactly the tokens and log-probs of eager steps."""
 
 import dataclasses
 
+import pytest
 import torch
 
 from megatron.core.inference import kernels
@@ -49,6 +50,10 @@ def _record_steps(engine) -> list[tuple[int, int]]:
 
 @on_single_rank
 def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
+    if kernels.kernel_backend(device()) == "triton":
+        # There the packed recurrence runs over the whole step in place (no token-by-token calls to
+        # record); its invariance is checked in tests/unit_tests/ssm/test_mamba_inference.py.
+        pytest.skip("checks the torch backend's token-by-token prefill; the Triton backend has none")
     model = hybrid_model(pg)
     token_by_token, one_token_step = MambaMixer._packed_token_by_token, MambaMixer._step
     prefill_calls, step_size = [], []  # (rows of a one-token call, its prefill step's padded size)
