@@ -67,14 +67,19 @@ def test_the_serving_front_end_answers_an_unplannable_record_with_one_error_and_
     prompt = prompts([9], seed=72)[0]
     engine.add_request("r", prompt, GREEDY)
     record = prefill_records(other, {"r": prompt})["r"]
-    prefill_end.send("record", record=record.to_dict())
-    results = {}
+    results, messages = {}, []
+    # The worker answers the engine's "prefill" message: the channel is connected by then (a send
+    # to a peer still in its handshake is not queued), as a real prefill worker's answer would be.
+    while "prefill" not in messages:
+        collect(results, engine.step())
+        messages += [kind for kind, _ in prefill_end.receive(10)]
+    assert prefill_end.send("record", record=record.to_dict())
     while "r" not in results:
         collect(results, engine.step())
     assert results["r"]["terminal"] == 1 and results["r"]["finish_reason"] == "error"
     error = InferenceRequestError.from_dict(results["r"]["error"])
     assert isinstance(error, HandoffMetadataError) and error.details["field"] == "head_dim"
-    messages = [kind for kind, _ in prefill_end.receive(1000)]
+    messages += [kind for kind, _ in prefill_end.receive(1000)]
     while RELEASE not in messages:
         messages += [kind for kind, _ in prefill_end.receive(1000)]
     assert messages == ["readers", "prefill", RELEASE] and not engine.has_unfinished_requests()
