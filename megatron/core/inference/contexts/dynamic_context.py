@@ -583,23 +583,22 @@ class DynamicInferenceContext:
         bs = self.block_size
         ids, token_ids, positions, slots, q_lens, offsets, rows, mamba_slots = [], [], [], [], [], [], [], []
         pending_targets, pending_sources = [], []
-        states = self._requests
         for request_id, num_new in schedule:
-            state = states.get(request_id)
-            if state is None:
-                raise UnknownRequestError(f"request {request_id!r} is not in the context")
+            state = self.request(request_id)
             start = state.num_computed_tokens
             tokens = state.tokens
             blocks = state.block_ids
             end = start + num_new
-            if state.paused or not 1 <= num_new <= len(tokens) - start or len(blocks) * bs < end:
-                problem = (
-                    "is paused"
-                    if state.paused
-                    else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
-                    if not 1 <= num_new <= len(tokens) - start
-                    else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
-                )
+            problem = (
+                "is paused"
+                if state.paused
+                else f"asks for {num_new} new tokens but has {len(tokens) - start} uncomputed"
+                if not 1 <= num_new <= len(tokens) - start
+                else f"has blocks for {len(blocks) * bs} tokens, needs {end} (call ensure_token_capacity first)"
+                if len(blocks) * bs < end
+                else None
+            )
+            if problem:
                 raise StepError(f"request {request_id!r} {problem}")
             ids.append(request_id)
             if state.num_pending_tokens and end == len(tokens):

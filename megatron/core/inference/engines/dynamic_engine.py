@@ -514,7 +514,6 @@ class DynamicInferenceEngine:
         rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
         draft_prefixes = []  # per row: the drafts before its depth
         find = self.context.find
-        sample_rows, prompt_counts, top_widths, step_drafts = [], [], [], []
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
@@ -542,16 +541,10 @@ class DynamicInferenceEngine:
                         draws.append(generated + depth)
                         drafts.append(request_drafts)
                         draft_prefixes.append(request_drafts[:depth])
-            sample_rows.append(range(first_row, len(rows)))
-            prompt_counts.append(prompt_count)
-            top_widths.append(request.sampling_params.top_logprobs)
-            step_drafts.append(request_drafts)
-        step.sample_rows, step.prompt_counts, step.top_widths, step.drafts = (
-            sample_rows,
-            prompt_counts,
-            top_widths,
-            step_drafts,
-        )
+            step.sample_rows.append(range(first_row, len(rows)))
+            step.prompt_counts.append(prompt_count)
+            step.top_widths.append(request.sampling_params.top_logprobs)
+            step.drafts.append(request_drafts)
         if not self.runner.is_last_stage or not (rows or prompt_rows):
             return
         device = step.logits.device
@@ -563,11 +556,11 @@ class DynamicInferenceEngine:
         parts = []
         if rows:
             # The sampled rows' logits (the engine's: the controls and processors below change them in place).
-            logits = self._rows(step.logits, num_sampled, None if leading else indices)
+            logits = self._rows(step.logits, num_sampled, indices)
             if step.log_probs is None:
                 log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
             else:  # the same kernel's rows, computed by the decode graph before the changes
-                log_probs = self._rows(step.log_probs, num_sampled, None if leading else indices)
+                log_probs = self._rows(step.log_probs, num_sampled, indices)
             self._apply_sampling_controls(logits, requests, draft_prefixes)
             if self.logits_processors:
                 request_ids = [r.request_id for r in requests]
@@ -578,7 +571,7 @@ class DynamicInferenceEngine:
             tokens = sample(logits, SamplingRows.build(params, [r.generator for r in requests], draws, device))
             step.sampled_tokens = tokens
             parts += [tokens.double(), log_probs.gather(1, tokens[:, None])[:, 0].double()]
-            width = max(top_widths)
+            width = max(step.top_widths)
             if width:
                 top_values, top_ids = log_probs.topk(width, dim=-1)
                 parts += [top_ids.double().flatten(), top_values.double().flatten()]

@@ -104,17 +104,13 @@ class Scheduler:
 
     def _grow_or_pause(self, events: SchedulerEvents) -> None:
         context = self.context
-        block_size = context.block_size
         for request in self.admitted:
             state = context.request(request.request_id)
             try:
                 if request.status is RequestStatus.PAUSED:
                     context.resume_request(request.request_id)
                     request.status = RequestStatus.ACTIVE
-                elif (
-                    state.num_computed_tokens >= request.prefill_target
-                    and len(state.tokens) > len(state.block_ids) * block_size  # its blocks are full
-                ):
+                elif state.num_computed_tokens >= request.prefill_target:
                     # A pending token (overlapped steps) is grown for ahead of knowing it.
                     reason = PageReason.ASYNC_PREPARATION if state.num_pending_tokens else PageReason.DECODE_GROWTH
                     context.ensure_token_capacity(request.request_id, len(state.tokens), reason)
@@ -124,8 +120,7 @@ class Scheduler:
                     request.status = RequestStatus.PAUSED
                     events.pauses += 1
                 continue
-            if request.drafts:
-                self._add_drafts(request)
+            self._add_drafts(request)
 
     def _add_drafts(self, request: EngineRequest) -> None:
         drafts, request.drafts = request.drafts, []
