@@ -12,6 +12,10 @@ the mixer never branches on the backend:
   initial_state [b,h,p,n] | None) -> (y [b,l,h,p], final_state [b,h,p,n])`` (prefill from states)
 - ``state_update(ssm_state [b,h,p,n], x [b,h,p], dt [b,h], A, B/C [b,g,n], D, dt_bias) -> y [b,h,p]``,
   advancing ``ssm_state`` in place (decode).
+- ``state_updates(x [N,h,p], dt [N,h], A, B/C [N,g,n], D, dt_bias) -> update``: the one-token
+  updates of ``N`` tokens taken a few at a time, ``update(ssm_state [b,h,p,n], rows) -> y
+  [b,h,p]`` advancing ``ssm_state`` in place by the tokens ``rows`` (an index tensor or a slice;
+  a prefill run token by token). Row for row it gives the bits of ``state_update`` on those tokens.
 
 The chunk size is the scan's blocking, not part of the function: the Triton scan uses chunks of
 at least :data:`TRITON_MIN_CHUNK_SIZE` tokens (:func:`triton_chunk_size`; tensor-core tiles, where
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 
 from megatron.core.errors import MegatronConfigError
 from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm, rowwise
-from megatron.core.ssm.ssd_reference import ssd_chunked_scan, ssd_step
+from megatron.core.ssm.ssd_reference import ssd_advance, ssd_chunked_scan, ssd_step_factors
 
 if TYPE_CHECKING:
     from megatron.core.ssm.mamba_mixer import MambaDims
@@ -84,10 +88,21 @@ class TorchSSMBackend:
 
     @staticmethod
     def state_update(ssm_state, x, dt, A, B, C, D, dt_bias):
+        return TorchSSMBackend.state_updates(x, dt, A, B, C, D, dt_bias)(ssm_state)
+
+    @staticmethod
+    def state_updates(x, dt, A, B, C, D, dt_bias):
+        # The factors of every token at once (their ops are row invariant), then per call only the
+        # recurrence over the rows it takes.
         step = rowwise(F.softplus, dt.float() + dt_bias.float())  # decode rows batch invariant
-        y, new_state = ssd_step(ssm_state, x, step, A, B, C, D)
-        ssm_state.copy_(new_state)
-        return y
+        factors = ssd_step_factors(x, step, A, B, C, D)
+
+        def update(ssm_state, rows=None):
+            y, new_state = ssd_advance(ssm_state, factors if rows is None else factors.rows(rows))
+            ssm_state.copy_(new_state)
+            return y
+
+        return update
 
 
 class _MambaKernels(NamedTuple):
@@ -125,6 +140,12 @@ class TritonSSMBackend:
             dt_softplus=True,
             return_final_states=True,
         )
+
+    def state_updates(self, x, dt, A, B, C, D, dt_bias):
+        def update(ssm_state, rows):
+            return self.state_update(ssm_state, x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias)
+
+        return update
 
     def state_update(self, ssm_state, x, dt, A, B, C, D, dt_bias):
         head_dim, d_state = ssm_state.shape[-2:]

@@ -359,12 +359,16 @@ class MambaMixer(nn.Module):
         return y
 
     def _packed_token_by_token(self, backend, xBC, dt, inference_context):
-        """The recurrence of :meth:`_packed_step` in torch: the ``j``-th token of every request
+        """The recurrence of :meth:`_packed_step` in torch, token by token. What does not carry
+        state (each token's conv window from its request's inputs, conv and SiLU) runs for all
+        ``T`` rows of the step at once, and the factors of the SSM updates for all of their
+        calls at once: those ops are row invariant, so every row gets the bits the one-token
+        step gives it. The SSM recurrence then advances the ``j``-th token of every request
         that has one, together, padded to the smallest of the step's ``row_buckets`` that holds
         them (sizes whose rows the engine checked bitwise against the largest), else to ``T``
-        rows, so every call has a checked shape. The requests run longest first, so those with a
-        ``j``-th token are a prefix of the working states; a request's states go back to it once,
-        after its last token (the rows past the prefix only pad later calls)."""
+        rows. The requests run longest first, so those with a ``j``-th token are a prefix of
+        the working states; a request's state goes back to it once, after its last token (the
+        rows past the prefix only pad later calls)."""
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
         lengths = step.host_query_lengths
@@ -375,29 +379,64 @@ class MambaMixer(nn.Module):
         def padded_rows(count: int) -> int:
             return next((size for size in buckets if size >= count), xBC.shape[0])
 
-        device = xBC.device
-        rows = torch.tensor(order, dtype=torch.long, device=device)
-        width = padded_rows(len(order))
-        conv = conv_state.new_zeros(width, *conv_state.shape[1:])
-        ssm = ssm_state.new_zeros(width, *ssm_state.shape[1:])
-        conv[: len(order)], ssm[: len(order)] = conv_state[rows], ssm_state[rows]
-        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
-        active = len(order)
+        # Call j takes the j-th tokens of the first active[j] requests of ``order``, then padding
+        # rows (token 0): its rows lie at calls[j] of the inputs gathered in call order.
+        active, calls, gathered = [], [], []
+        count = len(order)
         for offset in range(lengths[order[0]] if order else 0):
-            done = active
-            while lengths[order[active - 1]] <= offset:
-                active -= 1
-            if active < done:  # these requests had their last token: their states go back
-                conv_state.index_copy_(0, rows[active:done], conv[active:done])
-                ssm_state.index_copy_(0, rows[active:done], ssm[active:done])
-            num_rows = padded_rows(active)
-            positions = [starts[row] + offset for row in order[:active]] + [0] * (num_rows - active)
-            tokens = torch.tensor(positions, dtype=torch.long, device=device)
-            out = self._step(backend, xBC[tokens, None], dt[tokens, None], conv[:num_rows], ssm[:num_rows])[:, 0]
-            y.index_copy_(0, tokens[:active], out[:active].to(y.dtype))
-        conv_state.index_copy_(0, rows[:active], conv[:active])
-        ssm_state.index_copy_(0, rows[:active], ssm[:active])
+            while lengths[order[count - 1]] <= offset:
+                count -= 1
+            num_rows = padded_rows(count)
+            active.append(count)
+            calls.append(slice(len(gathered), len(gathered) + num_rows))
+            gathered += [starts[row] + offset for row in order[:count]] + [0] * (num_rows - count)
+        device = xBC.device
+        windows = self._conv_windows(xBC, conv_state, lengths)
+        x, B, C = self._conv_outputs(windows)
+        index = torch.tensor(gathered, dtype=torch.long, device=device)
+        update = backend.state_updates(x[index], dt[index], self.weights().A, B[index], C[index], self.D, self.dt_bias)
+        rows = torch.tensor(order, dtype=torch.long, device=device)
+        ssm = ssm_state.new_zeros(padded_rows(len(order)), *ssm_state.shape[1:])
+        ssm[: len(order)] = ssm_state[rows]
+        out = xBC.new_empty(len(gathered), self.dims.local(self.dims.d_inner))
+        done = len(order)
+        for count, call in zip(active, calls, strict=True):
+            if count < done:  # these requests had their last token: their states go back
+                ssm_state.index_copy_(0, rows[count:done], ssm[count:done])
+                done = count
+            out[call] = update(ssm[: call.stop - call.start], call).flatten(-2)
+        ssm_state.index_copy_(0, rows[:done], ssm[:done])
+        y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
+        real = [i for call, count in zip(calls, active, strict=True) for i in range(call.start, call.start + count)]
+        real = torch.tensor(real, dtype=torch.long, device=device)
+        y.index_copy_(0, index[real], out[real])
         return y
+
+    def _conv_windows(self, xBC, conv_state, lengths):
+        """Each row's conv window ``[T, c, d_conv]`` over the packed step ``xBC [T, c]`` of
+        requests of ``lengths`` tokens (the rows past them pad: they take row 0's window): its
+        request's last ``d_conv - 1`` inputs before it (from ``conv_state [R, c, d_conv - 1]`` at
+        first), then its own. Advances ``conv_state`` to each request's last inputs."""
+        history = conv_state.shape[-1]
+        device = xBC.device
+        # Request r's inputs are its history (r * history on) then its tokens (past every history).
+        inputs = torch.cat([conv_state.to(xBC.dtype).transpose(1, 2).reshape(-1, xBC.shape[1]), xBC])
+        counts = torch.tensor(lengths, dtype=torch.long)
+        request = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        offset = torch.arange(len(request)) - first[request]
+        relative = offset[:, None] + torch.arange(history + 1) - history  # [tokens, d_conv]
+        index = torch.where(
+            relative < 0,
+            request[:, None] * history + history + relative,
+            conv_state.shape[0] * history + first[request][:, None] + relative,
+        )
+        index = torch.cat([index, index[:1].expand(xBC.shape[0] - len(request), -1)])
+        windows = inputs[index.reshape(-1).to(device)].view(xBC.shape[0], history + 1, -1).transpose(1, 2)
+        advanced = torch.nonzero(counts).flatten()  # a request with no token here keeps its state
+        last = (first + counts - 1)[advanced]
+        conv_state.index_copy_(0, advanced.to(device), windows[last.to(device), :, 1:].to(conv_state.dtype))
+        return windows.contiguous()
 
     def _packed_chunked_prefill(self, backend, xBC, dt, inference_context):
         """Batch-variant step with prefill: each request of several new tokens runs the chunked
@@ -432,7 +471,12 @@ class MambaMixer(nn.Module):
             raise ValueError(f"a decode step takes one token per request, got sequence length {xBC.shape[1]}")
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # [b, c, d_conv]
         conv_state.copy_(window[..., 1:])
-        conv_out = (window * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias
-        x, B, C = self.dims.split_conv(rowwise(F.silu, conv_out))  # rows batch invariant
+        x, B, C = self._conv_outputs(window)
         y = backend.state_update(ssm_state, x, dt[:, 0], self.weights().A, B, C, self.D, self.dt_bias)
         return y.flatten(-2).unsqueeze(1)
+
+    def _conv_outputs(self, window):
+        """``x, B, C`` of tokens whose conv windows are ``window [b, c, d_conv]`` (contiguous):
+        conv and SiLU, each row's bits independent of ``b``."""
+        conv_out = (window * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias
+        return self.dims.split_conv(rowwise(F.silu, conv_out))

@@ -13,6 +13,8 @@ Computation runs in fp32; outputs come back in ``x``'s dtype, states in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,49 @@ def ssd_chunked_scan(
     return y.to(out_dtype), state
 
 
+class StepFactors(NamedTuple):
+    """The per-token factors of the one-token update (everything but the recurrence itself),
+    for ``N`` rows at once: :func:`ssd_advance` takes them a few rows at a time."""
+
+    decay: torch.Tensor  # [N, h, 1, 1] exp(dt * A)
+    dx: torch.Tensor  # [N, h, p, 1] dt * x (fp32)
+    B: torch.Tensor  # [N, h, 1, n] (fp32, the group's B of each head)
+    C: torch.Tensor  # [N, h, 1, n]
+    skip: torch.Tensor | None  # [N, h, p] D * x (fp32), or None without D
+    out_dtype: torch.dtype
+
+    def rows(self, index: torch.Tensor | slice) -> StepFactors:
+        """The factors of rows ``index`` (a slice gives views; the values are the same)."""
+        return StepFactors(*(None if t is None else t[index] for t in self[:5]), self.out_dtype)
+
+
+def ssd_step_factors(x, dt, A, B, C, D=None) -> StepFactors:
+    """:class:`StepFactors` of tokens ``x [N, h, p]``, ``dt [N, h]`` (positive), ``A [h]``,
+    ``B, C [N, g, n]``, ``D [h]``. Every op is elementwise and row invariant (or a copy), so a
+    row's factors have the same bits whatever ``N``."""
+    nheads = x.shape[1]
+    dtf = dt.float()
+    xf = x.float()
+    decay = rowwise(torch.exp, dtf * A.float())[:, :, None, None]  # each row alike whatever N
+    skip = None if D is None else xf * D.float()[:, None]
+    Bh = _heads_from_groups(B.float(), nheads)
+    Ch = _heads_from_groups(C.float(), nheads)
+    dx = (dtf[:, :, None] * xf)[..., None]
+    return StepFactors(decay, dx, Bh[:, :, None, :], Ch[:, :, None, :], skip, x.dtype)
+
+
+def ssd_advance(state: torch.Tensor, factors: StepFactors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [b, h, p], new_state [b, h, p, n] fp32)`` of one token per row from ``state [b, h, p, n]``
+    and its rows' ``factors``; ``state`` is not modified."""
+    # Elementwise products and a sum over n, not einsum: its batched matmul computes one row
+    # differently from many (a decode row must not depend on the batch).
+    new_state = factors.decay * state.float() + factors.dx * factors.B
+    y = (new_state * factors.C).sum(-1)
+    if factors.skip is not None:
+        y = y + factors.skip
+    return y.to(factors.out_dtype), new_state
+
+
 def ssd_step(
     state: torch.Tensor,
     x: torch.Tensor,
@@ -124,15 +169,4 @@ def ssd_step(
     Returns:
         ``(y [b, h, p] in x's dtype, new_state [b, h, p, n] fp32)``; ``state`` is not modified.
     """
-    nheads = x.shape[1]
-    dtf = dt.float()
-    Bh = _heads_from_groups(B.float(), nheads)
-    Ch = _heads_from_groups(C.float(), nheads)
-    decay = rowwise(torch.exp, dtf * A.float())[:, :, None, None]  # each row alike whatever b
-    # Elementwise products and a sum over n, not einsum: its batched matmul computes one row
-    # differently from many (a decode row must not depend on the batch).
-    new_state = decay * state.float() + (dtf[:, :, None] * x.float())[..., None] * Bh[:, :, None, :]
-    y = (new_state * Ch[:, :, None, :]).sum(-1)
-    if D is not None:
-        y = y + x.float() * D.float()[:, None]
-    return y.to(x.dtype), new_state
+    return ssd_advance(state, ssd_step_factors(x, dt, A, B, C, D))

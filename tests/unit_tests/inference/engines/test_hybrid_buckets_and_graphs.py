@@ -7,7 +7,6 @@ the CPU) give exactly the tokens and log-probs of eager steps."""
 
 import dataclasses
 
-import pytest
 import torch
 
 from megatron.core.inference import kernels
@@ -15,6 +14,7 @@ from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.engines.cuda_graphs import DecodeGraphs
 from megatron.core.inference.engines.step_buckets import StepBuckets, row_invariant_buckets
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.ssm.backends import TorchSSMBackend
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from tests.unit_tests.dist_harness import device
 from tests.unit_tests.inference.engines.common import (
@@ -50,13 +50,9 @@ def _record_steps(engine) -> list[tuple[int, int]]:
 
 @on_single_rank
 def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
-    if kernels.kernel_backend(device()) == "triton":
-        # There the packed recurrence runs over the whole step in place (no token-by-token calls to
-        # record); its invariance is checked in tests/unit_tests/ssm/test_mamba_inference.py.
-        pytest.skip("checks the torch backend's token-by-token prefill; the Triton backend has none")
     model = hybrid_model(pg)
-    token_by_token, one_token_step = MambaMixer._packed_token_by_token, MambaMixer._step
-    prefill_calls, step_size = [], []  # (rows of a one-token call, its prefill step's padded size)
+    token_by_token, state_updates = MambaMixer._packed_token_by_token, TorchSSMBackend.state_updates
+    prefill_calls, step_size = [], []  # (rows of a one-token update, its prefill step's padded size)
 
     def recording_prefill(self, backend, xBC, *args):
         step_size.append(xBC.shape[0])
@@ -65,13 +61,18 @@ def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
         finally:
             step_size.clear()
 
-    def recording_step(self, backend, xBC, *args):
-        if step_size:
-            prefill_calls.append((xBC.shape[0], step_size[0]))
-        return one_token_step(self, backend, xBC, *args)
+    def recording_updates(*args):
+        update = state_updates(*args)
+
+        def recording_update(ssm_state, rows=None):
+            if step_size:
+                prefill_calls.append((ssm_state.shape[0], step_size[0]))
+            return update(ssm_state, rows)
+
+        return recording_update
 
     monkeypatch.setattr(MambaMixer, "_packed_token_by_token", recording_prefill)
-    monkeypatch.setattr(MambaMixer, "_step", recording_step)
+    monkeypatch.setattr(TorchSSMBackend, "state_updates", staticmethod(recording_updates))
     padded = DynamicInferenceEngine(
         model, enable_cuda_graphs=False, enable_chunked_prefill=True, pg_collection=pg, **ARGS
     )
@@ -86,8 +87,11 @@ def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
     got = run(padded, prompts(LENGTHS), STAGGERED)
     # The prefill steps' token-by-token recurrence runs each position's requests at the smallest
     # checked bucket that holds them, not at the step's padded size.
-    assert prefill_calls and {rows for rows, _ in prefill_calls} <= set(padded.buckets.sizes)
-    assert any(rows < size for rows, size in prefill_calls)
+    if kernels.kernel_backend(device()) == "torch":
+        assert prefill_calls and {rows for rows, _ in prefill_calls} <= set(padded.buckets.sizes)
+        assert any(rows < size for rows, size in prefill_calls)
+    else:  # the Triton packed recurrence runs over the whole step in place, no token-by-token calls
+        assert not prefill_calls
     assert all(tokens == rows for tokens, rows in unpadded_steps)
     assert any(rows > tokens for tokens, rows in padded_steps)
     assert any(rows > tokens == 3 for tokens, rows in padded_steps)  # a decode step of 3 ran at bucket 4
