@@ -102,6 +102,8 @@ class EngineRequest:
     evicted: bool = False
     # Context tokens at the last admission: below this count the request is prefilling.
     prefill_target: int = 0
+    # Its unsplittable prefill did not fit beside the last step's decode tokens: it goes first next.
+    prefill_deferred: bool = False
 
     @property
     def context_tokens(self) -> list[int]:

@@ -15,7 +15,11 @@ Each step, in this order:
    slot, taken all or nothing), the request cap and the step's token budget allow.
 4. **Tokens**: decode tokens (plus drafts) first, then prefill chunks in admission order up to
    ``max_tokens_per_step``. A prompt is split only with chunked prefill (or when it is a
-   recompute or import), and never so that its final chunk is a single token.
+   recompute or import), and never so that its final chunk is a single token. The oldest
+   prefilling request, when it may not be split and did not fit after the decode tokens in the
+   last step, goes before them in this one (decode tokens that do not fit then wait a step):
+   else, while any request decodes, a prompt of nearly ``max_tokens_per_step`` tokens would
+   never run; decode and such prefill steps alternate, so neither side starves.
 """
 
 from __future__ import annotations
@@ -193,6 +197,14 @@ class Scheduler:
                 state = self.context.request(request.request_id)
                 done = state.num_computed_tokens >= request.prefill_target
                 (decoding if done else prefilling).append((request, state))
+        first = []  # the oldest prefill, when it goes before the decode tokens (its rows still after theirs)
+        if prefilling and prefilling[0][0].prefill_deferred:
+            request, state = prefilling[0]
+            remaining = request.prefill_target - state.num_computed_tokens
+            if remaining <= budget:
+                first, prefilling = [ScheduledRequest(request, remaining)], prefilling[1:]
+                budget -= remaining
+                request.prefill_deferred = False
         for request, state in decoding:
             num_tokens = len(state.tokens) - state.num_computed_tokens
             if not num_tokens:  # its next token is still being sampled and ends it by length
@@ -203,6 +215,7 @@ class Scheduler:
             if num_tokens <= budget:
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
+        scheduled += first
         for request, state in prefilling:
             # Up to the admitted context: a token added since (the result of an overlapped step
             # that was still running at admission) is decoded after, with its own growth.
@@ -210,6 +223,7 @@ class Scheduler:
             take = min(remaining, budget)
             if take < remaining:
                 if not self._may_chunk(request):
+                    request.prefill_deferred = bool(decoding) and remaining <= self.max_tokens_per_step
                     continue
                 if remaining - take == 1:
                     take -= 1  # never leave a one-token final chunk

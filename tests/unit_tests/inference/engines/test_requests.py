@@ -155,3 +155,27 @@ def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
     assert ignoring["tokens"] == greedy[:6] and ignoring["finish_reason"] == "length"
     output = RequestOutput("r", [1, 2], [-0.5, -1.0], "hi", True, "stop", None, [-2.0], 5, 2)
     assert RequestOutput.from_dict(output.to_dict()) == output
+
+
+@on_single_rank
+def test_a_prompt_of_a_whole_step_runs_while_others_decode(pg):
+    # Without chunked prefill a prompt of max_tokens_per_step tokens never fits beside a decode
+    # token: deferred once, it goes first in the next step (the decode waits that step), not after
+    # every decoding request ended.
+    model = gpt_model(pg)
+    requests = {"short": (prompts([3])[0], SamplingParams(temperature=0.0, max_tokens=12))}
+    requests["whole"] = (prompts([8])[0], GREEDY)
+    engine = _engine(model, pg, num_blocks=16)
+    outputs, token_steps = {}, {}
+    for step in range(40):
+        if step < 2:
+            engine.add_request(list(requests)[step], *requests[list(requests)[step]])
+        for out in engine.step():
+            token_steps.setdefault(out.request_id, []).append(step)
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert token_steps["whole"][0] == 2
+    assert token_steps["short"][:3] == [0, 1, 3]  # it waited only the step the whole prompt ran
+    for request_id, (prompt, params) in requests.items():  # the same tokens as alone
+        assert outputs[request_id] == run(_engine(model, pg, num_blocks=16), [prompt], params)["0"]["tokens"]
