@@ -97,6 +97,7 @@ def main(argv=None) -> int:
             max_tokens_per_step=MAX_TOKENS_PER_STEP,
             max_sequence_length=args.prompt_tokens + args.new_tokens,
             enable_cuda_graphs=False,
+            enable_chunked_prefill=True,
             pg_collection=pg,
             batch_invariant=mode != "unpadded",
         )
