@@ -380,8 +380,9 @@ class MambaMixer(nn.Module):
             return next((size for size in buckets if size >= count), xBC.shape[0])
 
         # Call j takes the j-th tokens of the first active[j] requests of ``order``, then padding
-        # rows (token 0): its rows lie at calls[j] of the inputs gathered in call order.
-        active, calls, gathered = [], [], []
+        # rows (token 0): its rows lie at calls[j] of the inputs gathered in call order, the
+        # ones of real tokens at ``real``.
+        active, calls, gathered, real = [], [], [], []
         count = len(order)
         for offset in range(lengths[order[0]] if order else 0):
             while lengths[order[count - 1]] <= offset:
@@ -389,6 +390,7 @@ class MambaMixer(nn.Module):
             num_rows = padded_rows(count)
             active.append(count)
             calls.append(slice(len(gathered), len(gathered) + num_rows))
+            real += range(len(gathered), len(gathered) + count)
             gathered += [starts[row] + offset for row in order[:count]] + [0] * (num_rows - count)
         device = xBC.device
         windows = self._conv_windows(xBC, conv_state, lengths)
@@ -407,7 +409,6 @@ class MambaMixer(nn.Module):
             out[call] = update(ssm[: call.stop - call.start], call).flatten(-2)
         ssm_state.index_copy_(0, rows[:done], ssm[:done])
         y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
-        real = [i for call, count in zip(calls, active, strict=True) for i in range(call.start, call.start + count)]
         real = torch.tensor(real, dtype=torch.long, device=device)
         y.index_copy_(0, index[real], out[real])
         return y
