@@ -1,10 +1,11 @@
 """Flat per-dtype gradient (and parameter) buffers, split into buckets reduced as one.
 
 Every parameter gets a fixed range of one flat buffer; ``param.main_grad`` is a view of its
-range, so a bucket's gradients are reduced with a single collective. With the distributed
-optimizer the parameter data becomes a view of a matching flat parameter buffer as well, and
-each bucket is padded to a multiple of the replica-group size so that every replica owns an
-equal, contiguous shard: rank ``r`` owns ``[r * S, (r + 1) * S)`` of each bucket.
+range, so a bucket's gradients are reduced with a single collective. The parameter data becomes
+a view of the same range of a matching flat parameter buffer, so one kernel can step every
+parameter of the buffer (:mod:`megatron.core.optimizer.flat_adamw`). With the distributed
+optimizer each bucket is padded to a multiple of the replica-group size so that every replica
+owns an equal, contiguous shard: rank ``r`` owns ``[r * S, (r + 1) * S)`` of each bucket.
 
 Every collective is launched asynchronously and waited on separately, so the gradient
 reductions of early buckets run while backward still computes later ones, and the parameter
@@ -36,10 +37,9 @@ class GradBucket:
     """A contiguous range of a buffer whose gradients are reduced, and whose parameters are
     gathered, by one collective each.
 
-    ``grad_data``/``param_data`` are views of the owning buffer (``param_data`` is None unless
-    parameters live in a buffer). ``offset`` is where the bucket starts in the buffer. Both
-    collectives are asynchronous: ``start_*`` launches, ``finish_*`` waits (and is a no-op when
-    nothing is in flight).
+    ``grad_data``/``param_data`` are views of the owning buffer. ``offset`` is where the bucket
+    starts in the buffer. Both collectives are asynchronous: ``start_*`` launches, ``finish_*``
+    waits (and is a no-op when nothing is in flight).
     """
 
     def __init__(self, index, params, offset, grad_data, param_data, group, scaling_factor, sharded):
@@ -137,8 +137,7 @@ class ParamAndGradBuffer:
         group: the replica group the gradients are reduced over (``dp_cp``).
         scaling_factor: gradients are multiplied by this just before the (sum) reduction.
         bucket_size: elements per bucket, or None for one bucket.
-        for_distributed_optimizer: pad buckets for even sharding, reduce-scatter, and move
-            parameter data into a flat buffer.
+        for_distributed_optimizer: pad buckets for even sharding and reduce-scatter.
         overlap_param_gather: the parameter gathers the optimizer starts are finished by the
             model's forward pre-hooks (DDP installs them), not by the optimizer step.
     """
@@ -175,13 +174,10 @@ class ParamAndGradBuffer:
         self.numel = offset
         device = params[0].device
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.param_data = (
-            torch.zeros(self.numel, dtype=self.param_dtype, device=device) if for_distributed_optimizer else None
-        )
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         for param, (start, end) in self._ranges.items():
-            if self.param_data is not None:
-                self.param_data[start:end].copy_(param.data.reshape(-1))
-                param.data = self.param_data[start:end].view(param.shape)
+            self.param_data[start:end].copy_(param.data.reshape(-1))
+            param.data = self.param_data[start:end].view(param.shape)
             param.main_grad = self.grad_data[start:end].view(param.shape)
         self.buckets = [
             GradBucket(
@@ -189,7 +185,7 @@ class ParamAndGradBuffer:
                 members,
                 start,
                 self.grad_data[start:end],
-                None if self.param_data is None else self.param_data[start:end],
+                self.param_data[start:end],
                 group,
                 scaling_factor,
                 for_distributed_optimizer,
