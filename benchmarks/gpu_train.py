@@ -530,9 +530,47 @@ def check_kernels(device) -> dict:
             report[name] = {"op": op, "ok": False, "error": f"{type(error).__name__}: {error}"[:400]}
         if not report[name]["ok"] and op not in failed:
             failed.append(op)
+    report["adamw"] = _check_flat_adamw(device)
+    if not report["adamw"]["ok"]:
+        failed.append("adamw")
     fusions.set_fusion_backend(None, disabled_ops=failed)
     report["disabled_ops"] = failed
     return report
+
+
+def _check_flat_adamw(device) -> dict:
+    """Two steps of FlatAdamW over views of flat bf16 parameter and fp32 gradient buffers
+    (two groups, a clipping factor) against torch's fused AdamW on fp32 copies; the parameters
+    must be the masters rounded to bf16."""
+    from megatron.core.optimizer.flat_adamw import FlatAdamW
+
+    try:
+        gen = torch.Generator(device=device).manual_seed(2)
+        sizes = [HIDDEN * 3 + 5, HIDDEN, 4 * HIDDEN + 3]
+        param_data = torch.randn(sum(sizes), device=device, generator=gen).to(torch.bfloat16)
+        grad_data = torch.zeros(sum(sizes), device=device)
+        params, grads = param_data.split(sizes), grad_data.split(sizes)
+        masters = [p.float() for p in params]
+        copies = [m.clone() for m in masters]
+
+        def groups(tensors):
+            return [{"params": tensors[:1], "weight_decay": 0.1}, {"params": tensors[1:], "weight_decay": 0.0}]
+
+        flat = FlatAdamW(groups(masters), list(zip(grads, params, strict=True)), lr=1e-3, betas=(0.9, 0.95))
+        reference = torch.optim.AdamW(groups(copies), lr=1e-3, betas=(0.9, 0.95), fused=True)
+        for optimizer, tensors in ((flat, masters), (reference, copies)):
+            for step in range(2):
+                grad_data.copy_(torch.randn(grad_data.shape, device=device, generator=gen.manual_seed(step)))
+                for tensor, grad in zip(tensors, grads, strict=True):
+                    tensor.grad = grad
+                optimizer.grad_scale = torch.full((1,), 2.0, device=device)
+                optimizer.step()
+        error = max(((m - c).abs().max() / c.abs().max()).item() for m, c in zip(masters, copies, strict=True))
+        rounded = all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(params, masters, strict=True))
+        ok = error < 1e-5 and rounded
+        return {"op": "adamw", "max_rel_err": round(error, 7), "params_rounded": rounded, "ok": ok}
+    except Exception as error:
+        return {"op": "adamw", "ok": False, "error": f"{type(error).__name__}: {error}"[:400]}
 
 
 # --------------------------------------------------------------------------- one configuration

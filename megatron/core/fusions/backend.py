@@ -28,7 +28,8 @@ BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "MEGATRON_FUSION_BACKEND"
 # The fused ops, by the names disabled_ops takes. "linear_bias" is a column-parallel linear's
 # bias added by the GEMM (cuBLAS epilogue) rather than by a separate add; "linear_cross_entropy"
-# the output layer's GEMM and the loss in one chunked op (the logits never materialized).
+# the output layer's GEMM and the loss in one chunked op (the logits never materialized); "adamw"
+# the optimizer step over DDP's flat buffers (megatron.core.optimizer.flat_adamw).
 FUSED_OPS = (
     "norm",
     "bias_dropout_add",
@@ -37,6 +38,7 @@ FUSED_OPS = (
     "cross_entropy",
     "linear_bias",
     "linear_cross_entropy",
+    "adamw",
 )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.fusions.backend import fused_backend
 from megatron.core.optimizer.clip_grads import (
     clip_coefficient,
     clip_grads_by_total_norm,
@@ -37,6 +38,7 @@ from megatron.core.optimizer.clip_grads import (
     stats_device,
     unscale_and_find_nonfinite,
 )
+from megatron.core.optimizer.flat_adamw import MAX_LAUNCHES, FlatAdamW, flat_launch_count
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
@@ -65,21 +67,35 @@ def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return main_grad if main_grad is not None else param.grad
 
 
-def _build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
-    """AdamW or SGD over the masters; AdamW is torch's fused (one-kernel) implementation when
-    every master is on CUDA, torch's default (bit-stable reference) implementation on CPU."""
+def _build_torch_optimizer(
+    config: OptimizerConfig, groups: list[dict], entries: list[MasterParam]
+) -> torch.optim.Optimizer:
+    """AdamW or SGD over the masters. AdamW is :class:`FlatAdamW` (one kernel per flat buffer,
+    writing the parameters' copies too) where the fused ``adamw`` op runs on Triton and the
+    masters' gradients and parameters lie in DDP's flat buffers; else torch's fused (one-kernel)
+    implementation when every master is on CUDA; torch's default (bit-stable reference)
+    implementation on CPU."""
     if config.optimizer == "adam":
         masters = [tensor for group in groups for tensor in group["params"]]
+        betas = (config.adam_beta1, config.adam_beta2)
+        options = dict(lr=config.lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+        if masters and fused_backend("adamw", masters[0].device) == "triton":
+            by_master = {id(entry.master): entry for entry in entries}
+            sources = [_flat_sources(by_master[id(master)]) for master in masters]
+            launches = flat_launch_count(sources, masters)
+            if launches is not None and launches <= MAX_LAUNCHES:
+                return FlatAdamW(groups, sources, **options)
         on_cuda = bool(masters) and all(tensor.is_cuda for tensor in masters)
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            fused=True if on_cuda else None,
-        )
+        return torch.optim.AdamW(groups, **options, fused=True if on_cuda else None)
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
+
+
+def _flat_sources(entry: MasterParam) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The gradient view (DDP's ``main_grad``, None without one) and the model-parameter view
+    ``entry``'s master is stepped from and written to."""
+    main_grad = getattr(entry.model_param, "main_grad", None)
+    grad = None if main_grad is None else entry.model_view(main_grad)
+    return grad, entry.model_view(entry.model_param.detach())
 
 
 class MegatronOptimizer:
@@ -113,7 +129,7 @@ class MegatronOptimizer:
                     "weight_decay": config.weight_decay * group["wd_mult"],
                 }
             )
-        self.optimizer = _build_torch_optimizer(config, torch_groups)
+        self.optimizer = _build_torch_optimizer(config, torch_groups, self.master_params)
 
     def _master_entries(self, param: torch.nn.Parameter) -> list[MasterParam]:
         """Masters standing for ``param`` on this rank (the whole parameter here)."""
@@ -225,7 +241,7 @@ class MegatronOptimizer:
         self.optimizer.step()
         self.optimizer.grad_scale = self.optimizer.found_inf = None  # the decisions of one step
         copies = [entry for entry in self.master_params if entry.is_copy]
-        if copies:
+        if copies and not isinstance(self.optimizer, FlatAdamW):  # which writes them as it steps
             torch._foreach_copy_([e.model_view(e.model_param.data) for e in copies], [e.master for e in copies])
         self._gather_params()
 

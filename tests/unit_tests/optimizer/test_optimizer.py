@@ -21,6 +21,7 @@ from tests.unit_tests.optimizer.toy_models import (
     ADAM,
     batch,
     build,
+    dp2_grads,
     dp_collection,
     loss_fn,
     reference_training,
@@ -116,27 +117,13 @@ def test_fp16_loss_scale_grows_and_halves_and_an_inf_on_one_rank_skips_every_ran
     assert run_distributed(_fp16_scaling_and_skipped_step, 2) == [([True, True, False], [16.0, 32.0, 16.0])] * 2
 
 
-def _dp2_bf16_grads(ddp, opt, pgc, step, nan: bool) -> None:
-    """This rank's half of global batch ``step`` through the bf16 model, gradients synced over DP2;
-    ``nan``: a nan planted in the first parameter's synced gradient (as an all-reduce would spread
-    it: every rank holds it)."""
-    rank = pgc.rank("dp_cp")
-    x, y = batch(8, step, torch.bfloat16)
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    loss_fn(ddp, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]).backward()
-    ddp.finish_grad_sync()
-    if nan:
-        next(ddp.module.parameters()).main_grad.view(-1)[0] = float("nan")
-
-
 def _bf16_nonfinite_gradient_skips_through_the_norm(distributed_optimizer):
     pgc = dp_collection(2)
     model = tiny_mlp(torch.bfloat16)
     ddp, opt = build(model, pgc, distributed_optimizer=distributed_optimizer, clip_grad=1.0, bf16=True)
     outcomes = []
     for step in range(3):
-        _dp2_bf16_grads(ddp, opt, pgc, step, nan=step == 1)
+        dp2_grads(ddp, opt, pgc, step, nan=step == 1)
         before = [p.detach().clone() for p in model.parameters()]
         outcomes.append(opt.step())
         unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
@@ -182,7 +169,7 @@ def _device_decisions_match_host_decisions(distributed_optimizer):
         assert opt.grad_scaler is None and opt.steps_fused()  # what the device path needs
         outcomes = []
         for step in range(4):
-            _dp2_bf16_grads(ddp, opt, pgc, step, nan=step == 2)
+            dp2_grads(ddp, opt, pgc, step, nan=step == 2)
             outcomes.append(step_optimizers([opt], agree=agree))
         assert opt.optimizer.grad_scale is None and getattr(opt.optimizer, "found_inf", None) is None
         steps = [float(state["step"]) for state in opt.optimizer.state.values()]

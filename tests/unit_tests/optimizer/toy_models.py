@@ -34,8 +34,12 @@ def dp_collection(world_size):
     return ProcessGroupCollection.from_layout(RankLayout.for_world(world_size))
 
 
-def wrap_ddp(model, pgc, distributed_optimizer=False, bucket_size=None):
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer, bucket_size=bucket_size)
+def wrap_ddp(model, pgc, distributed_optimizer=False, bucket_size=None, grad_reduce_in_fp32=False):
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+    )
     return DistributedDataParallel(ModelParallelConfig(), ddp_config, model, pg_collection=pgc)
 
 
@@ -84,13 +88,27 @@ def reference_training(model, world_rows, steps, clip_grad, adam=ADAM):
     return ref, norms
 
 
-def build(model, pgc, distributed_optimizer=False, bucket_size=None, fused=False, **config):
+def build(model, pgc, distributed_optimizer=False, bucket_size=None, fused=False, grad_reduce_in_fp32=False, **config):
     """DDP and our optimizer over ``model``; ``fused``: torch's fused AdamW, which CUDA masters
     get, also on CPU."""
-    ddp = wrap_ddp(model, pgc, distributed_optimizer, bucket_size)
+    ddp = wrap_ddp(model, pgc, distributed_optimizer, bucket_size, grad_reduce_in_fp32)
     config = OptimizerConfig(**{**ADAM, **config, "use_distributed_optimizer": distributed_optimizer})
     optimizer = get_megatron_optimizer(config, [ddp], pgc)
     if fused:
         groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
         optimizer.optimizer = torch.optim.AdamW(groups, fused=True)
     return ddp, optimizer
+
+
+def dp2_grads(ddp, opt, pgc, step, nan: bool, dtype=torch.bfloat16) -> None:
+    """This rank's half of global batch ``step`` through the model (``dtype``), gradients synced over DP2;
+    ``nan``: a nan planted in the first parameter's synced gradient (as an all-reduce would spread
+    it: every rank holds it)."""
+    rank = pgc.rank("dp_cp")
+    x, y = batch(8, step, dtype)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss_fn(ddp, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]).backward()
+    ddp.finish_grad_sync()
+    if nan:
+        next(ddp.module.parameters()).main_grad.view(-1)[0] = float("nan")
