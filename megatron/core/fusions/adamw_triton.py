@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 # 4096 fp32 elements a tile, 8 warps: 16 elements a thread per tensor, in 16-byte vectors when
-# every offset is a multiple of ALIGNMENT (what DDP's buffers give for usual layer widths).
+# every offset and size is a multiple of ALIGNMENT (what DDP's buffers give for usual layer
+# widths; otherwise Triton cannot prove the alignment and issues 4-byte accesses).
 BLOCK, WARPS, ALIGNMENT = 4096, 8, 8
 
 
@@ -54,6 +55,8 @@ def _adamw_kernel(
     decay, beta1, beta2, eps = tl.load(coeffs + 2), tl.load(coeffs + 3), tl.load(coeffs + 4), tl.load(coeffs + 5)
     if HAS_FOUND_INF:  # a skipped step touches nothing
         count = tl.where(tl.load(found_inf_ptr) == 0, count, 0)
+    if ALIGNED:  # the mask is then constant over each 8-element vector
+        count = tl.multiple_of(count, 8)
     index = tl.arange(0, BLOCK)
     mask = index < count
     grad = tl.load(grad_ptr + grad_off + index, mask=mask, other=0.0).to(tl.float32)

@@ -136,7 +136,7 @@ class FlatAdamW(torch.optim.Optimizer):
             exp_avg=moments["exp_avg"],
             exp_avg_sq=moments["exp_avg_sq"],
             tiles=self._kernels.tile_table(pieces, self.device),
-            aligned=all(offset % alignment == 0 for piece in pieces for offset in piece[:4]),
+            aligned=all(value % alignment == 0 for piece in pieces for value in piece[:5]),
         )
 
     def _adopt_installed_state(self) -> None:

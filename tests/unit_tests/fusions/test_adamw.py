@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from megatron.core.optimizer.flat_adamw import FlatAdamW, FlatAdamWError, flat_launch_count
 from tests.unit_tests.fusions.kernels import DEVICE
@@ -151,3 +152,35 @@ def test_launch_count_groups_masters_by_storage_and_refuses_what_it_cannot_step(
     assert flat_launch_count(sources + [(other.grads[0], other.params[0])], masters + other.masters()) == 2
     bf16_grad = [(model.grads[0].bfloat16(), model.params[0])]
     assert flat_launch_count(bf16_grad, masters[:1]) is None  # gradients must be fp32
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_aligned_kernel_moves_16_byte_vectors(aligned):
+    """Compiled for an H100/H200 (sm_90, no GPU needed): with every offset and size a multiple of 8
+    the kernel loads and stores the fp32 tensors in 16-byte vectors; without, in 4-byte words."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron.core.fusions import adamw_triton
+
+    kernel = adamw_triton._adamw_kernel
+    if not isinstance(kernel, triton.runtime.JITFunction):  # under the interpreter: compile the source
+        kernel = triton.runtime.JITFunction(kernel.fn)
+    pointers = ["*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"]
+    names = list(kernel.arg_names)
+    flags = dict(HAS_COPY=True, HAS_SCALE=True, HAS_FOUND_INF=True, ALIGNED=aligned, BLOCK=adamw_triton.BLOCK)
+    source = ASTSource(
+        fn=kernel,
+        signature={**dict(zip(names, pointers, strict=False)), **dict.fromkeys(flags, "constexpr")},
+        constexprs=flags,
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},  # what Triton sees at launch
+    )
+    ptx = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": adamw_triton.WARPS, "enable_fp_fusion": True}
+    ).asm["ptx"]
+    per_thread = adamw_triton.BLOCK // (32 * adamw_triton.WARPS)
+    vector_loads, vector_stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")
+    if aligned:  # grad, master, exp_avg, exp_avg_sq in; master, moments and the bf16 copy out
+        assert (vector_loads, vector_stores) == (4 * per_thread // 4, 3 * per_thread // 4 + per_thread // 8)
+    else:
+        assert vector_loads == vector_stores == 0
