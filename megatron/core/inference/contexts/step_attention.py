@@ -9,29 +9,30 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   consistent by construction), so a call never waits for the device and a CUDA graph can
   capture it.
 - **torch** (the CPU path): each layer gathers keys and values and computes scores and weighted
-  values as batched matrix products per (piece, KV head): ``S = K @ Q^T`` (``[keys, d] @ [d,
-  queries]``) and ``O^T = V^T @ P^T``. A *piece* is a request's queries that end in the same key
-  tile (a decode request is one piece; a prefill chunk is cut at :data:`~paged_attention.KEY_TILE`
-  boundaries), so it sees every key before its last tile and needs no key past it: a piece's keys
-  are padded with masked keys to the end of that tile, and only that tile is masked. Pieces are
-  grouped by kind (one query, or several: padded to the group's longest) and key count. The plan
-  (once per step, on the host) holds per group one index of cache slots, key-major, whose
-  ``index_select`` gives the keys and values of every head of the group at once (the products
-  read each matrix with a row stride), and the mask of the last tile. Masked keys past the piece
-  read the request's key 0 instead of their own slot, so a stale NaN in a block tail can never
-  reach ``0 * NaN`` (as the reference zeroes such values); their probability is exactly 0. A
-  layer makes three data movements for all groups at once: one gather of every group's keys and
-  values, one ``take`` of every group's queries in the products' layout (columns of the query
-  axis), one ``index_copy_`` of every result to its token's row (element indices made by the
-  step's first layer); the per-group work is the two products and the masked softmax between them.
+  values as batched matrix products per (piece, KV head): ``S = Q @ K^T`` (``[queries, d] @ [d,
+  keys]``, keys innermost, as softmax reads them) and ``O = P @ V``. A *piece* is a request's
+  queries that end in the same key tile (a decode request is one piece; a prefill chunk is cut at
+  :data:`~paged_attention.KEY_TILE` boundaries), so it sees every key before its last tile and
+  needs no key past it: a piece's keys are padded with masked keys to the end of that tile, and
+  only that tile is masked. Pieces are grouped by kind (one query, or several: padded to the
+  group's longest) and key count. The plan (once per step, on the host) holds per group one index
+  of cache slots, key-major, whose ``index_select`` gives the keys and values of every head of the
+  group at once (the products read each matrix with a row stride), and the mask of the last tile.
+  Masked keys past the piece read the request's key 0 instead of their own slot, so a stale NaN in
+  a block tail can never reach ``0 * NaN`` (as the reference zeroes such values); their
+  probability is exactly 0. A layer makes three data movements for all groups at once: one gather
+  of every group's keys and values, one ``take`` of every group's queries in the products' layout
+  (rows of the query axis), one ``index_copy_`` of every result to its token's row (element
+  indices made by the step's first layer); the per-group work is the two products and the masked
+  softmax between them.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
-requests, of queries per request, of padded keys) are the batch, the queries' axis and a
-zero-padded end of the reduction; each output element is a dot product over the head dimension
-or over the keys in a fixed order, the same whatever else is in the step, whether its query came
-in a decode step or a prefill chunk (tests/unit_tests/inference/contexts/test_step_attention.py
-checks it bitwise). Masked keys get probability exactly 0 against finite values, so they add
-exactly 0.
+requests, of queries per request) are the batch and the rows (the queries' axis), and a query's
+key count is fixed by its position (padded to the end of its tile); each output element is a dot
+product over the head dimension or over the keys in a fixed order, the same whatever else is in
+the step, whether its query came in a decode step or a prefill chunk
+(tests/unit_tests/inference/contexts/test_step_attention.py checks it bitwise). Masked keys get
+probability exactly 0 against finite values, so they add exactly 0.
 """
 
 from __future__ import annotations
@@ -43,26 +44,26 @@ import torch
 
 from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
 
-# The fewest query columns a product of the torch path takes (zero columns pad it). BLAS may
-# compute a GEMM with few output columns by another kernel, whose sums round differently: MKL
-# on AVX2 does below 12 columns, so a decode query's 2 columns (a GQA group) and the same query
-# among a prefill chunk's 128 would not give the same bits. Every column of a product of 16 or
-# more comes out the same whatever the column count.
-MIN_PRODUCT_COLUMNS = 16
+# The products' rows (queries times the heads of a GQA group) are zero-padded to a multiple of
+# this. BLAS may compute a GEMM with few rows by another kernel, whose sums round differently: MKL
+# (AVX2 and AVX-512 dispatch alike) does below 4 rows, and for a lone matrix (a batch of one) on
+# several threads also at 5-7 and 9-11, so a decode query's 2 rows (a GQA group) and the same
+# query among a prefill chunk's 128 would not give the same bits. Every row of a product whose row
+# count is a multiple of 4 comes out the same whatever the count, the batch and the thread count.
+PRODUCT_ROW_MULTIPLE = 4
 
 
 @dataclass(frozen=True)
 class _Group:
     """Pieces attended together by the torch path: ``n`` pieces of at most ``L`` queries over
     ``K`` (padded) keys. Index tensors are on the device; masks are kept inverted (what
-    ``masked_fill`` takes). Built once per step, used by every layer."""
+    ``masked_fill_`` takes). Built once per step, used by every layer."""
 
     # [2 * K * n]: the row (of PagedKVCache.slots_from) of each (key, piece)'s keys, then of its
     # values; one gather gives the keys and values of every head.
     kv_rows: torch.Tensor
     hidden: torch.Tensor  # [n, 1, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
     hidden_from: int  # K - KEY_TILE: every query of the group sees every key before its last tile
-    hidden_score: torch.Tensor  # -inf (0-dim): the score of a hidden key
     # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
     # row of its request) and writes its result to (a padding query: the scratch row past the step).
     query_rows: torch.Tensor
@@ -105,10 +106,10 @@ class AttentionWorkspace:
 class _Layout:
     """Where every group's operands lie in a layer's shared buffers, for one (query heads, head
     dim): group ``i`` takes gathered rows ``[row_starts[i], row_starts[i + 1])`` and query elements
-    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, d,
-    L * group]`` (without the padding columns)."""
+    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, L *
+    group, d]`` (without the padding rows)."""
 
-    # [E]: the element of the scaled queries ``[T, q_heads, d]`` each product column takes, and the
+    # [E]: the element of the scaled queries ``[T, q_heads, d]`` each product row element takes, and the
     # element of the results ``[T + 1, q_heads, d]`` it goes to (a padding query: the scratch row T).
     query_elements: torch.Tensor
     out_elements: torch.Tensor
@@ -218,9 +219,9 @@ class StepAttention:
             torch.index_select(rows, 0, self._kv_rows, out=gathered)
         else:
             gathered = rows.index_select(0, self._kv_rows).float()
-        queries = space.get("query_columns", (layout.query_elements.numel(),), device)
+        queries = space.get("query_rows", (layout.query_elements.numel(),), device)
         torch.take(scaled, layout.query_elements, out=queries)
-        context = space.get("context_columns", (layout.query_elements.numel(),), device)
+        context = space.get("context_rows", (layout.query_elements.numel(),), device)
         for index, group in enumerate(self._groups):
             elements = slice(layout.element_starts[index], layout.element_starts[index + 1])
             _attend_group(
@@ -249,12 +250,12 @@ class StepAttention:
                 n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
                 group_size = q_heads // kv_heads
                 device = group.query_rows.device
-                # [n, kv_heads, d, L, group]: piece r's query l, head (h, m), channel i
-                heads = torch.arange(q_heads, device=device).view(1, kv_heads, 1, 1, group_size)
-                dims = torch.arange(head_dim, device=device).view(1, 1, head_dim, 1, 1)
+                # [n, kv_heads, L, group, d]: piece r's query l, head (h, m), channel i
+                heads = torch.arange(q_heads, device=device).view(1, kv_heads, 1, group_size, 1)
+                dims = torch.arange(head_dim, device=device).view(1, 1, 1, 1, head_dim)
                 within = heads * head_dim + dims
                 for rows, elements in ((group.query_rows, query_elements), (group.out_rows, out_elements)):
-                    elements.append((rows.view(n, 1, 1, length, 1) * width + within).reshape(-1))
+                    elements.append((rows.view(n, 1, length, 1, 1) * width + within).reshape(-1))
                 row_starts.append(row_starts[-1] + group.kv_rows.numel())
                 element_starts.append(element_starts[-1] + n * kv_heads * head_dim * length * group_size)
             self._layouts[key] = _Layout(torch.cat(query_elements), torch.cat(out_elements), row_starts, element_starts)
@@ -301,7 +302,6 @@ class _PiecePlan:
             # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
             hidden=hidden[:, None, :, None].to(device),
             hidden_from=hidden_from,
-            hidden_score=torch.tensor(float("-inf"), device=device),
             query_rows=self.query_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
             out_rows=self.out_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
             kv_heads=kv_heads,
@@ -320,44 +320,34 @@ def _attend_group(
     space: AttentionWorkspace,
 ) -> None:
     """The group's attention: from its ``gathered [2 * K * n, kv_heads * d]`` keys then values (of
-    ``group.kv_rows``) and its scaled ``queries`` as the products' columns ``[n * kv_heads, d, L *
-    group]`` (flat), write the weighted values ``context`` in the same layout (fp32); temporaries
-    live in ``space``."""
+    ``group.kv_rows``) and its scaled ``queries`` as the products' rows ``[n * kv_heads, L * group,
+    d]`` (flat), write the weighted values ``context`` in the same layout (fp32); temporaries live
+    in ``space``."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
     head_dim = gathered.shape[-1] // kv_heads
     length = group.num_queries
     group_size = q_heads // kv_heads
-    batch, columns, device = n * kv_heads, length * group_size, gathered.device
+    batch, rows, device = n * kv_heads, length * group_size, gathered.device
     # Keys and values of every head, key-major: the products' batch is (piece, KV head), each
     # matrix [K, d] read with a row stride of n * kv_heads * d.
     keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
-    # Both products take at least MIN_PRODUCT_COLUMNS query columns, zero-padded (see the constant).
-    padded = max(columns, MIN_PRODUCT_COLUMNS)
-    q = queries.view(batch, head_dim, columns)  # the columns of S = K @ Q^T
-    if padded > columns:
-        q = space.get("padded_queries", (batch, head_dim, padded), device)
-        q[..., columns:] = 0.0
-        q[..., :columns] = queries.view(batch, head_dim, columns)
-    scores = torch.bmm(keys, q, out=space.get("scores", (batch, num_keys, padded), device))[..., :columns]
-    # Softmax reads the scores with the keys innermost: one copy into that layout, the last tile
-    # masked on the way.
-    masked = space.get("masked", (batch, columns, num_keys), device)
-    by_query = scores.transpose(1, 2)
+    # Both products take a multiple of PRODUCT_ROW_MULTIPLE rows, zero-padded (see the constant).
+    padded = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE
+    q = queries.view(batch, rows, head_dim)
+    if padded > rows:
+        q = space.get("padded_queries", (batch, padded, head_dim), device)
+        q[:, rows:] = 0.0
+        q[:, :rows] = queries.view(batch, rows, head_dim)
+    scores = torch.bmm(q, keys.transpose(1, 2), out=space.get("scores", (batch, padded, num_keys), device))
+    # Only the last key tile holds keys a query may not see (padding rows: zero queries, finite).
     hidden_from = group.hidden_from
-    if hidden_from:
-        masked[..., :hidden_from].copy_(by_query[..., :hidden_from])
-    shape = (n, kv_heads, length, group_size, num_keys)
-    last_tile = masked.view(shape)[..., hidden_from:]
-    torch.where(group.hidden, group.hidden_score, by_query.view(shape)[..., hidden_from:], out=last_tile)
-    probs = space.get("probs", (batch, columns, num_keys), device)
-    torch.ops.aten._softmax.out(masked, -1, False, out=probs)
-    if padded == columns:
-        torch.bmm(values.transpose(1, 2), probs.transpose(1, 2), out=context.view(batch, head_dim, columns))
+    last_tile = scores[:, :rows].view(n, kv_heads, length, group_size, num_keys)[..., hidden_from:]
+    last_tile.masked_fill_(group.hidden, float("-inf"))
+    probs = space.get("probs", (batch, padded, num_keys), device)
+    torch.ops.aten._softmax.out(scores, -1, False, out=probs)
+    if padded == rows:
+        torch.bmm(probs, values, out=context.view(batch, rows, head_dim))
         return
-    wide = space.get("padded_probs", (batch, padded, num_keys), device)
-    wide[:, columns:] = 0.0
-    wide[:, :columns] = probs
-    weighted = space.get("padded_context", (batch, head_dim, padded), device)
-    torch.bmm(values.transpose(1, 2), wide.transpose(1, 2), out=weighted)
-    context.view(batch, head_dim, columns).copy_(weighted[..., :columns])
+    weighted = torch.bmm(probs, values, out=space.get("padded_context", (batch, padded, head_dim), device))
+    context.view(batch, rows, head_dim).copy_(weighted[:, :rows])

@@ -147,18 +147,38 @@ def test_a_chunk_from_mid_tile_across_three_tiles_gives_the_whole_prefill_bits()
         assert torch.equal(split[name], whole[name]), name
 
 
-def test_every_product_takes_at_least_the_minimum_columns(monkeypatch):
-    """BLAS may round a product with few columns by another kernel (MKL on AVX2 does below 12), so
-    a decode query's few columns are zero-padded: no product of the torch path is narrower."""
+def test_every_product_takes_a_multiple_of_the_row_multiple(monkeypatch):
+    """BLAS may round a product with few rows by another kernel (MKL does below 4, and at 5-7 and
+    9-11 for a lone matrix on several threads), so a decode query's 2 rows (its GQA group) are
+    zero-padded: every product of the torch path has a multiple of PRODUCT_ROW_MULTIPLE rows."""
     from megatron.core.inference.contexts import step_attention
 
-    bmm, widths = torch.bmm, []
+    bmm, heights = torch.bmm, []
 
     def recording_bmm(a, b, out=None):
-        widths.append(b.shape[-1])
+        heights.append(a.shape[-2])
         return bmm(a, b, out=out)
 
     monkeypatch.setattr(torch, "bmm", recording_bmm)
     data = sequences({"a": 9, "b": 3})
     run_steps(data, [[("a", 9), ("b", 2)], [("b", 1)]])
-    assert widths and min(widths) == step_attention.MIN_PRODUCT_COLUMNS
+    multiple = step_attention.PRODUCT_ROW_MULTIPLE
+    assert heights and all(h % multiple == 0 for h in heights) and min(heights) == multiple
+
+
+def test_products_give_the_same_row_bits_for_every_row_count():
+    """The measured fact the padding rests on, on this machine's BLAS: with the products' operand
+    layouts (keys and values read with a row stride), every row of ``Q @ K^T`` and ``P @ V`` has
+    the same bits whatever the (multiple of PRODUCT_ROW_MULTIPLE) row count and batch size."""
+    from megatron.core.inference.contexts.step_attention import PRODUCT_ROW_MULTIPLE
+
+    gen = torch.Generator().manual_seed(0)
+    for num_keys, head_dim, batch in ((64, 32, 1), (192, 64, 3), (128, 32, 32)):
+        keys, values = torch.randn(2 * num_keys * batch, head_dim, generator=gen).view(2, num_keys, batch, head_dim)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        queries = torch.randn(batch, 256, head_dim, generator=gen)
+        probs = torch.softmax(torch.randn(batch, 256, num_keys, generator=gen), -1)
+        scores, weighted = torch.bmm(queries, keys.transpose(1, 2)), torch.bmm(probs, values)
+        for rows in range(PRODUCT_ROW_MULTIPLE, 256, PRODUCT_ROW_MULTIPLE):
+            assert torch.equal(torch.bmm(queries[:, :rows].contiguous(), keys.transpose(1, 2)), scores[:, :rows])
+            assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), weighted[:, :rows])
