@@ -12,10 +12,12 @@ the mixer never branches on the backend:
   initial_state [b,h,p,n] | None) -> (y [b,l,h,p], final_state [b,h,p,n])`` (prefill from states)
 - ``state_update(ssm_state [b,h,p,n], x [b,h,p], dt [b,h], A, B/C [b,g,n], D, dt_bias) -> y [b,h,p]``,
   advancing ``ssm_state`` in place (decode).
-- ``state_updates(x [N,h,p], dt [N,h], A, B/C [N,g,n], D, dt_bias) -> update``: the one-token
-  updates of ``N`` tokens taken a few at a time, ``update(ssm_state [b,h,p,n], rows) -> y
-  [b,h,p]`` advancing ``ssm_state`` in place by the tokens ``rows`` (an index tensor or a slice;
-  a prefill run token by token). Row for row it gives the bits of ``state_update`` on those tokens.
+- ``token_recurrence(x [G,h,p], dt [G,h], A, B/C [G,g,n], D, dt_bias, ssm [R,h,p,n], calls,
+  active) -> (y [G,h,p], final [active[0],h,p,n])``: a prefill run token by token, the one-token
+  updates of ``G`` tokens a call at a time (call ``j`` advances the first rows of ``ssm`` by the
+  tokens ``calls[j]``, a slice; ``active[j]`` of them real), every token's output and each real
+  row's state after its last real call; ``ssm`` holds the working states (the torch backend
+  leaves it as it was). Row for row it gives the bits of ``state_update`` on those tokens.
 
 The chunk size is the scan's blocking, not part of the function: the Triton scan uses chunks of
 at least :data:`TRITON_MIN_CHUNK_SIZE` tokens (:func:`triton_chunk_size`; tensor-core tiles, where
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 
 from megatron.core.errors import MegatronConfigError
 from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm, rowwise
-from megatron.core.ssm.ssd_reference import ssd_advance, ssd_chunked_scan, ssd_step_factors
+from megatron.core.ssm.ssd_reference import ssd_advance, ssd_chunked_scan, ssd_recurrence, ssd_step_factors
 
 if TYPE_CHECKING:
     from megatron.core.ssm.mamba_mixer import MambaDims
@@ -88,21 +90,20 @@ class TorchSSMBackend:
 
     @staticmethod
     def state_update(ssm_state, x, dt, A, B, C, D, dt_bias):
-        return TorchSSMBackend.state_updates(x, dt, A, B, C, D, dt_bias)(ssm_state)
+        y, new_state = ssd_advance(ssm_state, TorchSSMBackend._factors(x, dt, A, B, C, D, dt_bias))
+        ssm_state.copy_(new_state)
+        return y
 
     @staticmethod
-    def state_updates(x, dt, A, B, C, D, dt_bias):
+    def token_recurrence(x, dt, A, B, C, D, dt_bias, ssm, calls, active):
         # The factors of every token at once (their ops are row invariant), then per call only the
         # recurrence over the rows it takes.
+        return ssd_recurrence(ssm, TorchSSMBackend._factors(x, dt, A, B, C, D, dt_bias), calls, active)
+
+    @staticmethod
+    def _factors(x, dt, A, B, C, D, dt_bias):
         step = rowwise(F.softplus, dt.float() + dt_bias.float())  # decode rows batch invariant
-        factors = ssd_step_factors(x, step, A, B, C, D)
-
-        def update(ssm_state, rows=None):
-            y, new_state = ssd_advance(ssm_state, factors if rows is None else factors.rows(rows))
-            ssm_state.copy_(new_state)
-            return y
-
-        return update
+        return ssd_step_factors(x, step, A, B, C, D)
 
 
 class _MambaKernels(NamedTuple):
@@ -141,11 +142,15 @@ class TritonSSMBackend:
             return_final_states=True,
         )
 
-    def state_updates(self, x, dt, A, B, C, D, dt_bias):
-        def update(ssm_state, rows):
-            return self.state_update(ssm_state, x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias)
-
-        return update
+    def token_recurrence(self, x, dt, A, B, C, D, dt_bias, ssm, calls, active):
+        y = x.new_empty(x.shape)
+        final = ssm.new_empty(active[0] if active else 0, *ssm.shape[1:])
+        for index, call in enumerate(calls):
+            rows = ssm[: call.stop - call.start]
+            y[call] = self.state_update(rows, x[call], dt[call], A, B[call], C[call], D, dt_bias)
+            done = active[index + 1] if index + 1 < len(calls) else 0
+            final[done : active[index]] = ssm[done : active[index]]
+        return y, final
 
     def state_update(self, ssm_state, x, dt, A, B, C, D, dt_bias):
         head_dim, d_state = ssm_state.shape[-2:]

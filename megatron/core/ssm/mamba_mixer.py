@@ -367,8 +367,8 @@ class MambaMixer(nn.Module):
         that has one, together, padded to the smallest of the step's ``row_buckets`` that holds
         them (sizes whose rows the engine checked bitwise against the largest), else to ``T``
         rows. The requests run longest first, so those with a ``j``-th token are a prefix of
-        the working states; a request's state goes back to it once, after its last token (the
-        rows past the prefix only pad later calls)."""
+        the working states; a request's state goes back to it once, its state after its last
+        token (the rows past the prefix only pad later calls)."""
         conv_state, ssm_state = inference_context.mamba_states(self.layer_number)
         step = inference_context.step
         lengths = step.host_query_lengths
@@ -396,21 +396,16 @@ class MambaMixer(nn.Module):
         windows = self._conv_windows(xBC, conv_state, lengths)
         x, B, C = self._conv_outputs(windows)
         index = torch.tensor(gathered, dtype=torch.long, device=device)
-        update = backend.state_updates(x[index], dt[index], self.weights().A, B[index], C[index], self.D, self.dt_bias)
         rows = torch.tensor(order, dtype=torch.long, device=device)
         ssm = ssm_state.new_zeros(padded_rows(len(order)), *ssm_state.shape[1:])
         ssm[: len(order)] = ssm_state[rows]
-        out = xBC.new_empty(len(gathered), self.dims.local(self.dims.d_inner))
-        done = len(order)
-        for count, call in zip(active, calls, strict=True):
-            if count < done:  # these requests had their last token: their states go back
-                ssm_state.index_copy_(0, rows[count:done], ssm[count:done])
-                done = count
-            out[call] = update(ssm[: call.stop - call.start], call).flatten(-2)
-        ssm_state.index_copy_(0, rows[:done], ssm[:done])
+        weights = self.weights()
+        args = (x[index], dt[index], weights.A, B[index], C[index], self.D, self.dt_bias)
+        out, final = backend.token_recurrence(*args, ssm, calls, active)
+        ssm_state.index_copy_(0, rows, final.to(ssm_state.dtype))
         y = xBC.new_zeros(xBC.shape[0], self.dims.local(self.dims.d_inner))
         real = torch.tensor(real, dtype=torch.long, device=device)
-        y.index_copy_(0, index[real], out[real])
+        y.index_copy_(0, index[real], out.flatten(-2)[real].to(y.dtype))
         return y
 
     def _conv_windows(self, xBC, conv_state, lengths):

@@ -151,6 +151,57 @@ def ssd_advance(state: torch.Tensor, factors: StepFactors) -> tuple[torch.Tensor
     return y.to(factors.out_dtype), new_state
 
 
+# fp32 elements of new states :func:`ssd_recurrence` keeps at once (1 MiB, so a run's states stay
+# in cache; a budget of 32 MiB made fully padded prefill steps 3x slower on a 2-core CPU): its
+# calls run in runs whose rows fit, each run's outputs read from its states after its last call.
+HISTORY_ELEMENTS = 1 << 18
+
+
+def ssd_recurrence(
+    state: torch.Tensor, factors: StepFactors, calls: list[slice], active: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_advance` call after call, with its bits: call ``j`` advances the first
+    ``calls[j].stop - calls[j].start`` rows of the working states (``state [R, h, p, n]`` at
+    first, not modified) by the tokens of ``factors.rows(calls[j])``, rows of consecutive slices
+    of ``G`` tokens; ``active[j]`` of its rows are real, a prefix that does not grow.
+
+    Returns ``(y [G, h, p] in the factors' output dtype, final [active[0], h, p, n])``: every
+    token's output, and each real row's state after its last real call (later calls may still
+    carry it as a padding row).
+
+    Per call only the recurrence runs, ``decay * state`` then ``+ dx * B`` (that product made for
+    all tokens of a run at once), into the run's buffer of new states; the outputs ``(state *
+    C).sum(-1) + D * x`` of a run's tokens come from that buffer in one pass. Every op is the one
+    :func:`ssd_advance` makes, elementwise or a sum over ``n`` per row, so each row gets its bits."""
+    final = state.new_empty(active[0] if active else 0, *state.shape[1:], dtype=torch.float32)
+    total = calls[-1].stop if calls else 0
+    y = torch.empty(total, *factors.dx.shape[1:3], dtype=factors.out_dtype, device=state.device)
+    limit = max(HISTORY_ELEMENTS // max(state[0].numel(), 1), 1)
+    current, scaled, first = state.float(), None, 0
+    while first < len(calls):
+        start = calls[first].start
+        last = first + 1
+        while last < len(calls) and calls[last].stop - start <= limit:
+            last += 1
+        run = factors.rows(slice(start, calls[last - 1].stop))
+        states = run.dx * run.B  # [rows, h, p, n]; each call adds decay * state to its rows
+        for index in range(first, last):
+            call = calls[index]
+            count = call.stop - call.start
+            if scaled is None or scaled.shape[0] < count:
+                scaled = torch.empty_like(states[:count])
+            product = torch.mul(run.decay[call.start - start : call.stop - start], current[:count], out=scaled[:count])
+            current = states[call.start - start : call.stop - start].add_(product)
+            done = active[index + 1] if index + 1 < len(calls) else 0
+            final[done : active[index]] = current[done : active[index]]
+        outputs = (states * run.C).sum(-1)
+        if run.skip is not None:
+            outputs = outputs + run.skip
+        y[start : calls[last - 1].stop] = outputs
+        first = last
+    return y, final
+
+
 def ssd_step(
     state: torch.Tensor,
     x: torch.Tensor,

@@ -117,3 +117,35 @@ def test_heads_must_divide_into_groups():
     x, dt, A, B, C, D, h0 = (t.float() for t in _inputs(nheads=3, ngroups=2))
     with pytest.raises(ValueError, match=r"number of heads \(3\) must be divisible by number of groups \(2\)"):
         ssd_chunked_scan(x, dt, A, B, C, 4)
+
+
+@pytest.mark.parametrize("history_elements", [1, 200, 1 << 23])
+def test_recurrence_over_calls_gives_the_bits_of_one_token_updates(monkeypatch, history_elements):
+    """``ssd_recurrence`` (states of a run kept in one buffer, outputs read after its last call)
+    against ``ssd_advance`` call by call, bitwise in fp32: three requests of 5, 3 and 1 tokens run
+    as calls of 3, 2 (padded to 3), 2 (one real) rows; a small history budget splits the calls
+    into several runs."""
+    from megatron.core.ssm import ssd_reference
+    from megatron.core.ssm.ssd_reference import ssd_advance, ssd_recurrence, ssd_step_factors
+
+    monkeypatch.setattr(ssd_reference, "HISTORY_ELEMENTS", history_elements)
+    active = [3, 2, 2, 1, 1]
+    sizes = [3, 3, 2, 2, 2]
+    calls, start = [], 0
+    for size in sizes:
+        calls.append(slice(start, start + size))
+        start += size
+    x, dt, A, B, C, D, h0 = (t.float() for t in _inputs(batch=1, seq_len=start, seed=3))
+    factors = ssd_step_factors(x[0], dt[0], A, B[0], C[0], D)
+    state = torch.randn(3, *h0.shape[1:], generator=torch.Generator().manual_seed(4))
+    before = state.clone()
+    y, final = ssd_recurrence(state, factors, calls, active)
+    assert torch.equal(state, before)
+    working, want_y, want_final = state.clone(), [], torch.empty_like(state)
+    for index, call in enumerate(calls):
+        rows = call.stop - call.start
+        out, working[:rows] = ssd_advance(working[:rows], factors.rows(call))
+        want_y.append(out)
+        done = active[index + 1] if index + 1 < len(calls) else 0
+        want_final[done : active[index]] = working[done : active[index]]
+    assert torch.equal(y, torch.cat(want_y)) and torch.equal(final, want_final)

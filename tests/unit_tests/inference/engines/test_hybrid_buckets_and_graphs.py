@@ -51,7 +51,7 @@ def _record_steps(engine) -> list[tuple[int, int]]:
 @on_single_rank
 def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
     model = hybrid_model(pg)
-    token_by_token, state_updates = MambaMixer._packed_token_by_token, TorchSSMBackend.state_updates
+    token_by_token, recurrence = MambaMixer._packed_token_by_token, TorchSSMBackend.token_recurrence
     prefill_calls, step_size = [], []  # (rows of a one-token update, its prefill step's padded size)
 
     def recording_prefill(self, backend, xBC, *args):
@@ -61,18 +61,13 @@ def test_hybrid_bucket_padded_steps_give_the_unpadded_outputs(pg, monkeypatch):
         finally:
             step_size.clear()
 
-    def recording_updates(*args):
-        update = state_updates(*args)
-
-        def recording_update(ssm_state, rows=None):
-            if step_size:
-                prefill_calls.append((ssm_state.shape[0], step_size[0]))
-            return update(ssm_state, rows)
-
-        return recording_update
+    def recording_recurrence(*args):
+        calls = args[-2]
+        prefill_calls.extend((call.stop - call.start, step_size[0]) for call in calls if step_size)
+        return recurrence(*args)
 
     monkeypatch.setattr(MambaMixer, "_packed_token_by_token", recording_prefill)
-    monkeypatch.setattr(TorchSSMBackend, "state_updates", staticmethod(recording_updates))
+    monkeypatch.setattr(TorchSSMBackend, "token_recurrence", staticmethod(recording_recurrence))
     padded = DynamicInferenceEngine(
         model, enable_cuda_graphs=False, enable_chunked_prefill=True, pg_collection=pg, **ARGS
     )
