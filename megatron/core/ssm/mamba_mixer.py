@@ -12,6 +12,7 @@ the sequence path runs on whole sequences of ``1/cp`` of the heads (:mod:`mamba_
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -376,6 +377,7 @@ class MambaMixer(nn.Module):
         order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
         buckets = step.row_buckets
 
+        @functools.cache
         def padded_rows(count: int) -> int:
             return next((size for size in buckets if size >= count), xBC.shape[0])
 

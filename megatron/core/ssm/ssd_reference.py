@@ -163,7 +163,8 @@ def ssd_recurrence(
     """:func:`ssd_advance` call after call, with its bits: call ``j`` advances the first
     ``calls[j].stop - calls[j].start`` rows of the working states (``state [R, h, p, n]`` at
     first, not modified) by the tokens of ``factors.rows(calls[j])``, rows of consecutive slices
-    of ``G`` tokens; ``active[j]`` of its rows are real, a prefix that does not grow.
+    of ``G`` tokens, none wider than the one before; ``active[j]`` of its rows are real, a prefix
+    that does not grow.
 
     Returns ``(y [G, h, p] in the factors' output dtype, final [active[0], h, p, n])``: every
     token's output, and each real row's state after its last real call (later calls may still
@@ -177,27 +178,28 @@ def ssd_recurrence(
     total = calls[-1].stop if calls else 0
     y = torch.empty(total, *factors.dx.shape[1:3], dtype=factors.out_dtype, device=state.device)
     limit = max(HISTORY_ELEMENTS // max(state[0].numel(), 1), 1)
-    current, scaled, first = state.float(), None, 0
+    ends = [*active[1:], 0]  # real rows left after each call: rows ends[j]:active[j] end there
+    current, first = state.float(), 0
+    # decay * state of a call, before it is added: calls only shrink, so the first one is the widest
+    scratch = torch.empty_like(current[: calls[0].stop - calls[0].start]) if calls else None
     while first < len(calls):
         start = calls[first].start
         last = first + 1
         while last < len(calls) and calls[last].stop - start <= limit:
             last += 1
-        run = factors.rows(slice(start, calls[last - 1].stop))
+        stop = calls[last - 1].stop
+        run = factors.rows(slice(start, stop))
         states = run.dx * run.B  # [rows, h, p, n]; each call adds decay * state to its rows
         for index in range(first, last):
-            call = calls[index]
-            count = call.stop - call.start
-            if scaled is None or scaled.shape[0] < count:
-                scaled = torch.empty_like(states[:count])
-            product = torch.mul(run.decay[call.start - start : call.stop - start], current[:count], out=scaled[:count])
-            current = states[call.start - start : call.stop - start].add_(product)
-            done = active[index + 1] if index + 1 < len(calls) else 0
-            final[done : active[index]] = current[done : active[index]]
+            lo, hi = calls[index].start - start, calls[index].stop - start
+            product = torch.mul(run.decay[lo:hi], current[: hi - lo], out=scratch[: hi - lo])
+            current = states[lo:hi].add_(product)
+            if ends[index] < active[index]:
+                final[ends[index] : active[index]] = current[ends[index] : active[index]]
         outputs = (states * run.C).sum(-1)
         if run.skip is not None:
             outputs = outputs + run.skip
-        y[start : calls[last - 1].stop] = outputs
+        y[start:stop] = outputs
         first = last
     return y, final
 
