@@ -71,6 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
+    engine.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="with chunked prefill, the most tokens of one prompt a step takes (0: off; default: automatic, "
+        "off except for hybrid models on the CPU Mamba path)",
+    )
     engine.add_argument("--num-speculative-tokens", type=int, default=0)
     add_cuda_graph_flag(engine)
     sampling = parser.add_argument_group("sampling")
@@ -164,6 +171,7 @@ def main(argv=None) -> int:
         max_sequence_length=max_sequence_length,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         paused_block_budget=args.paused_block_budget,
         num_speculative_tokens=args.num_speculative_tokens,
         enable_cuda_graphs=args.enable_cuda_graphs,

@@ -106,6 +106,15 @@ class _Step:
     readback: DeviceToHost | None = None
 
 
+def _automatic_long_prefill_threshold(model, batch_invariant: bool, max_tokens_per_step: int, device) -> int:
+    """The default ``long_prefill_token_threshold``: a hybrid model's batch-invariant prefill on
+    the torch Mamba path advances its recurrence one position after another, so a step costs its
+    longest chunk; chunks of an eighth of the step's budget let several prompts share those
+    positions (a 256-token CPU step of one prompt ran 256 of them, of eight prompts 32)."""
+    token_by_token = model_is_hybrid(model) and batch_invariant and kernels.kernel_backend(device) != "triton"
+    return max(max_tokens_per_step // 8, 16) if token_by_token else 0
+
+
 class DynamicInferenceEngine:
     """Serves generation requests on one model replica (one model-parallel group).
 
@@ -118,6 +127,11 @@ class DynamicInferenceEngine:
         max_tokens_per_step: most tokens one step processes.
         max_sequence_length: longest prompt + generation (default: the model's).
         enable_prefix_caching / enable_chunked_prefill: features.
+        long_prefill_token_threshold: with chunked prefill, the most tokens of one prompt a step
+            takes (vLLM's option), so a step's budget goes to several prompts: 0 off, else >= 2.
+            None (default): 0, except where a step's cost is its longest chunk rather than its
+            token count, a hybrid model's batch-invariant prefill on the torch Mamba path (one
+            position after another): there ``max(max_tokens_per_step // 8, 16)``.
         paused_block_budget: blocks paused requests may hold before the newest is evicted
             (default: half the pool).
         num_speculative_tokens: MTP drafts per decode step (0: off).
@@ -151,6 +165,7 @@ class DynamicInferenceEngine:
         max_sequence_length: int | None = None,
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
+        long_prefill_token_threshold: int | None = None,
         paused_block_budget: int | None = None,
         num_speculative_tokens: int = 0,
         eos_token_id: int | None = None,
@@ -171,6 +186,12 @@ class DynamicInferenceEngine:
             raise EngineConfigError(
                 f"inference runs at context parallel size 1, got {cp_size}; build the model and its process groups "
                 "with context_parallel_size=1 (a checkpoint trained with CP loads at any CP)"
+            )
+        if long_prefill_token_threshold is not None and (
+            long_prefill_token_threshold < 0 or long_prefill_token_threshold == 1
+        ):
+            raise EngineConfigError(
+                f"long_prefill_token_threshold must be 0 (off) or >= 2, got {long_prefill_token_threshold}"
             )
         if max_tokens_per_step < 1 or num_speculative_tokens < 0:
             raise EngineConfigError(
@@ -198,11 +219,16 @@ class DynamicInferenceEngine:
         budget = pool_blocks // 2 if paused_block_budget is None else paused_block_budget
         if budget < 0:
             raise EngineConfigError(f"paused_block_budget must be >= 0, got {paused_block_budget}")
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = _automatic_long_prefill_threshold(
+                model, batch_invariant, max_tokens_per_step, self.runner.device
+            )
         self.scheduler = Scheduler(
             self.context,
             max_tokens_per_step=max_tokens_per_step,
             enable_chunked_prefill=enable_chunked_prefill,
             paused_block_budget=budget,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.drafter = MTPDrafter(self.runner, num_speculative_tokens) if num_speculative_tokens else None
         self.num_speculative_tokens = num_speculative_tokens

@@ -14,8 +14,11 @@ Each step, in this order:
 3. **Admission** (FIFO), only while no request is paused, while the pool (KV blocks and a Mamba
    slot, taken all or nothing), the request cap and the step's token budget allow.
 4. **Tokens**: decode tokens (plus drafts) first, then prefill chunks in admission order up to
-   ``max_tokens_per_step``. A prompt is split only with chunked prefill (or when it is a
-   recompute or import), and never so that its final chunk is a single token. The oldest
+   ``max_tokens_per_step``, a splittable prompt's chunk at most ``long_prefill_token_threshold``
+   tokens when that is set (vLLM's option: the step's budget goes to several prompts at once;
+   one more when that finishes the prompt). A
+   prompt is split only with chunked prefill (or when it is a recompute or import), and never so
+   that its final chunk is a single token. The oldest
    prefilling request, when it may not be split and did not fit after the decode tokens in the
    last step, goes before them in this one (decode tokens that do not fit then wait a step):
    else, while any request decodes, a prompt of nearly ``max_tokens_per_step`` tokens would
@@ -58,10 +61,12 @@ class Scheduler:
         max_tokens_per_step: int,
         enable_chunked_prefill: bool,
         paused_block_budget: int,
+        long_prefill_token_threshold: int = 0,
     ):
         self.context = context
         self.max_tokens_per_step = max_tokens_per_step
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.paused_block_budget = paused_block_budget
         self.waiting: deque[EngineRequest] = deque()
         self.admitted: list[EngineRequest] = []  # running and paused, oldest admission first
@@ -221,6 +226,10 @@ class Scheduler:
             # that was still running at admission) is decoded after, with its own growth.
             remaining = request.prefill_target - state.num_computed_tokens
             take = min(remaining, budget)
+            cap = self.long_prefill_token_threshold
+            if cap and take > cap and self._may_chunk(request):
+                # One token past the cap rather than a one-token final chunk.
+                take = remaining if remaining == cap + 1 and remaining <= budget else cap
             if take < remaining:
                 if not self._may_chunk(request):
                     request.prefill_deferred = bool(decoding) and remaining <= self.max_tokens_per_step

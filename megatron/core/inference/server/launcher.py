@@ -105,6 +105,13 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
+    engine.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="with chunked prefill, the most tokens of one prompt a step takes (0: off; default: automatic, "
+        "off except for hybrid models on the CPU Mamba path)",
+    )
     add_cuda_graph_flag(engine)
     control = parser.add_argument_group("coordinator (control plane)")
     control.add_argument(
@@ -207,6 +214,7 @@ def build_engine(args: argparse.Namespace, model, tokenizer, pg) -> DynamicInfer
         max_tokens_per_step=args.max_tokens_per_step,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_cuda_graphs=args.enable_cuda_graphs,
     )
 

@@ -13,13 +13,14 @@ from megatron.core.inference.contexts.errors import (
 from megatron.core.inference.engines import (
     DuplicateRequestIdError,
     DynamicInferenceEngine,
+    EngineConfigError,
     InvalidPromptError,
     MaxSequenceLengthOverflowError,
     RequestOutput,
 )
 from megatron.core.inference.errors import InferenceRequestError
 from megatron.core.inference.sampling import SamplingParams
-from tests.unit_tests.inference.engines.common import gpt_model, prompts, run
+from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -179,3 +180,50 @@ def test_a_prompt_of_a_whole_step_runs_while_others_decode(pg):
     assert token_steps["short"][:3] == [0, 1, 3]  # it waited only the step the whole prompt ran
     for request_id, (prompt, params) in requests.items():  # the same tokens as alone
         assert outputs[request_id] == run(_engine(model, pg, num_blocks=16), [prompt], params)["0"]["tokens"]
+
+
+@on_single_rank
+def test_long_prefill_token_threshold_spreads_a_step_over_prompts_and_keeps_their_tokens(pg):
+    """With chunked prefill and a threshold of 4, prompts of 9 and 7 tokens prefill side by side
+    in chunks of at most 4 (5 rather than leave a one-token final chunk) and give the greedy tokens
+    they give without it; 1 is refused with its one-line error."""
+    model = gpt_model(pg)
+    requests = prompts([9, 7])
+    chunks = []
+
+    def capped(**kwargs):
+        engine = _engine(model, pg, enable_chunked_prefill=True, **kwargs)
+        build_step = engine.context.build_step
+
+        def recording(schedule, **step_kwargs):
+            chunks.append([n for _, n in schedule])
+            return build_step(schedule, **step_kwargs)
+
+        engine.context.build_step = recording
+        return engine
+
+    want = run(capped(long_prefill_token_threshold=0), requests, GREEDY)
+    assert chunks[0] == [7, 1]  # off: the first prompt fills the step (7, leaving it 2, not 1)
+    chunks.clear()
+    got = run(capped(long_prefill_token_threshold=4), requests, GREEDY)
+    # 9 = 4 + 5, not 4 + 4 + 1; then both decode
+    assert chunks[:3] == [[4, 4], [5, 3], [1, 1]]
+    assert {request_id: r["tokens"] for request_id, r in got.items()} == {
+        request_id: r["tokens"] for request_id, r in want.items()
+    }
+    message = "long_prefill_token_threshold must be 0 (off) or >= 2, got 1"
+    with pytest.raises(EngineConfigError, match=re.escape(message)):
+        _engine(model, pg, long_prefill_token_threshold=1)
+
+
+@on_single_rank
+def test_the_automatic_long_prefill_threshold_is_on_only_for_token_by_token_hybrid_prefill(pg):
+    """Off for a GPT model and for a hybrid model's unpadded mode; an eighth of the step's budget
+    (at least 16) for a hybrid model's batch-invariant prefill on the CPU's torch Mamba path."""
+    thresholds = [
+        _engine(
+            model, pg, batch_invariant=invariant, max_requests=2, max_tokens_per_step=256
+        ).scheduler.long_prefill_token_threshold
+        for model, invariant in ((gpt_model(pg), True), (hybrid_model(pg), True), (hybrid_model(pg), False))
+    ]
+    assert thresholds == [0, 32, 0]
