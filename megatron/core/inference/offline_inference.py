@@ -30,7 +30,7 @@ from tqdm import tqdm
 from megatron.core import parallel_state
 from megatron.core.config import TransformerConfig
 from megatron.core.inference.checkpoint_loading import default_device, load_inference_model
-from megatron.core.inference.engines import add_cuda_graph_flag
+from megatron.core.inference.engines import add_cuda_graph_flag, add_long_prefill_flag
 from megatron.core.inference.llm import LLM
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord, model_from_record
@@ -71,13 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
-    engine.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="with chunked prefill, the most tokens of one prompt a step takes (0: off; default: automatic, "
-        "off except for hybrid models on the CPU Mamba path)",
-    )
+    add_long_prefill_flag(engine)
     engine.add_argument("--num-speculative-tokens", type=int, default=0)
     add_cuda_graph_flag(engine)
     sampling = parser.add_argument_group("sampling")

@@ -1,11 +1,9 @@
 """The mixed-precision and distributed optimizers step with FlatAdamW (one kernel per DDP buffer)
 where the fused ``adamw`` op runs on Triton (CUDA; here Triton's interpreter): the same norms,
-skipped steps, masters and step counts as torch's fused AdamW on real DP2 gloo ranks, the
-parameters written by the kernel, and a saved state that continues the run."""
+skipped steps, masters and step counts as torch's fused AdamW on real DP2 gloo ranks, and the
+parameters written by the kernel (a saved state continuing the run: test_optimizer's round trip)."""
 
 from __future__ import annotations
-
-import io
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch
 from megatron.core.fusions import fusion_backend
 from megatron.core.optimizer.flat_adamw import FlatAdamW
 from tests.unit_tests.dist_harness import run_distributed
-from tests.unit_tests.optimizer.toy_models import batch, build, dp2_grads, dp_collection, loss_fn, tiny_mlp
+from tests.unit_tests.optimizer.toy_models import build, dp2_grads, dp_collection, tiny_mlp
 
 
 def _within_one_ulp(param: torch.Tensor, master: torch.Tensor) -> bool:
@@ -64,36 +62,3 @@ def _flat_matches_torch_fused(distributed_optimizer, dtype):
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_flat_adamw_steps_ddp_buffers_like_torch_fused_adamw(distributed_optimizer, dtype):
     assert run_distributed(_flat_matches_torch_fused, 2, distributed_optimizer, dtype) == [True, True]
-
-
-def _flat_state_round_trip():
-    pgc = dp_collection(1)
-    model, twin = tiny_mlp(torch.bfloat16), tiny_mlp(torch.bfloat16, seed=1)
-    with fusion_backend("triton"):
-        ddp, opt = build(model, pgc, bf16=True, grad_reduce_in_fp32=True)
-        twin_ddp, twin_opt = build(twin, pgc, bf16=True, grad_reduce_in_fp32=True)
-    for step in range(2):
-        x, y = batch(4, step, torch.bfloat16)
-        ddp.zero_grad_buffer()
-        loss_fn(ddp, x, y).backward()
-        ddp.finish_grad_sync()
-        opt.step()
-    twin.load_state_dict(model.state_dict())
-    saved = io.BytesIO()
-    torch.save(opt.state_dict(), saved)
-    saved.seek(0)
-    twin_opt.load_state_dict(torch.load(saved, weights_only=True))
-    x, y = batch(4, 7, torch.bfloat16)
-    for d, o in ((ddp, opt), (twin_ddp, twin_opt)):
-        d.zero_grad_buffer()
-        loss_fn(d, x, y).backward()
-        d.finish_grad_sync()
-        o.step()
-    for mine, theirs in zip(opt.master_params, twin_opt.master_params, strict=True):
-        assert torch.equal(mine.master, theirs.master)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
-    return isinstance(twin_opt.optimizer, FlatAdamW)
-
-
-def test_a_saved_flat_adamw_state_continues_the_run_identically():
-    assert run_distributed(_flat_state_round_trip, 1) == [True]

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.fusions import fusion_backend
 from megatron.core.optimizer import (
     DynamicGradScaler,
     MegatronOptimizer,
@@ -15,6 +16,7 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
     step_optimizers,
 )
+from megatron.core.optimizer.flat_adamw import FlatAdamW
 from megatron.core.optimizer.optimizer import members_agree
 from tests.unit_tests.dist_harness import device, run_distributed
 from tests.unit_tests.optimizer.toy_models import (
@@ -208,12 +210,14 @@ def test_dynamic_scaler_waits_for_hysteresis_and_respects_the_floor():
     assert restored.state_dict() == scaler.state_dict()
 
 
-def _state_round_trip():
+def _state_round_trip(backend):
     pgc = dp_collection(1)
     model, twin = tiny_mlp(torch.bfloat16), tiny_mlp(torch.bfloat16)
-    ddp, opt = build(model, pgc, bf16=True)
+    with fusion_backend(backend):  # "triton": FlatAdamW (Triton's interpreter on CPU)
+        ddp, opt = build(model, pgc, bf16=True, grad_reduce_in_fp32=True)
+        twin_ddp, twin_opt = build(twin, pgc, bf16=True, grad_reduce_in_fp32=True)
+    assert isinstance(twin_opt.optimizer, FlatAdamW) == (backend == "triton")
     train_dp(ddp, opt, pgc, 2)
-    twin_ddp, twin_opt = build(twin, pgc, bf16=True)
     twin.load_state_dict(model.state_dict())
     saved = io.BytesIO()
     torch.save(opt.state_dict(), saved)  # plain tensors and scalars: loads with weights_only
@@ -238,8 +242,9 @@ def _state_round_trip():
     assert torch.equal(masters[id(model[0].weight)].cpu(), torch.full((8, 4), 0.5))
 
 
-def test_state_dict_round_trip_continues_identically():
-    run_distributed(_state_round_trip, 1)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_state_dict_round_trip_continues_identically(backend):
+    run_distributed(_state_round_trip, 1, backend)
 
 
 def test_config_errors_name_the_field():

@@ -10,6 +10,7 @@ from megatron.core.inference.engines.errors import (
     StopSequencesNeedTokenizerError,
 )
 from megatron.core.inference.engines.requests import RequestOutput, RequestStatus
+from megatron.core.inference.engines.scheduler import add_long_prefill_flag
 from megatron.core.inference.errors import DuplicateRequestIdError
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "RequestStatus",
     "StopSequencesNeedTokenizerError",
     "add_cuda_graph_flag",
+    "add_long_prefill_flag",
 ]

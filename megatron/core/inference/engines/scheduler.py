@@ -27,6 +27,7 @@ Each step, in this order:
 
 from __future__ import annotations
 
+import argparse
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,6 +35,18 @@ from megatron.core.inference.contexts.block_allocator import PageReason
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.contexts.errors import BlockPoolExhaustedError, StorageExhaustedError
 from megatron.core.inference.engines.requests import EngineRequest, RequestStatus
+
+
+def add_long_prefill_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--long-prefill-token-threshold`` (vLLM's flag) into ``args.long_prefill_token_threshold``
+    (None when not given: the engine's automatic choice)."""
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="with chunked prefill, the most tokens of one prompt a step takes (0: off; default: automatic, "
+        "off except for hybrid models on the CPU Mamba path)",
+    )
 
 
 @dataclass

@@ -63,7 +63,7 @@ from megatron.core.inference.coordinator.replicas import (
     ReplicaDevicesError,
     ReplicaSupervisor,
 )
-from megatron.core.inference.engines import DynamicInferenceEngine, add_cuda_graph_flag
+from megatron.core.inference.engines import DynamicInferenceEngine, add_cuda_graph_flag, add_long_prefill_flag
 from megatron.core.inference.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from megatron.core.inference.server.chat_template import ChatTemplateError
 from megatron.core.inference.server.serve import ServerThread, bind_socket
@@ -105,13 +105,7 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     engine.add_argument("--max-tokens-per-step", type=int, default=256)
     engine.add_argument("--enable-prefix-caching", action="store_true")
     engine.add_argument("--enable-chunked-prefill", action="store_true")
-    engine.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="with chunked prefill, the most tokens of one prompt a step takes (0: off; default: automatic, "
-        "off except for hybrid models on the CPU Mamba path)",
-    )
+    add_long_prefill_flag(engine)
     add_cuda_graph_flag(engine)
     control = parser.add_argument_group("coordinator (control plane)")
     control.add_argument(
