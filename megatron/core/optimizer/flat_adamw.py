@@ -104,6 +104,16 @@ class FlatAdamW(torch.optim.Optimizer):
         for (index, master), (grad, param) in zip(members, sources, strict=True):
             by_key.setdefault(_launch_key(grad, master, param), []).append((index, master, grad, param))
         self._launches = [self._lay_out(entries) for entries in by_key.values()]
+        self._laid_out = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, while the constructor adds its groups; afterwards a typed error (the flat
+        layout and its tiles are made once, for the masters given at construction)."""
+        if getattr(self, "_laid_out", False):
+            raise FlatAdamWError(
+                "FlatAdamW lays out its masters once, at construction: build a new optimizer to step more parameters"
+            )
+        super().add_param_group(param_group)
 
     def _lay_out(self, entries: list) -> _Launch:
         """Flat moments (and masters, when they are copies) for one launch's ``entries``, each

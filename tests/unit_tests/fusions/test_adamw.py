@@ -145,6 +145,12 @@ def test_a_gradient_that_is_not_the_flat_view_is_refused():
         _step(optimizer, masters, grads)
 
 
+def test_param_groups_are_fixed_at_construction():
+    optimizer, _ = _flat_optimizer(FlatModel(SIZES["aligned"], torch.bfloat16))
+    with pytest.raises(FlatAdamWError, match="lays out its masters once, at construction"):
+        optimizer.add_param_group({"params": [torch.zeros(4, device=DEVICE)]})
+
+
 def test_launch_count_groups_masters_by_storage_and_refuses_what_it_cannot_step():
     model, other = FlatModel(SIZES["aligned"], torch.bfloat16), FlatModel([(4,)], torch.bfloat16)
     masters, sources = model.masters(), list(zip(model.grads, model.params, strict=True))
