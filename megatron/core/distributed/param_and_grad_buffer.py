@@ -4,8 +4,9 @@ Every parameter gets a fixed range of one flat buffer; ``param.main_grad`` is a 
 range, so a bucket's gradients are reduced with a single collective. The parameter data becomes
 a view of the same range of a matching flat parameter buffer, so one kernel can step every
 parameter of the buffer (:mod:`megatron.core.optimizer.flat_adamw`). With the distributed
-optimizer each bucket is padded to a multiple of the replica-group size so that every replica
-owns an equal, contiguous shard: rank ``r`` owns ``[r * S, (r + 1) * S)`` of each bucket.
+optimizer each bucket is padded to a multiple of the replica-group size (times
+:data:`SHARD_ALIGNMENT`) so that every replica owns an equal, contiguous shard: rank ``r`` owns
+``[r * S, (r + 1) * S)`` of each bucket.
 
 Every collective is launched asynchronously and waited on separately, so the gradient
 reductions of early buckets run while backward still computes later ones, and the parameter
@@ -23,6 +24,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import MegatronRuntimeError
+
+# With the distributed optimizer each bucket is padded to a multiple of (replicas x this many)
+# elements, so every shard starts and ends on a 16-byte boundary of bf16 (and fp32) data: the
+# vectorized variant of FlatAdamW's kernel then steps whole shards of aligned layers.
+SHARD_ALIGNMENT = 8
 
 
 class GradSyncOrderError(MegatronRuntimeError):
@@ -168,7 +174,7 @@ class ParamAndGradBuffer:
             members.append(param)
             if param is params[-1] or (bucket_size is not None and offset - bucket_start >= bucket_size):
                 if for_distributed_optimizer:
-                    offset = -(-offset // world) * world
+                    offset = -(-offset // (world * SHARD_ALIGNMENT)) * world * SHARD_ALIGNMENT
                 bucket_layout.append((bucket_start, offset, members))
                 bucket_start, members = offset, []
         self.numel = offset

@@ -101,9 +101,11 @@ def adamw_step(tiles, grad, param, master, exp_avg, exp_avg_sq, coeffs, grad_sca
     )
 
 
-def tile_table(pieces: list[tuple[int, int, int, int, int, int]], device: torch.device) -> torch.Tensor:
-    """The int64 tile table of ``pieces`` (``(grad offset, param offset, master offset, state
-    offset, elements, group)`` each): every piece cut into tiles of at most ``BLOCK`` elements."""
+def tile_tables(pieces: list[tuple[int, int, int, int, int, int]], device: torch.device) -> dict[bool, torch.Tensor]:
+    """The int64 tile tables of ``pieces`` (``(grad offset, param offset, master offset, state
+    offset, elements, group)`` each): every piece cut into tiles of at most ``BLOCK`` elements,
+    by whether every offset and the size of a tile are multiples of ``ALIGNMENT`` (True: the
+    launch with 16-byte accesses) or not; classes without tiles are left out."""
     columns = []
     for grad_off, param_off, master_off, state_off, numel, group in pieces:
         starts = torch.arange(0, numel, BLOCK, dtype=torch.int64)
@@ -121,4 +123,7 @@ def tile_table(pieces: list[tuple[int, int, int, int, int, int]], device: torch.
                 dim=1,
             )
         )
-    return torch.cat(columns).to(device)
+    table = torch.cat(columns)
+    aligned = (table[:, :5] % ALIGNMENT == 0).all(dim=1)
+    tables = {True: table[aligned], False: table[~aligned]}
+    return {flag: rows.to(device) for flag, rows in tables.items() if rows.shape[0]}

@@ -38,15 +38,14 @@ class FlatAdamWError(MegatronRuntimeError):
 
 @dataclass
 class _Launch:
-    """The flat bases one kernel launch steps, and its tile table."""
+    """The flat bases one buffer's launches step, and their tile tables (see ``tile_tables``)."""
 
     grad: torch.Tensor
     param: torch.Tensor | None  # None: the masters are the (fp32) model parameters
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    tiles: torch.Tensor
-    aligned: bool
+    tiles: dict[bool, torch.Tensor]
 
 
 def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -145,8 +144,7 @@ class FlatAdamW(torch.optim.Optimizer):
             master=flat_master if copy else _storage_tensor(entries[0][1]),
             exp_avg=moments["exp_avg"],
             exp_avg_sq=moments["exp_avg_sq"],
-            tiles=self._kernels.tile_table(pieces, self.device),
-            aligned=all(value % alignment == 0 for piece in pieces for value in piece[:5]),
+            tiles=self._kernels.tile_tables(pieces, self.device),
         )
 
     def _adopt_installed_state(self) -> None:
@@ -202,18 +200,19 @@ class FlatAdamW(torch.optim.Optimizer):
         self._steps += 1
         coeffs = self._coefficients()
         for launch in self._launches:
-            self._kernels.adamw_step(
-                launch.tiles,
-                launch.grad,
-                launch.param,
-                launch.master,
-                launch.exp_avg,
-                launch.exp_avg_sq,
-                coeffs,
-                self.grad_scale,
-                self.found_inf,
-                launch.aligned,
-            )
+            for aligned, tiles in launch.tiles.items():
+                self._kernels.adamw_step(
+                    tiles,
+                    launch.grad,
+                    launch.param,
+                    launch.master,
+                    launch.exp_avg,
+                    launch.exp_avg_sq,
+                    coeffs,
+                    self.grad_scale,
+                    self.found_inf,
+                    aligned,
+                )
         if self.found_inf is not None:
             self._steps -= self.found_inf.reshape(()).to(self._steps.dtype)
         return loss

@@ -13,9 +13,14 @@ from megatron.core.optimizer.flat_adamw import FlatAdamW, FlatAdamWError, flat_l
 from tests.unit_tests.fusions.kernels import DEVICE
 
 BETAS, EPS = (0.8, 0.95), 1e-6
-# Odd sizes put pieces at offsets that are no multiple of 8 (the kernel's unaligned variant);
-# the last size spans several 4096-element tiles.
-SIZES = {"unaligned": [(3, 7), (5,), (64,), (130,), (9000,)], "aligned": [(8, 8), (16,), (8200,)]}
+# Odd sizes put pieces at offsets that are no multiple of 8 (the kernel's unaligned variant); the
+# longest sizes span several 4096-element tiles; "mixed" ends with an odd piece after aligned ones.
+SIZES = {
+    "unaligned": [(3, 7), (5,), (64,), (130,), (9000,)],
+    "aligned": [(8, 8), (16,), (8200,)],
+    "mixed": [(16,), (8200,), (3,)],
+}
+TILE_CLASSES = {"unaligned": [False], "aligned": [True], "mixed": [False, True]}
 
 
 class FlatModel:
@@ -80,7 +85,7 @@ def _step(optimizer, masters, grads, grad_scale=None, found_inf=None):
 def test_flat_adamw_steps_like_torch_adamw(layout, dtype):
     model = FlatModel(SIZES[layout], dtype)
     optimizer, masters = _flat_optimizer(model)
-    assert [launch.aligned for launch in optimizer._launches] == [layout == "aligned"]
+    assert [sorted(launch.tiles) for launch in optimizer._launches] == [TILE_CLASSES[layout]]
     ref_masters = [m.detach().clone() for m in masters]
     reference = torch.optim.AdamW(_groups(ref_masters), lr=1.0, betas=BETAS, eps=EPS, foreach=False)
     scale = torch.tensor([4.0], device=DEVICE)

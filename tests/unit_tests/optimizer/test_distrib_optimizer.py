@@ -29,22 +29,23 @@ def _same_training_with_sharded_state(dtype, bucket_size):
 @pytest.mark.parametrize(
     "dtype, bucket_size, sharded_sizes",
     [
-        # one bucket of 67 elements padded to 68: replica 0 owns 34, replica 1 owns 33 (+1 pad)
+        # one bucket of 67 elements padded to 80 (2 replicas x SHARD_ALIGNMENT 8 x 5): replica 0
+        # owns 40, replica 1 owns 27 (+13 pad)
         (
             torch.float32,
             None,
             [
-                {"master_params": 0, "exp_avg": 34, "exp_avg_sq": 34},
-                {"master_params": 0, "exp_avg": 33, "exp_avg_sq": 33},
+                {"master_params": 0, "exp_avg": 40, "exp_avg_sq": 40},
+                {"master_params": 0, "exp_avg": 27, "exp_avg_sq": 27},
             ],
         ),
-        # buckets [bias2 + weight2 = 27 -> 28] [bias1 + weight1 = 40]: 14 + 20 and 13 + 20
+        # buckets [bias2 + weight2 = 27 -> 32] [bias1 + weight1 = 40 -> 48]: 16 + 24 and 11 + 16
         (
             torch.bfloat16,
             20,
             [
-                {"master_params": 34, "exp_avg": 34, "exp_avg_sq": 34},
-                {"master_params": 33, "exp_avg": 33, "exp_avg_sq": 33},
+                {"master_params": 40, "exp_avg": 40, "exp_avg_sq": 40},
+                {"master_params": 27, "exp_avg": 27, "exp_avg_sq": 27},
             ],
         ),
     ],
