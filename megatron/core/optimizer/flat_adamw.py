@@ -1,5 +1,6 @@
-"""AdamW over flat buffers: one Triton launch per buffer steps every master in it and writes the
-model parameters' low-precision copy in the same pass.
+"""AdamW over flat buffers: one Triton kernel steps every master of a buffer (one launch for its
+16-byte-aligned tiles, one for the rest) and writes the model parameters' low-precision copy in
+the same pass.
 
 Torch's fused AdamW walks hundreds of tensors and the mixed-precision optimizer then copies each
 updated fp32 master into its bf16 parameter: about 40 bytes of memory traffic per element in two
@@ -13,7 +14,7 @@ It is a ``torch.optim.Optimizer`` with torch AdamW's state keys (``step``, ``exp
 as with torch's fused AdamW, ``grad_scale`` (divides the gradients) and ``found_inf`` (skips the
 step, step counts included) are one-element device tensors set on it before :meth:`step`, so
 the step needs no host decision. It owns the storage of its state: the moments, and the
-masters that are copies of low-precision parameters, are views of one flat tensor per launch;
+masters that are copies of low-precision parameters, are views of one flat tensor per buffer;
 state something else installs (``load_state_dict``, a checkpoint load) is copied into that
 storage when it is loaded or, when written into ``state`` directly, at the next step.
 """
@@ -78,7 +79,7 @@ def flat_launch_count(sources: list[tuple[torch.Tensor, torch.Tensor]], masters:
 
 
 class FlatAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) over fp32 masters, one Triton kernel per flat buffer.
+    """AdamW (decoupled weight decay) over fp32 masters, one Triton kernel over each flat buffer.
 
     Args:
         params: param groups of fp32 masters, as for ``torch.optim.AdamW``.

@@ -37,7 +37,13 @@ import torch.nn.functional as F
 
 from megatron.core.errors import MegatronConfigError
 from megatron.core.ssm.mixer_reference import causal_conv1d_silu, gated_rms_norm, rowwise
-from megatron.core.ssm.ssd_reference import ssd_advance, ssd_chunked_scan, ssd_recurrence, ssd_step_factors
+from megatron.core.ssm.ssd_reference import (
+    rows_left,
+    ssd_advance,
+    ssd_chunked_scan,
+    ssd_recurrence,
+    ssd_step_factors,
+)
 
 if TYPE_CHECKING:
     from megatron.core.ssm.mamba_mixer import MambaDims
@@ -145,11 +151,10 @@ class TritonSSMBackend:
     def token_recurrence(self, x, dt, A, B, C, D, dt_bias, ssm, calls, active):
         y = x.new_empty(x.shape)
         final = ssm.new_empty(active[0] if active else 0, *ssm.shape[1:])
-        for index, call in enumerate(calls):
+        for call, left, count in zip(calls, rows_left(active), active, strict=True):
             rows = ssm[: call.stop - call.start]
             y[call] = self.state_update(rows, x[call], dt[call], A, B[call], C[call], D, dt_bias)
-            done = active[index + 1] if index + 1 < len(calls) else 0
-            final[done : active[index]] = ssm[done : active[index]]
+            final[left:count] = ssm[left:count]
         return y, final
 
     def state_update(self, ssm_state, x, dt, A, B, C, D, dt_bias):

@@ -157,6 +157,12 @@ def ssd_advance(state: torch.Tensor, factors: StepFactors) -> tuple[torch.Tensor
 HISTORY_ELEMENTS = 1 << 18
 
 
+def rows_left(active: list[int]) -> list[int]:
+    """Per call of a token-by-token run whose calls have ``active[j]`` real rows (a shrinking
+    prefix), the real rows left after it: rows ``[left[j], active[j])`` end in call ``j``."""
+    return [*active[1:], 0]
+
+
 def ssd_recurrence(
     state: torch.Tensor, factors: StepFactors, calls: list[slice], active: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +184,7 @@ def ssd_recurrence(
     total = calls[-1].stop if calls else 0
     y = torch.empty(total, *factors.dx.shape[1:3], dtype=factors.out_dtype, device=state.device)
     limit = max(HISTORY_ELEMENTS // max(state[0].numel(), 1), 1)
-    ends = [*active[1:], 0]  # real rows left after each call: rows ends[j]:active[j] end there
+    ends = rows_left(active)
     current, first = state.float(), 0
     # decay * state of a call, before it is added: calls only shrink, so the first one is the widest
     scratch = torch.empty_like(current[: calls[0].stop - calls[0].start]) if calls else None

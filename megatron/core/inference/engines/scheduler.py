@@ -16,9 +16,8 @@ Each step, in this order:
 4. **Tokens**: decode tokens (plus drafts) first, then prefill chunks in admission order up to
    ``max_tokens_per_step``, a splittable prompt's chunk at most ``long_prefill_token_threshold``
    tokens when that is set (vLLM's option: the step's budget goes to several prompts at once;
-   one more when that finishes the prompt). A
-   prompt is split only with chunked prefill (or when it is a recompute or import), and never so
-   that its final chunk is a single token. The oldest
+   one more when that finishes the prompt). A prompt is split only with chunked prefill (or when
+   it is a recompute or import), and never so that its final chunk is a single token. The oldest
    prefilling request, when it may not be split and did not fit after the decode tokens in the
    last step, goes before them in this one (decode tokens that do not fit then wait a step):
    else, while any request decodes, a prompt of nearly ``max_tokens_per_step`` tokens would
