@@ -8,6 +8,7 @@ given to it.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from datetime import timedelta
@@ -20,6 +21,7 @@ from megatron.core.process_groups import (
     ParallelConfigError,
     ProcessGroupCollection,
     RankLayout,
+    forget_cached_groups,
 )
 
 _LAYOUT: RankLayout | None = None
@@ -46,8 +48,8 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
 
 
 def destroy_distributed(timeout_s: float = 60.0) -> None:
-    """Leave the world: meet every rank, destroy every group, then meet once more through the
-    store (for at most ``timeout_s``: a peer may have died) before this process exits. A gloo
+    """Leave the world: meet every rank, destroy every group and free its backend, then meet
+    once more through the store (for at most ``timeout_s``: a peer may have died) before this process exits. A gloo
     rank that exits while a peer is still closing its groups aborts that peer ("terminate
     called without an active exception")."""
     if not dist.is_initialized():
@@ -56,6 +58,7 @@ def destroy_distributed(timeout_s: float = 60.0) -> None:
     store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     destroy_model_parallel()
     dist.destroy_process_group()
+    gc.collect()  # groups held in reference cycles free their backends (and threads) now
     store.add("megatron/left", 1)
     deadline = time.monotonic() + timeout_s
     while store.add("megatron/left", 0) < world_size and time.monotonic() < deadline:
@@ -106,10 +109,12 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the global layout and collection (the groups die with the process group)."""
+    """Forget the global layout, collection and cached groups (the groups die with the process
+    group)."""
     global _LAYOUT, _COLLECTION
     _LAYOUT = None
     _COLLECTION = None
+    forget_cached_groups()
 
 
 def get_process_group_collection() -> ProcessGroupCollection:

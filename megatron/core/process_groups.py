@@ -275,6 +275,13 @@ def new_group_cached(ranks: list[int], backend: str | None = None, timeout=None)
     return _group_cache[key]
 
 
+def forget_cached_groups() -> None:
+    """Drop this module's references to its groups, so that destroying the process groups
+    frees their backends (and joins their threads) now rather than at interpreter exit."""
+    _group_cache.clear()
+    _group_cache_world[0] = None
+
+
 @dataclass
 class ProcessGroupCollection:
     """The named process groups a module, optimizer, checkpoint or context works with.
