@@ -73,9 +73,13 @@ class ModelRunner:
         return P2PCommunicator(self.pg.pp, shape, self.config.params_dtype, self.device)
 
     @torch.no_grad()
-    def forward(self, context: DynamicInferenceContext, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(
+        self, context: DynamicInferenceContext, batch: StepBatch, logit_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run this stage on ``batch``; on the last stage return ``(logits [T, V] fp32,
-        hidden [T, h])`` (hidden: the decoder output the MTP heads take), else None."""
+        hidden [T, h])`` (hidden: the decoder output the MTP heads take), else None.
+        ``logit_rows`` (the last stage's): the packed rows to project onto the vocabulary (the
+        logits then hold those rows, in that order); None: every row."""
         pipeline = self._pipeline(batch.num_padded_tokens) if self.pp_size > 1 else None
         if not self.is_first_stage:
             self.model.set_input_tensor(pipeline.recv_forward())
@@ -84,6 +88,7 @@ class ModelRunner:
             batch.positions[None],
             inference_context=context,
             return_decoder_output=self.is_last_stage,
+            logit_rows=logit_rows if self.is_last_stage else None,
         )
         if not self.is_last_stage:
             pipeline.send_forward(output)

@@ -55,7 +55,7 @@ from torch import nn
 
 from megatron.core.inference import kernels
 from megatron.core.inference.contexts.capacity import CapacityConfig
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
 from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_blocker
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
@@ -92,10 +92,12 @@ class _Step:
     scheduled: list[ScheduledRequest]
     starts: list[int]  # first packed row of each scheduled request
     offsets: list[int]  # tokens cached before the step, per scheduled request
-    logits: torch.Tensor | None  # [T, V] fp32 (last stage)
+    logits: torch.Tensor | None  # [len(logit_rows) or T, V] fp32 (last stage)
     hidden: torch.Tensor | None  # [T, h] (last stage)
     positions: torch.Tensor | None  # [T] (for the MTP drafter)
     log_probs: torch.Tensor | None  # [T, V] fp32 log-softmax of every row (decode graphs), or None
+    # The packed rows whose logits ``logits`` holds, in its row order; None: every packed row.
+    logit_rows: list[int] | None = None
     # Filled by _sample: per scheduled request, its rows among the sampled ones, its prompt
     # log-prob count, its top log-prob width, and the draft tokens its rows verify.
     sample_rows: list[range] = field(default_factory=list)
@@ -104,6 +106,24 @@ class _Step:
     drafts: list[list[int]] = field(default_factory=list)
     sampled_tokens: torch.Tensor | None = None  # [rows] on the device: the next step's pending tokens
     readback: DeviceToHost | None = None
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """The packed rows one scheduled request's step reads logits from (see
+    ``DynamicInferenceEngine._row_plan``): ``sampled`` (one per speculative depth) and ``prompt``
+    (prompt log-probs, of ``prompt_targets``), and the ``drafts`` its sampled rows verify."""
+
+    sampled: range
+    prompt: range
+    prompt_targets: list[int]
+    drafts: list[int]
+
+
+def _starts_and_offsets(scheduled: list[ScheduledRequest], batch: StepBatch) -> tuple[list[int], list[int]]:
+    """Per scheduled request: its first packed row and the tokens cached before the step."""
+    starts = [0, *itertools.accumulate(batch.host_query_lengths[: len(scheduled) - 1])]
+    return starts, list(batch.host_kv_offsets[: len(scheduled)])
 
 
 def _automatic_long_prefill_threshold(model, batch_invariant: bool, max_tokens_per_step: int, device) -> int:
@@ -498,6 +518,7 @@ class DynamicInferenceEngine:
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
                 logits, hidden, log_probs = self.graphs.run(batch)
+            logit_rows = None  # a decode step: every row samples
             self._stats["graph_steps"] += 1
         else:
             pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
@@ -507,9 +528,15 @@ class DynamicInferenceEngine:
                 pending_tokens=pending,
                 row_buckets=self.buckets.sizes if self.buckets is not None else (),
             )
+            logit_rows = self._logit_rows(scheduled, batch) if self.runner.is_last_stage else None
+            rows_tensor = (
+                None
+                if logit_rows is None
+                else to_device(torch.tensor(logit_rows, dtype=torch.long), self.runner.device)
+            )
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
-                result = self.runner.forward(self.context, batch)
+                result = self.runner.forward(self.context, batch, logit_rows=rows_tensor)
             logits, hidden = result if result is not None else (None, None)
             log_probs = None
         self._stats["prefill_tokens_computed"] += sum(
@@ -518,9 +545,44 @@ class DynamicInferenceEngine:
         )
         self.context.commit_step()
         self._stats["steps"] += 1
-        starts = [0, *itertools.accumulate(batch.host_query_lengths[: len(scheduled) - 1])]
-        offsets = list(batch.host_kv_offsets[: len(scheduled)])
-        return _Step(scheduled, starts, offsets, logits, hidden, batch.positions, log_probs)
+        starts, offsets = _starts_and_offsets(scheduled, batch)
+        return _Step(scheduled, starts, offsets, logits, hidden, batch.positions, log_probs, logit_rows)
+
+    def _logit_rows(self, scheduled: list[ScheduledRequest], batch: StepBatch) -> list[int]:
+        """The packed rows of an eager step whose logits sampling can read (see :meth:`_row_plan`):
+        only those are projected onto the vocabulary, not every prefill row."""
+        rows = []
+        for entry, start, offset in zip(scheduled, *_starts_and_offsets(scheduled, batch), strict=True):
+            plan = self._row_plan(entry, start, offset)
+            if plan is not None:
+                rows += plan.prompt
+                rows += plan.sampled
+        return sorted(set(rows))
+
+    def _row_plan(self, entry: ScheduledRequest, start: int, offset: int) -> _RowPlan | None:
+        """Where a scheduled request's step reads logits (None: the request is gone): its
+        prompt log-prob rows (each prompt position once, not again after an eviction) and, when
+        the step ends at its newest token, one sampled row per speculative depth."""
+        request = entry.request
+        state = self.context.find(request.request_id) if request.status is not RequestStatus.FINISHED else None
+        if state is None:
+            return None
+        prompt, targets = range(0), []
+        if request.wants_prompt_log_probs:
+            # Row of position p predicts prompt token p + 1.
+            first = max(offset, len(request.prompt_log_probs))
+            last = max(min(offset + entry.num_tokens, len(request.prompt_tokens) - 1), first)
+            prompt, targets = (
+                range(start + first - offset, start + last - offset),
+                request.prompt_tokens[first + 1 : last + 1],
+            )
+        end = offset + entry.num_tokens
+        if end != len(state.tokens):
+            return _RowPlan(range(0), prompt, targets, [])
+        num_drafts = state.num_draft_tokens
+        base = start + entry.num_tokens - 1 - num_drafts
+        drafts = state.tokens[end - num_drafts :] if num_drafts else []
+        return _RowPlan(range(base, base + num_drafts + 1), prompt, targets, drafts)
 
     def _add_pending_tokens(self, in_flight: _Step) -> None:
         """Give every request the step in flight samples its next token as a pending one (read on
@@ -539,40 +601,29 @@ class DynamicInferenceEngine:
         all of it in one copy. Every stage records which requests sample (no device work)."""
         rows, requests, draws, prompt_rows, prompt_targets, drafts = [], [], [], [], [], []
         draft_prefixes = []  # per row: the drafts before its depth
-        find = self.context.find
         for entry, start, offset in zip(step.scheduled, step.starts, step.offsets, strict=True):
             request = entry.request
             first_row = len(rows)
-            prompt_count = 0
-            request_drafts = []
-            state = find(request.request_id) if request.status is not RequestStatus.FINISHED else None
-            if state is not None:
-                if request.wants_prompt_log_probs:
-                    # Row of position p predicts prompt token p + 1; record each once (not again after eviction).
-                    first = max(offset, len(request.prompt_log_probs))
-                    last = min(offset + entry.num_tokens, len(request.prompt_tokens) - 1)
-                    prompt_rows += range(start + first - offset, start + last - offset)
-                    prompt_targets += request.prompt_tokens[first + 1 : last + 1]
-                    prompt_count = max(last - first, 0)
-                end = offset + entry.num_tokens
-                if end == len(state.tokens):
-                    num_drafts = state.num_draft_tokens
-                    base = start + entry.num_tokens - 1 - num_drafts
-                    if num_drafts:
-                        request_drafts = state.tokens[end - num_drafts :]
-                    generated = len(request.generated_tokens)
-                    for depth in range(num_drafts + 1):
-                        rows.append(base + depth)
-                        requests.append(request)
-                        draws.append(generated + depth)
-                        drafts.append(request_drafts)
-                        draft_prefixes.append(request_drafts[:depth])
+            plan = self._row_plan(entry, start, offset)
+            if plan is not None:
+                prompt_rows += plan.prompt
+                prompt_targets += plan.prompt_targets
+                generated = len(request.generated_tokens)
+                for depth, row in enumerate(plan.sampled):
+                    rows.append(row)
+                    requests.append(request)
+                    draws.append(generated + depth)
+                    drafts.append(plan.drafts)
+                    draft_prefixes.append(plan.drafts[:depth])
             step.sample_rows.append(range(first_row, len(rows)))
-            step.prompt_counts.append(prompt_count)
+            step.prompt_counts.append(len(plan.prompt) if plan is not None else 0)
             step.top_widths.append(request.sampling_params.top_logprobs)
-            step.drafts.append(request_drafts)
+            step.drafts.append(plan.drafts if plan is not None else [])
         if not self.runner.is_last_stage or not (rows or prompt_rows):
             return
+        if step.logit_rows is not None:  # packed rows -> rows of the step's logits
+            position = {row: index for index, row in enumerate(step.logit_rows)}
+            rows, prompt_rows = [position[row] for row in rows], [position[row] for row in prompt_rows]
         device = step.logits.device
         num_sampled, num_prompt = len(rows), len(prompt_rows)
         # Rows 0..n-1 (every request decoding, none finished): views, no index or gather; else

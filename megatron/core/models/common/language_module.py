@@ -189,6 +189,7 @@ class LanguageModule(nn.Module):
         *,
         return_decoder_output: bool = False,
         loss_mask: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Last stage: loss [b, s] with ``labels``, else logits [b, s, V]. Other stages: the
         hidden states [s, b, h] for the next stage. ``decoder_input`` [s, b, h] replaces the
@@ -198,7 +199,10 @@ class LanguageModule(nn.Module):
         [s, b, h])``, the decoder output being what multi-token prediction starts from.
         ``loss_mask`` [b, s] (Megatron's keyword): the weights the caller sums the per-token loss
         with, up to one scalar factor (its gradient must be proportional to them); it lets the
-        loss take the fused linear cross-entropy (see the class)."""
+        loss take the fused linear cross-entropy (see the class). ``logit_rows`` [n] (inference,
+        batch 1, no ``labels``): the logits of those sequence positions only, ``[1, n, V]``."""
+        if logit_rows is not None and (labels is not None or (input_ids is not None and input_ids.shape[0] != 1)):
+            raise ValueError("logit_rows selects sequence positions of one sequence's logits (batch 1, no labels)")
         position_ids = self._default_position_ids(input_ids, position_ids, labels)
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, position_ids)
@@ -212,7 +216,7 @@ class LanguageModule(nn.Module):
         if not self.post_process:
             return hidden_states
         output = self.postprocess(
-            hidden_states,
+            hidden_states if logit_rows is None else hidden_states.index_select(0, logit_rows),
             input_ids,
             position_ids,
             labels,
