@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron.core.inference.contexts.paged_attention import KEY_TILE, paged_attention, resolve_backend
@@ -64,10 +65,11 @@ class _Group:
     kv_rows: torch.Tensor
     hidden: torch.Tensor  # [n, 1, L, 1, KEY_TILE] query i of piece r does not see key hidden_from + j
     hidden_from: int  # K - KEY_TILE: every query of the group sees every key before its last tile
-    # [n * L]: the packed row each (request, query) reads its query from (a padding query repeats a
-    # row of its request) and writes its result to (a padding query: the scratch row past the step).
-    query_rows: torch.Tensor
-    out_rows: torch.Tensor
+    # [n * L] (host): the packed row each (request, query) reads its query from (a padding query
+    # repeats a row of its request) and writes its result to (a padding query: the scratch row
+    # past the step).
+    query_rows: np.ndarray
+    out_rows: np.ndarray
     kv_heads: int
     num_requests: int  # n (pieces)
     num_keys: int  # K
@@ -249,61 +251,67 @@ class StepAttention:
             for group in self._groups:
                 n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
                 group_size = q_heads // kv_heads
-                device = group.query_rows.device
                 # [n, kv_heads, L, group, d]: piece r's query l, head (h, m), channel i
-                heads = torch.arange(q_heads, device=device).view(1, kv_heads, 1, group_size, 1)
-                dims = torch.arange(head_dim, device=device).view(1, 1, 1, 1, head_dim)
-                within = heads * head_dim + dims
+                heads = np.arange(q_heads).reshape(1, kv_heads, 1, group_size, 1)
+                within = heads * head_dim + np.arange(head_dim).reshape(1, 1, 1, 1, head_dim)
                 for rows, elements in ((group.query_rows, query_elements), (group.out_rows, out_elements)):
-                    elements.append((rows.view(n, 1, length, 1, 1) * width + within).reshape(-1))
+                    elements.append((rows.reshape(n, 1, length, 1, 1) * width + within).reshape(-1))
                 row_starts.append(row_starts[-1] + group.kv_rows.numel())
                 element_starts.append(element_starts[-1] + n * kv_heads * head_dim * length * group_size)
-            self._layouts[key] = _Layout(torch.cat(query_elements), torch.cat(out_elements), row_starts, element_starts)
+            device = self._groups[0].kv_rows.device
+            query_index, out_index = (
+                torch.from_numpy(np.concatenate(e)).to(device) for e in (query_elements, out_elements)
+            )
+            self._layouts[key] = _Layout(query_index, out_index, row_starts, element_starts)
         return self._layouts[key]
 
 
 class _PiecePlan:
     """The host-side index math of every piece of a step at once (padded to the longest piece and
-    the most keys); :meth:`group` slices out one group's tensors."""
+    the most keys), in NumPy (a step's few dozen small index operations cost a few microseconds
+    each there, several times less than as tensors); :meth:`group` slices out one group's tensors."""
 
     def __init__(self, pieces, host_block_tables, block_size, scratch_row):
-        # Sizes from the host lists: reading them from the tensors would be a host read per group.
-        self.max_queries = max(length for _, length, _, _ in pieces)
-        num_keys = -(-max(offset + length for _, length, offset, _ in pieces) // KEY_TILE) * KEY_TILE
-        rows, lengths, offsets, starts = torch.tensor(pieces, dtype=torch.long).unbind(1)
-        self.key_pos = torch.arange(num_keys)
-        tables = host_block_tables.index_select(0, rows)
-        columns = (self.key_pos // block_size).clamp(max=tables.shape[1] - 1)
+        rows, lengths, offsets, starts = np.array(pieces, dtype=np.int64).reshape(-1, 4).T
+        self.max_queries = int(lengths.max())
+        num_keys = -(-int((offsets + lengths).max()) // KEY_TILE) * KEY_TILE
+        self.key_pos = np.arange(num_keys)
+        tables = host_block_tables.numpy()[rows]
+        columns = np.minimum(self.key_pos // block_size, tables.shape[1] - 1)
         slots = tables[:, columns] * block_size + self.key_pos % block_size  # [P, K]
         # Keys past a piece's last query (all in its last tile; past the request's cached length, or
         # this step's keys it does not see) read the request's key 0 instead: whatever stale bytes
         # their own slots hold (a NaN would poison 0 * NaN), the gathered values stay the request's
         # own finite ones, and their probability is exactly 0, so they add exactly 0.
-        self.slots = torch.where(self.key_pos >= (offsets + lengths)[:, None], slots[:, :1], slots)
-        query_index = torch.arange(self.max_queries)
+        self.slots = np.where(self.key_pos >= (offsets + lengths)[:, None], slots[:, :1], slots)
+        query_index = np.arange(self.max_queries)
         real = query_index < lengths[:, None]  # [P, L]
         # A padding query (past a shorter piece) takes position 0 (finite; its result goes to the scratch row).
-        self.positions = torch.where(real, offsets[:, None] + query_index, 0)
-        self.query_rows = starts[:, None] + torch.minimum(query_index, lengths[:, None] - 1)
-        self.out_rows = torch.where(real, self.query_rows, scratch_row)
-        self.lengths = [length for _, length, _, _ in pieces]
+        self.positions = np.where(real, offsets[:, None] + query_index, 0)
+        self.query_rows = starts[:, None] + np.minimum(query_index, lengths[:, None] - 1)
+        self.out_rows = np.where(real, self.query_rows, scratch_row)
+        self.lengths = lengths
 
     def group(self, members, num_keys, kv_heads, value_slot_offset, device) -> _Group:
         """The group of pieces ``members`` (indices), over ``num_keys`` keys."""
-        index = torch.tensor(members, dtype=torch.long)
-        queries = max(self.lengths[m] for m in members)
-        slots = self.slots.index_select(0, index)[:, :num_keys].t().reshape(-1)  # key-major [K * n]
+        index = np.array(members, dtype=np.int64)
+        queries = int(self.lengths[index].max())
+        slots = self.slots[index, :num_keys].T.reshape(-1)  # key-major [K * n]
         # Every query of a piece lies in its last key tile, so it sees every key before that tile.
         hidden_from = num_keys - KEY_TILE
-        positions = self.positions.index_select(0, index)[:, :queries]
+        positions = self.positions[index, :queries]
         hidden = self.key_pos[hidden_from:num_keys] > positions[:, :, None]  # [n, L, KEY_TILE]
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
         return _Group(
-            kv_rows=torch.cat([slots, slots + value_slot_offset]).to(device),
+            kv_rows=tensor(np.concatenate([slots, slots + value_slot_offset])),
             # [n, 1, L, 1, KEY_TILE]: the scores' (piece, KV head, query, member, key)
-            hidden=hidden[:, None, :, None].to(device),
+            hidden=tensor(hidden[:, None, :, None]),
             hidden_from=hidden_from,
-            query_rows=self.query_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
-            out_rows=self.out_rows.index_select(0, index)[:, :queries].reshape(-1).to(device),
+            query_rows=self.query_rows[index, :queries].reshape(-1),
+            out_rows=self.out_rows[index, :queries].reshape(-1),
             kv_heads=kv_heads,
             num_requests=len(members),
             num_keys=num_keys,
