@@ -108,11 +108,12 @@ class AttentionWorkspace:
 class _Layout:
     """Where every group's operands lie in a layer's shared buffers, for one (query heads, head
     dim): group ``i`` takes gathered rows ``[row_starts[i], row_starts[i + 1])`` and query elements
-    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, L *
-    group, d]`` (without the padding rows)."""
+    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, rows,
+    d]``, its ``L * group`` rows zero-padded to a multiple of :data:`PRODUCT_ROW_MULTIPLE`."""
 
-    # [E]: the element of the scaled queries ``[T, q_heads, d]`` each product row element takes, and the
-    # element of the results ``[T + 1, q_heads, d]`` it goes to (a padding query: the scratch row T).
+    # [E]: the element of the scaled queries ``[T, q_heads, d]`` (then one zero, which padding rows
+    # take) each product row element takes, and the element of the results ``[T + 1, q_heads, d]``
+    # it goes to (a padding query or padding row: the scratch row T).
     query_elements: torch.Tensor
     out_elements: torch.Tensor
     row_starts: list[int]
@@ -215,7 +216,10 @@ class StepAttention:
         padded_tokens, q_heads = query.shape[:2]
         layout = self._layout(q_heads, head_dim)
         device = query.device
-        scaled = query.float() * scale
+        # The scaled queries, then one zero: the products' padding rows take it (see _Layout).
+        scaled = space.get("scaled_queries", (query.numel() + 1,), device)
+        torch.mul(query.float(), scale, out=scaled[:-1].view(query.shape))
+        scaled[-1] = 0.0
         if rows.dtype == torch.float32:
             gathered = space.get("gathered", (self._kv_rows.numel(), rows.shape[1]), device)
             torch.index_select(rows, 0, self._kv_rows, out=gathered)
@@ -248,16 +252,26 @@ class StepAttention:
         if key not in self._layouts:
             query_elements, out_elements, row_starts, element_starts = [], [], [0], [0]
             width = q_heads * head_dim
+            # The zero after the scaled queries, and the first element of the results' scratch row.
+            zero = scratch = self._step.num_padded_tokens * width
             for group in self._groups:
                 n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
                 group_size = q_heads // kv_heads
+                rows = length * group_size
+                padding = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE - rows
                 # [n, kv_heads, L, group, d]: piece r's query l, head (h, m), channel i
                 heads = np.arange(q_heads).reshape(1, kv_heads, 1, group_size, 1)
                 within = heads * head_dim + np.arange(head_dim).reshape(1, 1, 1, 1, head_dim)
-                for rows, elements in ((group.query_rows, query_elements), (group.out_rows, out_elements)):
-                    elements.append((rows.reshape(n, 1, length, 1, 1) * width + within).reshape(-1))
+                for packed, elements, pad in (
+                    (group.query_rows, query_elements, zero),
+                    (group.out_rows, out_elements, scratch + np.arange(head_dim)),
+                ):
+                    real = (packed.reshape(n, 1, length, 1, 1) * width + within).reshape(n * kv_heads, rows, head_dim)
+                    padded = np.empty((n * kv_heads, rows + padding, head_dim), dtype=real.dtype)
+                    padded[:, :rows], padded[:, rows:] = real, pad
+                    elements.append(padded.reshape(-1))
                 row_starts.append(row_starts[-1] + group.kv_rows.numel())
-                element_starts.append(element_starts[-1] + n * kv_heads * head_dim * length * group_size)
+                element_starts.append(element_starts[-1] + n * kv_heads * (rows + padding) * head_dim)
             device = self._groups[0].kv_rows.device
             query_index, out_index = (
                 torch.from_numpy(np.concatenate(e)).to(device) for e in (query_elements, out_elements)
@@ -328,8 +342,9 @@ def _attend_group(
     space: AttentionWorkspace,
 ) -> None:
     """The group's attention: from its ``gathered [2 * K * n, kv_heads * d]`` keys then values (of
-    ``group.kv_rows``) and its scaled ``queries`` as the products' rows ``[n * kv_heads, L * group,
-    d]`` (flat), write the weighted values ``context`` in the same layout (fp32); temporaries live
+    ``group.kv_rows``) and its scaled ``queries`` as the products' rows ``[n * kv_heads, rows, d]``
+    (flat; ``L * group`` rows zero-padded to a multiple of :data:`PRODUCT_ROW_MULTIPLE`, see the
+    constant), write the weighted values ``context`` in the same layout (fp32); temporaries live
     in ``space``."""
     n, num_keys = group.num_requests, group.num_keys
     kv_heads = group.kv_heads
@@ -337,16 +352,11 @@ def _attend_group(
     length = group.num_queries
     group_size = q_heads // kv_heads
     batch, rows, device = n * kv_heads, length * group_size, gathered.device
+    padded = queries.numel() // (batch * head_dim)
     # Keys and values of every head, key-major: the products' batch is (piece, KV head), each
     # matrix [K, d] read with a row stride of n * kv_heads * d.
     keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
-    # Both products take a multiple of PRODUCT_ROW_MULTIPLE rows, zero-padded (see the constant).
-    padded = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE
-    q = queries.view(batch, rows, head_dim)
-    if padded > rows:
-        q = space.get("padded_queries", (batch, padded, head_dim), device)
-        q[:, rows:] = 0.0
-        q[:, :rows] = queries.view(batch, rows, head_dim)
+    q = queries.view(batch, padded, head_dim)
     scores = torch.bmm(q, keys.transpose(1, 2), out=space.get("scores", (batch, padded, num_keys), device))
     # Only the last key tile holds keys a query may not see (padding rows: zero queries, finite).
     hidden_from = group.hidden_from
@@ -354,8 +364,4 @@ def _attend_group(
     last_tile.masked_fill_(group.hidden, float("-inf"))
     probs = space.get("probs", (batch, padded, num_keys), device)
     torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-    if padded == rows:
-        torch.bmm(probs, values, out=context.view(batch, rows, head_dim))
-        return
-    weighted = torch.bmm(probs, values, out=space.get("padded_context", (batch, padded, head_dim), device))
-    context.view(batch, rows, head_dim).copy_(weighted[:, :rows])
+    torch.bmm(probs, values, out=context.view(batch, padded, head_dim))
