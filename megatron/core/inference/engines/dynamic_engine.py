@@ -550,9 +550,14 @@ class DynamicInferenceEngine:
 
     def _logit_rows(self, scheduled: list[ScheduledRequest], batch: StepBatch) -> list[int]:
         """The packed rows of an eager step whose logits sampling can read (see :meth:`_row_plan`):
-        only those are projected onto the vocabulary, not every prefill row."""
+        only those are projected onto the vocabulary, not every prefill row. Without speculation
+        or prompt log-probs, each request's last row (one per request, so that no state is read;
+        a chunk that does not end its prompt adds one row never read)."""
+        starts, offsets = _starts_and_offsets(scheduled, batch)
+        if not self.num_speculative_tokens and not any(e.request.wants_prompt_log_probs for e in scheduled):
+            return [start + entry.num_tokens - 1 for entry, start in zip(scheduled, starts, strict=True)]
         rows = []
-        for entry, start, offset in zip(scheduled, *_starts_and_offsets(scheduled, batch), strict=True):
+        for entry, start, offset in zip(scheduled, starts, offsets, strict=True):
             plan = self._row_plan(entry, start, offset)
             if plan is not None:
                 rows += plan.prompt

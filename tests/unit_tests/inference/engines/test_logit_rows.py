@@ -1,5 +1,6 @@
-"""An eager step projects onto the vocabulary only the rows sampling reads: each request's
-sampled row and the prompt log-prob rows asked for, not every prefill row."""
+"""An eager step projects onto the vocabulary only the rows sampling can read, not every prefill
+row: each request's last row of the step, and where a step has prompt log-probs (or drafts to
+verify) exactly the rows read."""
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ LENGTHS = [20, 7, 13]
 NEW_TOKENS = 4
 
 
-@on_single_rank
-def test_the_output_layer_sees_only_the_rows_sampling_reads(pg):
-    model = gpt_model(pg)
-    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    with_prompt = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, return_prompt_logprobs=True)
+PLAIN = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+WITH_PROMPT = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, return_prompt_logprobs=True)
+
+
+def _run_counting_rows(model, pg, params) -> tuple[dict, list[int], DynamicInferenceEngine]:
+    """Run the three prompts in 16-token steps; the rows the output layer saw per forward."""
     engine = DynamicInferenceEngine(
         model,
         block_size=4,
@@ -31,15 +33,30 @@ def test_the_output_layer_sees_only_the_rows_sampling_reads(pg):
         pg_collection=pg,
     )
     rows_projected = []  # per forward of the run (the engine's construction ran its own)
-    model.output_layer.register_forward_hook(lambda module, args, out: rows_projected.append(args[0].shape[0]))
-    results = run(engine, prompts(LENGTHS), [plain, with_prompt, plain])
-    # One row per generated token (a prefill chunk that does not end its prompt has none: the
-    # first step, 16 of request 0's 20 tokens, projects no row), and one per prompt position of
-    # request 1 but its last.
-    assert rows_projected[0] == 0 and len(rows_projected) == engine.stats["steps"] == 6
-    assert sum(rows_projected) == NEW_TOKENS * len(LENGTHS) + LENGTHS[1] - 1
+    hook = model.output_layer.register_forward_hook(lambda module, args, out: rows_projected.append(args[0].shape[0]))
+    try:
+        results = run(engine, prompts(LENGTHS), params)
+    finally:
+        hook.remove()
+    assert len(rows_projected) == engine.stats["steps"] == 6
     for index, prompt in enumerate(prompts(LENGTHS)):
         assert results[str(index)]["tokens"] == reference_greedy(model, prompt, NEW_TOKENS)
+    return results, rows_projected, engine
+
+
+@on_single_rank
+def test_the_output_layer_sees_only_the_rows_sampling_reads(pg):
+    model = gpt_model(pg)
+    # Without prompt log-probs: each request's last row of every step, so one row per generated
+    # token and one for each chunk that does not end its prompt (16 of request 0's 20 tokens in
+    # the first step, 5 of request 2's 13 in the second).
+    _, rows_projected, _ = _run_counting_rows(model, pg, PLAIN)
+    assert rows_projected[:2] == [1, 3] and sum(rows_projected) == NEW_TOKENS * len(LENGTHS) + 2
+    # With prompt log-probs for request 1: the steps that hold it project exactly the rows read,
+    # one per sampled token and one per prompt position of request 1 but its last; the first
+    # step (request 0 alone) still projects its one row.
+    results, rows_projected, _ = _run_counting_rows(model, pg, [PLAIN, WITH_PROMPT, PLAIN])
+    assert rows_projected[:2] == [1, 8] and sum(rows_projected) == NEW_TOKENS * len(LENGTHS) + LENGTHS[1] - 1 + 1
     prompt = prompts(LENGTHS)[1]
     with torch.no_grad():
         logits = model(torch.tensor([prompt], device=device()))[0, :, :VOCAB].float()
