@@ -49,9 +49,9 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10.0) -> None:
 
 def destroy_distributed(timeout_s: float = 60.0) -> None:
     """Leave the world: meet every rank, destroy every group and free its backend, then meet
-    once more through the store (for at most ``timeout_s``: a peer may have died) before this process exits. A gloo
-    rank that exits while a peer is still closing its groups aborts that peer ("terminate
-    called without an active exception")."""
+    once more through the store (for at most ``timeout_s``: a peer may have died) before this
+    process exits. A gloo rank that exits while a peer is still closing its groups aborts that
+    peer ("terminate called without an active exception")."""
     if not dist.is_initialized():
         return
     dist.barrier()

@@ -260,7 +260,7 @@ def new_group_cached(ranks: list[int], backend: str | None = None, timeout=None)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     if _group_cache_world[0] is not dist.group.WORLD:
-        _group_cache.clear()
+        forget_cached_groups()
         _group_cache_world[0] = dist.group.WORLD
     key = tuple(sorted(ranks))
     if dist.get_rank() not in key:

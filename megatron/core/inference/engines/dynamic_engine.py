@@ -515,6 +515,7 @@ class DynamicInferenceEngine:
             batch = self.context.build_step(
                 schedule, pad_to_tokens=bucket, pad_to_requests=bucket, pending_tokens=pending
             )
+            starts, offsets = _starts_and_offsets(scheduled, batch)
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
                 logits, hidden, log_probs = self.graphs.run(batch)
@@ -528,7 +529,8 @@ class DynamicInferenceEngine:
                 pending_tokens=pending,
                 row_buckets=self.buckets.sizes if self.buckets is not None else (),
             )
-            logit_rows = self._logit_rows(scheduled, batch) if self.runner.is_last_stage else None
+            starts, offsets = _starts_and_offsets(scheduled, batch)
+            logit_rows = self._logit_rows(scheduled, starts, offsets) if self.runner.is_last_stage else None
             rows_tensor = (
                 None
                 if logit_rows is None
@@ -541,19 +543,17 @@ class DynamicInferenceEngine:
             log_probs = None
         self._stats["prefill_tokens_computed"] += sum(
             max(min(entry.num_tokens, entry.request.prefill_target - offset), 0)
-            for entry, offset in zip(scheduled, batch.host_kv_offsets[: len(scheduled)], strict=True)
+            for entry, offset in zip(scheduled, offsets, strict=True)
         )
         self.context.commit_step()
         self._stats["steps"] += 1
-        starts, offsets = _starts_and_offsets(scheduled, batch)
         return _Step(scheduled, starts, offsets, logits, hidden, batch.positions, log_probs, logit_rows)
 
-    def _logit_rows(self, scheduled: list[ScheduledRequest], batch: StepBatch) -> list[int]:
+    def _logit_rows(self, scheduled: list[ScheduledRequest], starts: list[int], offsets: list[int]) -> list[int]:
         """The packed rows of an eager step whose logits sampling can read (see :meth:`_row_plan`):
         only those are projected onto the vocabulary, not every prefill row. Without speculation
         or prompt log-probs, each request's last row (one per request, so that no state is read;
         a chunk that does not end its prompt adds one row never read)."""
-        starts, offsets = _starts_and_offsets(scheduled, batch)
         if not self.num_speculative_tokens and not any(e.request.wants_prompt_log_probs for e in scheduled):
             return [start + entry.num_tokens - 1 for entry, start in zip(scheduled, starts, strict=True)]
         rows = []
