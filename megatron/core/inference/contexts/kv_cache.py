@@ -34,6 +34,12 @@ class PagedKVCache:
             2, num_layers, num_blocks_with_dummy, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.data[:, :, -1] = 0
+        # Per layer, the views every step's store and attention take (made once, not per layer and step).
+        row = num_kv_heads * head_dim
+        flat = self.data.view(-1, row)
+        self._slot_rows = [flat[i * (self.data.stride(1) // row) :] for i in range(num_layers)]
+        planes = [self.data[:, i].flatten(1, 2) for i in range(num_layers)]  # [2, slots, heads, dim]
+        self._planes = [(both, *both.unbind()) for both in planes]  # (both, keys, values)
 
     @property
     def num_layers(self) -> int:
@@ -58,19 +64,18 @@ class PagedKVCache:
         """The cache as slot rows ``[*, heads * dim]`` from one local layer's key plane on: row
         ``slot`` is that layer's keys of the slot, row ``slot + value_slot_offset`` its values (one
         gather reads both)."""
-        flat = self.data.view(-1, self.data[0, 0, 0, 0].numel())
-        return flat[layer_index * (self.data.stride(1) // flat.shape[1]) :]
+        return self._slot_rows[layer_index]
 
     def store(self, layer_index: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[tokens, heads, dim]`` into the slots ``slot_mapping [tokens]``:
         one copy when they are two planes of one tensor (as the fused RoPE split makes them)."""
-        planes = self.data[:, layer_index].flatten(1, 2)  # [2, slots, heads, dim]
+        both, keys, values = self._planes[layer_index]
         pair = planes_of_one_tensor(key, value)
         if pair is not None:
-            planes.index_copy_(1, slot_mapping, pair.to(self.data.dtype))
+            both.index_copy_(1, slot_mapping, pair.to(self.data.dtype))
             return
-        for plane, tokens in zip(planes, (key, value), strict=True):
-            plane.index_copy_(0, slot_mapping, tokens.to(self.data.dtype))
+        keys.index_copy_(0, slot_mapping, key.to(self.data.dtype))
+        values.index_copy_(0, slot_mapping, value.to(self.data.dtype))
 
 
 def planes_of_one_tensor(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:

@@ -20,11 +20,13 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   group at once (the products read each matrix with a row stride), and the mask of the last tile.
   Masked keys past the piece read the request's key 0 instead of their own slot, so a stale NaN in
   a block tail can never reach ``0 * NaN`` (as the reference zeroes such values); their
-  probability is exactly 0. A layer makes three data movements for all groups at once: one gather
-  of every group's keys and values, one ``take`` of every group's queries in the products' layout
-  (rows of the query axis), one ``index_copy_`` of every result to its token's row (element
-  indices made by the step's first layer); the per-group work is the two products and the masked
-  softmax between them.
+  probability is exactly 0. A layer makes three data movements for all groups at once, each an
+  ``index_select`` of rows of ``d`` elements: one gather of every group's keys and values, one of
+  every group's queries in the products' layout (rows of the query axis; padding rows take a zero
+  row), one of every (token, head)'s result from the products' rows (padding tokens take a zero
+  row); the per-group work is the two products and the masked softmax between them. The step's
+  first layer makes the row indices and every group's operand views over buffers kept across
+  steps (:class:`AttentionWorkspace`), which the later layers reuse as they are.
 
 Batch invariance of the torch path: in both products the varying sizes of a step (the number of
 requests, of queries per request) are the batch and the rows (the queries' axis), and a query's
@@ -38,6 +40,7 @@ probability exactly 0 against finite values, so they add exactly 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,45 +82,53 @@ class _Group:
 class AttentionWorkspace:
     """Grow-only fp32 buffers for the temporaries of the torch path (gathered keys and values,
     queries, scores, probabilities, weighted values), kept by the context across steps: a layer
-    writes into them instead of allocating (and page-faulting) megabytes per layer and step."""
+    writes into them instead of allocating (and page-faulting) megabytes per layer and step. A
+    buffer that must grow at least doubles, so that a decode run whose keys grow by a tile now
+    and then reallocates (and faults in fresh pages) a few times, not at every growth."""
 
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        # Views handed out this step (every layer of a step asks for the same ones).
-        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._buffers: dict[Hashable, torch.Tensor] = {}
 
-    def start_step(self) -> None:
-        """Forget the views of the previous step (the buffers stay)."""
-        self._views.clear()
-
-    def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A contiguous fp32 tensor of ``shape`` over buffer ``name`` (its values are stale)."""
-        view = self._views.get((name, shape))
-        if view is not None and view.device == device:
-            return view
-        numel = math.prod(shape)
+    def buffer(self, name: Hashable, numel: int, device: torch.device) -> torch.Tensor:
+        """The first ``numel`` elements (contiguous, stale values) of fp32 buffer ``name``."""
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.device != device:
-            buffer = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
-            self._views = {key: v for key, v in self._views.items() if key[0] != name}
-        view = self._views[(name, shape)] = buffer[:numel].view(shape)
-        return view
+            grown = 2 * buffer.numel() if buffer is not None and buffer.device == device else 0
+            buffer = self._buffers[name] = torch.empty(max(numel, grown), dtype=torch.float32, device=device)
+        return buffer[:numel]
+
+
+@dataclass(frozen=True)
+class _GroupOperands:
+    """One group's operands in a layer, views of the step's buffers (the same for every layer)."""
+
+    queries: torch.Tensor  # [n * kv_heads, rows, d]: rows zero-padded to a multiple of PRODUCT_ROW_MULTIPLE
+    keys: torch.Tensor  # [n * kv_heads, d, K] (of the gathered keys, read with a row stride)
+    values: torch.Tensor  # [n * kv_heads, K, d]
+    scores: torch.Tensor  # [n * kv_heads, rows, K]
+    last_tile: torch.Tensor  # the real rows' scores of the last key tile, [n, kv_heads, L, group, KEY_TILE]
+    hidden: torch.Tensor  # last_tile's shape: the scores a query may not see (materialized, contiguous)
+    probs: torch.Tensor  # [n * kv_heads, rows, K]
+    context: torch.Tensor  # [n * kv_heads, rows, d]
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where every group's operands lie in a layer's shared buffers, for one (query heads, head
-    dim): group ``i`` takes gathered rows ``[row_starts[i], row_starts[i + 1])`` and query elements
-    ``[element_starts[i], element_starts[i + 1])``, in the products' layout ``[n * kv_heads, rows,
-    d]``, its ``L * group`` rows zero-padded to a multiple of :data:`PRODUCT_ROW_MULTIPLE`."""
+    """Where every group's operands lie in a layer's buffers, for one (query heads, head dim),
+    made by the step's first layer and used by every layer: the products' rows of all groups lie
+    one after another in ``query_rows`` and ``context_rows`` (rows of ``d``), each group's ``L *
+    group`` rows zero-padded to a multiple of :data:`PRODUCT_ROW_MULTIPLE`."""
 
-    # [E]: the element of the scaled queries ``[T, q_heads, d]`` (then one zero, which padding rows
-    # take) each product row element takes, and the element of the results ``[T + 1, q_heads, d]``
-    # it goes to (a padding query or padding row: the scratch row T).
-    query_elements: torch.Tensor
-    out_elements: torch.Tensor
-    row_starts: list[int]
-    element_starts: list[int]
+    scaled: torch.Tensor  # [T, q_heads, d]: the scaled queries, rows of scaled_rows (a zero row after)
+    scaled_rows: torch.Tensor  # [T * q_heads + 1, d]
+    # [rows]: the row of scaled_rows each product row takes (a padding row: the zero row).
+    query_index: torch.Tensor
+    query_rows: torch.Tensor  # [rows, d]
+    context_rows: torch.Tensor  # [rows + 1, d]: every group's weighted values, then a zero row
+    # [T * q_heads]: the row of context_rows each (token, head) takes (padding tokens: the zero row).
+    out_index: torch.Tensor
+    gathered: torch.Tensor  # [2 * sum(K * n), kv_heads * d]: every group's keys, then its values
+    groups: list[_GroupOperands]
 
 
 class StepAttention:
@@ -138,7 +149,6 @@ class StepAttention:
         self._groups = groups
         self._step = step
         self._workspace = workspace if workspace is not None else AttentionWorkspace()
-        self._workspace.start_step()
         self._kv_rows = torch.cat([group.kv_rows for group in groups]) if groups else None
         self._layouts: dict[tuple[int, int], _Layout] = {}
 
@@ -212,72 +222,98 @@ class StepAttention:
         if cache_heads != self.kv_heads:
             raise ValueError(f"the step was planned for {self.kv_heads} KV heads, the cache has {cache_heads}")
         rows = kv_cache.slots_from(layer_index)  # [*, kv_heads * d]: keys at slot, values further
-        space = self._workspace
-        padded_tokens, q_heads = query.shape[:2]
-        layout = self._layout(q_heads, head_dim)
-        device = query.device
-        # The scaled queries, then one zero: the products' padding rows take it (see _Layout).
-        scaled = space.get("scaled_queries", (query.numel() + 1,), device)
-        torch.mul(query.float(), scale, out=scaled[:-1].view(query.shape))
-        scaled[-1] = 0.0
+        q_heads = query.shape[1]
+        layout = self._layouts.get((q_heads, head_dim)) or self._layout(q_heads, head_dim, query.device)
+        torch.mul(query.float(), scale, out=layout.scaled)
         if rows.dtype == torch.float32:
-            gathered = space.get("gathered", (self._kv_rows.numel(), rows.shape[1]), device)
-            torch.index_select(rows, 0, self._kv_rows, out=gathered)
+            torch.index_select(rows, 0, self._kv_rows, out=layout.gathered)
         else:
-            gathered = rows.index_select(0, self._kv_rows).float()
-        queries = space.get("query_rows", (layout.query_elements.numel(),), device)
-        torch.take(scaled, layout.query_elements, out=queries)
-        context = space.get("context_rows", (layout.query_elements.numel(),), device)
-        for index, group in enumerate(self._groups):
-            elements = slice(layout.element_starts[index], layout.element_starts[index + 1])
-            _attend_group(
-                group,
-                gathered[layout.row_starts[index] : layout.row_starts[index + 1]],
-                queries[elements],
-                context[elements],
-                q_heads,
-                space,
-            )
-        # Every token's row gets its results; the padding tokens' rows are zero, and one scratch
-        # row past them takes the results of padding queries.
-        results = torch.empty(padded_tokens + 1, q_heads, head_dim, dtype=torch.float32, device=device)
-        results[count:].zero_()
-        results.view(-1).index_copy_(0, layout.out_elements, context)
-        return results[:-1].to(query.dtype)
+            layout.gathered.copy_(rows.index_select(0, self._kv_rows))
+        torch.index_select(layout.scaled_rows, 0, layout.query_index, out=layout.query_rows)
+        for group in layout.groups:
+            _attend_group(group)
+        # Every token's row takes its results; the padding tokens' rows take the zero row.
+        results = layout.context_rows.index_select(0, layout.out_index)
+        return results.view(query.shape).to(query.dtype)
 
-    def _layout(self, q_heads: int, head_dim: int) -> _Layout:
-        """The groups' element indices for queries of ``q_heads`` heads of ``head_dim`` (see
+    def _layout(self, q_heads: int, head_dim: int, device: torch.device) -> _Layout:
+        """The groups' operands for queries of ``q_heads`` heads of ``head_dim`` (see
         :class:`_Layout`), made by the first layer of the step."""
-        key = (q_heads, head_dim)
-        if key not in self._layouts:
-            query_elements, out_elements, row_starts, element_starts = [], [], [0], [0]
-            width = q_heads * head_dim
-            # The zero after the scaled queries, and the first element of the results' scratch row.
-            zero = scratch = self._step.num_padded_tokens * width
-            for group in self._groups:
-                n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
-                group_size = q_heads // kv_heads
-                rows = length * group_size
-                padding = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE - rows
-                # [n, kv_heads, L, group, d]: piece r's query l, head (h, m), channel i
-                heads = np.arange(q_heads).reshape(1, kv_heads, 1, group_size, 1)
-                within = heads * head_dim + np.arange(head_dim).reshape(1, 1, 1, 1, head_dim)
-                for packed, elements, pad in (
-                    (group.query_rows, query_elements, zero),
-                    (group.out_rows, out_elements, scratch + np.arange(head_dim)),
-                ):
-                    real = (packed.reshape(n, 1, length, 1, 1) * width + within).reshape(n * kv_heads, rows, head_dim)
-                    padded = np.empty((n * kv_heads, rows + padding, head_dim), dtype=real.dtype)
-                    padded[:, :rows], padded[:, rows:] = real, pad
-                    elements.append(padded.reshape(-1))
-                row_starts.append(row_starts[-1] + group.kv_rows.numel())
-                element_starts.append(element_starts[-1] + n * kv_heads * (rows + padding) * head_dim)
-            device = self._groups[0].kv_rows.device
-            query_index, out_index = (
-                torch.from_numpy(np.concatenate(e)).to(device) for e in (query_elements, out_elements)
+        space, key = self._workspace, (q_heads, head_dim)
+        padded_tokens = self._step.num_padded_tokens
+        query_index, out_index = [], np.full(padded_tokens * q_heads, -1, dtype=np.int64)
+        shapes, start = [], 0  # per group: (first product row, batch, padded rows, rows)
+        for group in self._groups:
+            n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
+            group_size = q_heads // kv_heads
+            rows = length * group_size
+            padded = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE
+            batch = n * kv_heads
+            # [n, kv_heads, L, group]: piece r's query l, head (h, m)
+            heads = np.arange(q_heads).reshape(1, kv_heads, 1, group_size)
+            product_rows = np.full((batch, padded), padded_tokens * q_heads, dtype=np.int64)  # the zero row
+            product_rows[:, :rows] = (group.query_rows.reshape(n, 1, length, 1) * q_heads + heads).reshape(batch, rows)
+            query_index.append(product_rows.reshape(-1))
+            context_rows = start + np.arange(batch * padded).reshape(batch, padded)[:, :rows]
+            real = group.out_rows.reshape(n, 1, length, 1) < padded_tokens  # padding queries go nowhere
+            real = np.broadcast_to(real, (n, kv_heads, length, group_size))
+            tokens = group.out_rows.reshape(n, 1, length, 1) * q_heads + heads
+            out_index[tokens[real]] = context_rows.reshape(n, kv_heads, length, group_size)[real]
+            shapes.append((start, batch, padded, rows))
+            start += batch * padded
+        out_index[out_index < 0] = start  # padding tokens: the zero row after the groups' rows
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
+        scaled_rows = space.buffer(("scaled_queries", key), (padded_tokens * q_heads + 1) * head_dim, device)
+        scaled_rows = scaled_rows.view(-1, head_dim)
+        scaled_rows[-1].zero_()
+        query_rows = space.buffer(("query_rows", key), start * head_dim, device).view(start, head_dim)
+        context_rows = space.buffer(("context_rows", key), (start + 1) * head_dim, device).view(start + 1, head_dim)
+        context_rows[-1].zero_()
+        width = self.kv_heads * head_dim
+        gathered = space.buffer(("gathered", key), self._kv_rows.numel() * width, device).view(-1, width)
+        most = max(
+            batch * padded * group.num_keys for group, (_, batch, padded, _) in zip(self._groups, shapes, strict=True)
+        )
+        scores_buffer = space.buffer(("scores", key), most, device)
+        probs_buffer = space.buffer(("probs", key), most, device)
+        operands, kv_start = [], 0
+        for group, (first, batch, padded, rows) in zip(self._groups, shapes, strict=True):
+            n, num_keys, length = group.num_requests, group.num_keys, group.num_queries
+            group_size = q_heads // group.kv_heads
+            kv_end = kv_start + group.kv_rows.numel()
+            # Keys and values of every head, key-major: the products' batch is (piece, KV head), each
+            # matrix [K, d] read with a row stride of n * kv_heads * d.
+            keys, values = gathered[kv_start:kv_end].view(2, num_keys, batch, head_dim).transpose(1, 2)
+            kv_start = kv_end
+            scores = scores_buffer[: batch * padded * num_keys].view(batch, padded, num_keys)
+            # Only the last key tile holds keys a query may not see (padding rows: zero queries, finite).
+            last_tile = scores[:, :rows].view(n, group.kv_heads, length, group_size, num_keys)[..., group.hidden_from :]
+            operands.append(
+                _GroupOperands(
+                    queries=query_rows[first : first + batch * padded].view(batch, padded, head_dim),
+                    keys=keys.transpose(1, 2),
+                    values=values,
+                    scores=scores,
+                    last_tile=last_tile,
+                    hidden=group.hidden.expand(last_tile.shape).contiguous(),
+                    probs=probs_buffer[: batch * padded * num_keys].view(batch, padded, num_keys),
+                    context=context_rows[first : first + batch * padded].view(batch, padded, head_dim),
+                )
             )
-            self._layouts[key] = _Layout(query_index, out_index, row_starts, element_starts)
-        return self._layouts[key]
+        layout = self._layouts[key] = _Layout(
+            scaled=scaled_rows[:-1].view(padded_tokens, q_heads, head_dim),
+            scaled_rows=scaled_rows,
+            query_index=tensor(np.concatenate(query_index)),
+            query_rows=query_rows,
+            context_rows=context_rows,
+            out_index=tensor(out_index),
+            gathered=gathered,
+            groups=operands,
+        )
+        return layout
 
 
 class _PiecePlan:
@@ -333,35 +369,10 @@ class _PiecePlan:
         )
 
 
-def _attend_group(
-    group: _Group,
-    gathered: torch.Tensor,
-    queries: torch.Tensor,
-    context: torch.Tensor,
-    q_heads: int,
-    space: AttentionWorkspace,
-) -> None:
-    """The group's attention: from its ``gathered [2 * K * n, kv_heads * d]`` keys then values (of
-    ``group.kv_rows``) and its scaled ``queries`` as the products' rows ``[n * kv_heads, rows, d]``
-    (flat; ``L * group`` rows zero-padded to a multiple of :data:`PRODUCT_ROW_MULTIPLE`, see the
-    constant), write the weighted values ``context`` in the same layout (fp32); temporaries live
-    in ``space``."""
-    n, num_keys = group.num_requests, group.num_keys
-    kv_heads = group.kv_heads
-    head_dim = gathered.shape[-1] // kv_heads
-    length = group.num_queries
-    group_size = q_heads // kv_heads
-    batch, rows, device = n * kv_heads, length * group_size, gathered.device
-    padded = queries.numel() // (batch * head_dim)
-    # Keys and values of every head, key-major: the products' batch is (piece, KV head), each
-    # matrix [K, d] read with a row stride of n * kv_heads * d.
-    keys, values = gathered.view(2, num_keys, batch, head_dim).transpose(1, 2)
-    q = queries.view(batch, padded, head_dim)
-    scores = torch.bmm(q, keys.transpose(1, 2), out=space.get("scores", (batch, padded, num_keys), device))
-    # Only the last key tile holds keys a query may not see (padding rows: zero queries, finite).
-    hidden_from = group.hidden_from
-    last_tile = scores[:, :rows].view(n, kv_heads, length, group_size, num_keys)[..., hidden_from:]
-    last_tile.masked_fill_(group.hidden, float("-inf"))
-    probs = space.get("probs", (batch, padded, num_keys), device)
-    torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-    torch.bmm(probs, values, out=context.view(batch, padded, head_dim))
+def _attend_group(group: _GroupOperands) -> None:
+    """The group's attention, in its operands (see :class:`_GroupOperands`): scores, the masked
+    last key tile, probabilities and weighted values (fp32)."""
+    torch.bmm(group.queries, group.keys, out=group.scores)
+    group.last_tile.masked_fill_(group.hidden, float("-inf"))
+    torch.ops.aten._softmax.out(group.scores, -1, False, out=group.probs)
+    torch.bmm(group.probs, group.values, out=group.context)

@@ -182,3 +182,46 @@ def test_products_give_the_same_row_bits_for_every_row_count():
         for rows in range(PRODUCT_ROW_MULTIPLE, 256, PRODUCT_ROW_MULTIPLE):
             assert torch.equal(torch.bmm(queries[:, :rows].contiguous(), keys.transpose(1, 2)), scores[:, :rows])
             assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), weighted[:, :rows])
+
+
+def test_layers_of_a_step_reuse_its_operands_and_give_each_its_own_results():
+    """The step's first layer lays out the operands every layer then reuses: later layers (other
+    queries, another query head count) give bitwise what a step planned for them alone gives, and
+    a returned result is not overwritten by the next layer."""
+    from megatron.core.inference.contexts.step_attention import StepAttention
+
+    data = sequences({"a": 70, "b": 5})
+    ctx = make_context(max_tokens=96, max_sequence_length=128)
+    for name, (q, _, _) in data.items():
+        ctx.add_request(name, list(range(q.shape[0])))
+    batch = ctx.build_step([("a", 70), ("b", 5)], pad_to_tokens=80)
+    k = torch.cat([torch.cat([data[n][1] for n in "ab"]), torch.zeros(5, KV_HEADS, DIM)])
+    v = torch.cat([torch.cat([data[n][2] for n in "ab"]), torch.zeros(5, KV_HEADS, DIM)])
+    ctx.kv_cache.store(0, batch.slot_mapping, k, v)
+    gen = torch.Generator().manual_seed(1)
+    queries = [torch.randn(80, heads, DIM, generator=gen) for heads in (Q_HEADS, Q_HEADS, 2 * Q_HEADS, Q_HEADS)]
+    shared = ctx._step_attention
+    outputs = [shared.attend(q, ctx.kv_cache, 0) for q in queries]
+    for q, out in zip(queries, outputs, strict=True):
+        alone = StepAttention.plan(
+            batch,
+            ctx._host_tables[[0, 1]],
+            BS,
+            q.device,
+            kv_heads=KV_HEADS,
+            value_slot_offset=ctx.kv_cache.value_slot_offset,
+        )
+        assert torch.equal(out, alone.attend(q, ctx.kv_cache, 0))
+        assert torch.equal(out[75:], torch.zeros_like(out[75:]))
+
+
+def test_the_workspace_keeps_a_buffer_until_it_must_grow_and_then_at_least_doubles_it():
+    from megatron.core.inference.contexts.step_attention import AttentionWorkspace
+
+    space, cpu = AttentionWorkspace(), torch.device("cpu")
+    first = space.buffer("keys", 100, cpu)
+    assert first.shape == (100,) and space.buffer("keys", 60, cpu).data_ptr() == first.data_ptr()
+    grown = space.buffer("keys", 130, cpu)
+    assert grown.shape == (130,) and grown.untyped_storage().nbytes() == 200 * 4
+    assert space.buffer("keys", 200, cpu).data_ptr() == grown.data_ptr()
+    assert space.buffer("keys", 500, cpu).untyped_storage().nbytes() == 500 * 4  # more than double: what is asked
