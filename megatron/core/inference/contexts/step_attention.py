@@ -241,27 +241,26 @@ class StepAttention:
         :class:`_Layout`), made by the first layer of the step."""
         space, key = self._workspace, (q_heads, head_dim)
         padded_tokens = self._step.num_padded_tokens
-        query_index, out_index = [], np.full(padded_tokens * q_heads, -1, dtype=np.int64)
         shapes, start = [], 0  # per group: (first product row, batch, padded rows, rows)
         for group in self._groups:
-            n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
-            group_size = q_heads // kv_heads
-            rows = length * group_size
+            rows = group.num_queries * (q_heads // group.kv_heads)
             padded = -(-rows // PRODUCT_ROW_MULTIPLE) * PRODUCT_ROW_MULTIPLE
-            batch = n * kv_heads
+            shapes.append((start, group.num_requests * group.kv_heads, padded, rows))
+            start += shapes[-1][1] * padded
+        # Per (token, head), its row of the products' results; the padding tokens' rows name the zero
+        # row after them, and padding queries write the heads of one more token (scratch), cut off.
+        out_index = np.full((padded_tokens + 1) * q_heads, start, dtype=np.int64)
+        query_index = np.full(start, padded_tokens * q_heads, dtype=np.int64)  # padding rows: the zero row
+        for group, (first, batch, padded, rows) in zip(self._groups, shapes, strict=True):
+            n, length, kv_heads = group.num_requests, group.num_queries, group.kv_heads
             # [n, kv_heads, L, group]: piece r's query l, head (h, m)
-            heads = np.arange(q_heads).reshape(1, kv_heads, 1, group_size)
-            product_rows = np.full((batch, padded), padded_tokens * q_heads, dtype=np.int64)  # the zero row
+            heads = np.arange(q_heads).reshape(kv_heads, 1, q_heads // kv_heads)
+            product_rows = query_index[first : first + batch * padded].reshape(batch, padded)
             product_rows[:, :rows] = (group.query_rows.reshape(n, 1, length, 1) * q_heads + heads).reshape(batch, rows)
-            query_index.append(product_rows.reshape(-1))
-            context_rows = start + np.arange(batch * padded).reshape(batch, padded)[:, :rows]
-            real = group.out_rows.reshape(n, 1, length, 1) < padded_tokens  # padding queries go nowhere
-            real = np.broadcast_to(real, (n, kv_heads, length, group_size))
+            results = np.arange(first, first + batch * padded).reshape(batch, padded)[:, :rows]
             tokens = group.out_rows.reshape(n, 1, length, 1) * q_heads + heads
-            out_index[tokens[real]] = context_rows.reshape(n, kv_heads, length, group_size)[real]
-            shapes.append((start, batch, padded, rows))
-            start += batch * padded
-        out_index[out_index < 0] = start  # padding tokens: the zero row after the groups' rows
+            out_index[tokens] = results.reshape(tokens.shape)
+        out_index = out_index[: padded_tokens * q_heads]
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device)
@@ -274,11 +273,10 @@ class StepAttention:
         context_rows[-1].zero_()
         width = self.kv_heads * head_dim
         gathered = space.buffer(("gathered", key), self._kv_rows.numel() * width, device).view(-1, width)
-        most = max(
+        sizes = [
             batch * padded * group.num_keys for group, (_, batch, padded, _) in zip(self._groups, shapes, strict=True)
-        )
-        scores_buffer = space.buffer(("scores", key), most, device)
-        probs_buffer = space.buffer(("probs", key), most, device)
+        ]
+        scores_buffer, probs_buffer = (space.buffer((name, key), max(sizes), device) for name in ("scores", "probs"))
         operands, kv_start = [], 0
         for group, (first, batch, padded, rows) in zip(self._groups, shapes, strict=True):
             n, num_keys, length = group.num_requests, group.num_keys, group.num_queries
@@ -306,7 +304,7 @@ class StepAttention:
         layout = self._layouts[key] = _Layout(
             scaled=scaled_rows[:-1].view(padded_tokens, q_heads, head_dim),
             scaled_rows=scaled_rows,
-            query_index=tensor(np.concatenate(query_index)),
+            query_index=tensor(query_index),
             query_rows=query_rows,
             context_rows=context_rows,
             out_index=tensor(out_index),
