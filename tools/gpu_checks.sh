@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # GPU validation run (used on the lent H200 machines): NCCL bucket tests, bf16 training
 # against the CPU goldens, and the Mamba kernel comparison. Logs go to ${OUT:-gpu_out}/.
-#   bash tools/gpu_checks.sh [buckets|train|kernels|all]
+#   bash tools/gpu_checks.sh [buckets|train|kernels|all|perf]
+# perf (not part of all): the speed issues' benchmarks on one GPU within one 10-minute call
+# (gpu_train's three configurations, gpu_decode's GPT rows at 64 and 1 requests, the GPU
+# fused-kernel tests), JSON and logs in $OUT. The hybrid configuration runs alone with its
+# own budget: mamba-ssm's autotuned Triton kernels compile for about two minutes on a cold cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  buckets|train|kernels|all) ;;
-  -h|--help) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all]"; exit 0 ;;
-  *) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all] (got '$what')" >&2; exit 2 ;;
+  buckets|train|kernels|all|perf) ;;
+  -h|--help) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all|perf]"; exit 0 ;;
+  *) echo "usage: bash tools/gpu_checks.sh [buckets|train|kernels|all|perf] (got '$what')" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -46,4 +50,27 @@ fi
 
 if [[ $what == kernels || $what == all ]]; then
   python3 -m benchmarks.mamba_kernels_gpu 2>&1 | tee "$OUT/mamba_kernels.log" | tail -n 15
+fi
+
+if [[ $what == perf ]]; then
+  [[ $ngpu -ge 1 ]] || { echo "gpu_checks.sh perf: needs a CUDA GPU" >&2; exit 2; }
+  timeout 150 python3 benchmarks/gpu_train.py --config gpt2,llama --quick --budget-s 135 \
+    --output-json "$OUT/gpu_train.json" > "$OUT/gpu_train.log" 2>&1; echo "gpu_train gpt2,llama: exit $?"
+  timeout 210 python3 benchmarks/gpu_train.py --config hybrid --quick --budget-s 195 \
+    --output-json "$OUT/gpu_train_hybrid.json" > "$OUT/gpu_train_hybrid.log" 2>&1; echo "gpu_train hybrid: exit $?"
+  grep -hE "^(must show|== |   (ours|plain|ratios|error))" "$OUT/gpu_train.log" "$OUT/gpu_train_hybrid.log"
+  python3 - "$OUT" <<'PY' || true
+import json, sys
+tflops = {}
+for name in ("gpu_train.json", "gpu_train_hybrid.json"):
+    for config, result in json.load(open(f"{sys.argv[1]}/{name}")).get("configs", {}).items():
+        tflops[config] = result.get("variants", {}).get("ours", {}).get("tflops")
+if tflops.get("gpt2") and tflops.get("hybrid"):
+    print(f"hybrid / gpt2 TFLOP/s (ours): {tflops['hybrid'] / tflops['gpt2']:.3f} (target >= 0.7)")
+PY
+  timeout 150 python3 -m benchmarks.gpu_decode --models gpt --concurrency 64,1 --trials 2 --no-unpadded \
+    --run-budget-s 20 --model-budget-s 120 --output-json "$OUT/gpu_decode.json" > "$OUT/gpu_decode.log" 2>&1
+  echo "gpu_decode: exit $?"; grep -E "^gpt|copy bandwidth" "$OUT/gpu_decode.log"
+  timeout 60 python3 tools/run_test_bucket.py gpu1 --only 'tests/unit_tests/fusions/*' > "$OUT/fusions.log" 2>&1
+  echo "fused-kernel tests: exit $?"; grep -E "^rank 0: " "$OUT/fusions.log"
 fi

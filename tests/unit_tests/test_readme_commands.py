@@ -81,6 +81,7 @@ GPU_ONLY = {
     "python benchmarks/gpu_decode.py --output-json": "python benchmarks/gpu_decode.py --help",
     "python tools/run_test_bucket.py gpu2": "python tools/run_test_bucket.py --help",
     "bash tools/gpu_checks.sh all": "bash tools/gpu_checks.sh --help",
+    "bash tools/gpu_checks.sh perf": "bash tools/gpu_checks.sh --help",
 }
 # Run by another test, which takes the command from the README (readme_command(NAME)).
 RUN_ELSEWHERE = {
