@@ -30,6 +30,9 @@ time budget (``--budget-s``) drops optional work (our compiled variant, profiles
 Both loops' models, optimizer states and activations share one card: the allocator runs with
 expandable segments (``PYTORCH_CUDA_ALLOC_CONF``, unless already set), without which the llama
 configuration's plain loop ran out of memory on an 80 GB H100 with 3.7 GiB reserved but unusable.
+A configuration whose two loops still do not fit together runs again one loop at a time (ours,
+then the plain loop eager and compiled; no alternation, profiles or ours_compiled), and its JSON
+says so (``mode``, ``sequential_because``); ``--sequential`` asks for that from the start.
 
 Exits with status 2 where CUDA is missing.
 """
@@ -611,6 +614,30 @@ def _active_kernels(ours: OurLoop) -> dict:
     return kernels
 
 
+def run_guarded(name: str, opts, budget: Budget, configs_left: int) -> dict:
+    """One configuration's result, or its error: side by side (alternating trials), or one loop at
+    a time with ``--sequential`` or where the two loops together ran out of device memory."""
+    fallback = None
+    try:
+        if not opts.sequential:
+            return run_config(name, opts, budget, configs_left)
+    except torch.OutOfMemoryError as error:
+        fallback = f"both loops did not fit on the card ({str(error).splitlines()[0]})"
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    finally:
+        _cleanup()
+    try:  # the failed attempt's frames are gone with its exception: its loops are freed
+        result = run_config_sequentially(name, opts)
+    except Exception as error:
+        result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    finally:
+        _cleanup()
+    if fallback:
+        result["sequential_because"] = fallback
+    return result
+
+
 def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
     share_end = time.perf_counter() + budget.left() / configs_left
     result = {"variants": {}, "errors": {}}
@@ -677,6 +704,12 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
     result["warmup_losses"] = {k: [round(v, 4) for v in vals] for k, vals in losses.items()}
     result["peak_memory_gib"] = {k: round(v, 2) for k, v in result["peak_memory_gib"].items()}
 
+    _add_ratios(result)
+    del ours, plain, plain_model
+    return result
+
+
+def _add_ratios(result: dict) -> None:
     variants = result["variants"]
     for base in ("plain_compiled", "plain_eager"):
         if base in variants:
@@ -685,7 +718,48 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
                     result.setdefault("ratios", {})[f"{mine}/{base}"] = round(
                         variants[base]["step_ms"] / variants[mine]["step_ms"], 3
                     )
-    del ours, plain, plain_model
+
+
+def run_config_sequentially(name: str, opts) -> dict:
+    """The configuration with one loop on the card at a time (for a card that cannot hold both):
+    ours, then the plain loop eager and compiled; no alternation between them, no profiles, no
+    ours_compiled."""
+    result = {"variants": {}, "errors": {}, "mode": "sequential: one loop on the card at a time"}
+    spec = CONFIGS[name]
+    steps, trials = (2, 2) if opts.quick else (opts.steps, opts.trials)
+    torch.manual_seed(0)
+    ours = OurLoop(name)
+    flops_per_token, device = ours.trainer.flops_per_token, ours.trainer.device
+    result["flops_per_token"] = flops_per_token
+    result["kernels"] = _active_kernels(ours)
+    result["params"] = {"ours": sum(p.numel() for p in ours.trainer.model.parameters())}
+    losses = {"ours": [ours.step() for _ in range(opts.warmup)]}
+    peaks = {"ours": peak_memory_gib(ours.step)}
+    result["variants"]["ours"] = _variant_result(
+        alternating_trials({"ours": ours.step}, trials, steps)["ours"], flops_per_token
+    )
+    result["breakdown_ms"] = {"ours": phase_split_ms(ours.phases())}
+    del ours
+    _cleanup()
+
+    pattern = HYBRID_PATTERN if spec["family"] == "hybrid" else None
+    plain = PlainLoop(PlainLM(spec["plain"], LAYERS, HIDDEN, HEADS, pattern=pattern, mamba=MAMBA), device)
+    result["params"]["plain"] = sum(p.numel() for p in plain.model.parameters())
+    for variant in ("plain_eager", "plain_compiled"):
+        try:
+            if variant == "plain_compiled":
+                plain.compile()
+            losses[variant] = [plain.step() for _ in range(opts.warmup)]
+            peaks[variant] = peak_memory_gib(plain.step)
+            times = alternating_trials({variant: plain.step}, trials, steps)[variant]
+            result["variants"][variant] = _variant_result(times, flops_per_token)
+            result["breakdown_ms"][variant] = phase_split_ms(plain_phases(plain))
+        except Exception as error:
+            result["errors"][variant] = f"{type(error).__name__}: {error}"[:2000]
+    result["warmup_losses"] = {k: [round(v, 4) for v in vals] for k, vals in losses.items()}
+    result["peak_memory_gib"] = {k: round(v, 2) for k, v in peaks.items()}
+    _add_ratios(result)
+    del plain
     return result
 
 
@@ -740,7 +814,8 @@ def _print_config(name: str, result: dict) -> None:
         print(
             f"   {variant:15s} {v['step_ms']:8.1f} ms/step {v['tokens_per_s']:10.0f} tok/s {v['tflops']:7.1f} TFLOP/s"
         )
-    for key in ("ratios", "breakdown_ms", "peak_memory_gib", "kernels", "compile_s", "errors", "error"):
+    shown = ("mode", "sequential_because", "ratios", "breakdown_ms", "peak_memory_gib", "kernels", "compile_s")
+    for key in (*shown, "errors", "error"):
         if result.get(key):
             print(f"   {key}: {result[key]}")
     sys.stdout.flush()
@@ -775,6 +850,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="time for the whole run")
     parser.add_argument("--ours-compile-reserve-s", type=float, default=40.0)
     parser.add_argument("--skip-ours-compiled", action="store_true")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one loop on the card at a time (also the fallback where both loops run out of memory)",
+    )
     parser.add_argument("--output-json", default=None)
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -791,11 +871,7 @@ def main(argv=None) -> int:
     _write(report, opts.output_json)
     names = opts.config
     for index, name in enumerate(names):
-        try:
-            report["configs"][name] = run_config(name, opts, budget, len(names) - index)
-        except Exception as error:
-            report["configs"][name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-        _cleanup()
+        report["configs"][name] = run_guarded(name, opts, budget, len(names) - index)
         _print_config(name, report["configs"][name])
         report["must_show"] = must_show(report["configs"])
         report["total_s"] = round(opts.budget_s - budget.left(), 1)
