@@ -54,9 +54,9 @@ fi
 
 if [[ $what == perf ]]; then
   [[ $ngpu -ge 1 ]] || { echo "gpu_checks.sh perf: needs a CUDA GPU" >&2; exit 2; }
-  timeout 150 python3 benchmarks/gpu_train.py --config gpt2,llama --quick --budget-s 135 \
+  timeout 180 python3 benchmarks/gpu_train.py --config gpt2,llama --quick --budget-s 165 \
     --output-json "$OUT/gpu_train.json" > "$OUT/gpu_train.log" 2>&1; echo "gpu_train gpt2,llama: exit $?"
-  timeout 210 python3 benchmarks/gpu_train.py --config hybrid --quick --budget-s 195 \
+  timeout 200 python3 benchmarks/gpu_train.py --config hybrid --quick --budget-s 185 \
     --output-json "$OUT/gpu_train_hybrid.json" > "$OUT/gpu_train_hybrid.log" 2>&1; echo "gpu_train hybrid: exit $?"
   grep -hE "^(must show|== |   (ours|plain|ratios|error))" "$OUT/gpu_train.log" "$OUT/gpu_train_hybrid.log"
   python3 - "$OUT" <<'PY' || true
@@ -68,9 +68,9 @@ for name in ("gpu_train.json", "gpu_train_hybrid.json"):
 if tflops.get("gpt2") and tflops.get("hybrid"):
     print(f"hybrid / gpt2 TFLOP/s (ours): {tflops['hybrid'] / tflops['gpt2']:.3f} (target >= 0.7)")
 PY
-  timeout 150 python3 -m benchmarks.gpu_decode --models gpt --concurrency 64,1 --trials 2 --no-unpadded \
-    --run-budget-s 20 --model-budget-s 120 --output-json "$OUT/gpu_decode.json" > "$OUT/gpu_decode.log" 2>&1
+  timeout 140 python3 -m benchmarks.gpu_decode --models gpt --concurrency 64,1 --trials 2 --no-unpadded \
+    --run-budget-s 20 --model-budget-s 110 --output-json "$OUT/gpu_decode.json" > "$OUT/gpu_decode.log" 2>&1
   echo "gpu_decode: exit $?"; grep -E "^gpt|copy bandwidth" "$OUT/gpu_decode.log"
-  timeout 60 python3 tools/run_test_bucket.py gpu1 --only 'tests/unit_tests/fusions/*' > "$OUT/fusions.log" 2>&1
+  timeout 50 python3 tools/run_test_bucket.py gpu1 --only 'tests/unit_tests/fusions/*' > "$OUT/fusions.log" 2>&1
   echo "fused-kernel tests: exit $?"; grep -E "^rank 0: " "$OUT/fusions.log"
 fi
