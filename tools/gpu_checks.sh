@@ -58,7 +58,7 @@ if [[ $what == perf ]]; then
     --output-json "$OUT/gpu_train.json" > "$OUT/gpu_train.log" 2>&1; echo "gpu_train gpt2,llama: exit $?"
   timeout 200 python3 benchmarks/gpu_train.py --config hybrid --quick --budget-s 185 \
     --output-json "$OUT/gpu_train_hybrid.json" > "$OUT/gpu_train_hybrid.log" 2>&1; echo "gpu_train hybrid: exit $?"
-  grep -hE "^(must show|== |   (ours|plain|ratios|error))" "$OUT/gpu_train.log" "$OUT/gpu_train_hybrid.log"
+  grep -hE "^(must show|== |   (ours|plain|ratios|error|mode|sequential))" "$OUT/gpu_train.log" "$OUT/gpu_train_hybrid.log"
   python3 - "$OUT" <<'PY' || true
 import json, sys
 tflops = {}
