@@ -614,6 +614,12 @@ def _active_kernels(ours: OurLoop) -> dict:
     return kernels
 
 
+def plain_loop(spec: dict, device) -> PlainLoop:
+    """The plain loop of a configuration (its own random weights)."""
+    pattern = HYBRID_PATTERN if spec["family"] == "hybrid" else None
+    return PlainLoop(PlainLM(spec["plain"], LAYERS, HIDDEN, HEADS, pattern=pattern, mamba=MAMBA), device)
+
+
 def run_guarded(name: str, opts, budget: Budget, configs_left: int) -> dict:
     """One configuration's result, or its error: side by side (alternating trials), or one loop at
     a time with ``--sequential`` or where the two loops together ran out of device memory."""
@@ -646,9 +652,7 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
     start = time.perf_counter()
     ours = OurLoop(name)
     flops_per_token = ours.trainer.flops_per_token
-    pattern = HYBRID_PATTERN if spec["family"] == "hybrid" else None
-    plain_model = PlainLM(spec["plain"], LAYERS, HIDDEN, HEADS, pattern=pattern, mamba=MAMBA)
-    plain = PlainLoop(plain_model, ours.trainer.device)
+    plain = plain_loop(spec, ours.trainer.device)
     result["params"] = {
         "ours": sum(p.numel() for p in ours.trainer.model.parameters()),
         "plain": sum(p.numel() for p in plain.model.parameters()),
@@ -705,7 +709,7 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
     result["peak_memory_gib"] = {k: round(v, 2) for k, v in result["peak_memory_gib"].items()}
 
     _add_ratios(result)
-    del ours, plain, plain_model
+    del ours, plain
     return result
 
 
@@ -742,8 +746,7 @@ def run_config_sequentially(name: str, opts) -> dict:
     del ours
     _cleanup()
 
-    pattern = HYBRID_PATTERN if spec["family"] == "hybrid" else None
-    plain = PlainLoop(PlainLM(spec["plain"], LAYERS, HIDDEN, HEADS, pattern=pattern, mamba=MAMBA), device)
+    plain = plain_loop(spec, device)
     result["params"]["plain"] = sum(p.numel() for p in plain.model.parameters())
     for variant in ("plain_eager", "plain_compiled"):
         try:
