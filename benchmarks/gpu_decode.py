@@ -168,7 +168,7 @@ def drive(engine: DynamicInferenceEngine, prompts, params, budget_s: float) -> d
     """Run ``prompts`` to completion (or abort them all past ``budget_s``): tokens and log-probs
     per request, first-token times, elapsed seconds, steps and steps run from CUDA graphs."""
     tokens, log_probs, first = {}, {}, {}
-    steps_before, graph_steps_before = engine.stats["steps"], engine.stats["graph_steps"]
+    before = {key: engine.stats[key] for key in ("steps", "graph_steps", "graph_mixed_steps")}
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, params)
@@ -189,8 +189,9 @@ def drive(engine: DynamicInferenceEngine, prompts, params, budget_s: float) -> d
         log_probs=[log_probs.get(i, []) for i in order],
         first_token_s=[first.get(i, elapsed) for i in order],
         elapsed_s=elapsed,
-        steps=engine.stats["steps"] - steps_before,
-        graph_steps=engine.stats["graph_steps"] - graph_steps_before,
+        steps=engine.stats["steps"] - before["steps"],
+        graph_steps=engine.stats["graph_steps"] - before["graph_steps"],
+        graph_mixed_steps=engine.stats["graph_mixed_steps"] - before["graph_mixed_steps"],
         timed_out=timed_out,
     )
 
@@ -408,11 +409,18 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
         step_buckets=engines["eager"].buckets.sizes if engines["eager"].buckets is not None else None,
         overlap_steps=engines["graphs"].overlap_steps,
     )
-    decode_graphs = engines["graphs"].graphs
-    captured = decode_graphs is not None and decode_graphs.capturing
-    result["cuda_graphs_captured_buckets"] = decode_graphs.buckets if captured else []
+    step_graphs = engines["graphs"].graphs
+    captured = step_graphs is not None and step_graphs.capturing
+    result["cuda_graphs_captured_buckets"] = step_graphs.buckets if captured else []
+    result["cuda_graphs_captured_mixed_buckets"] = step_graphs.mixed_buckets if captured else []
+    result["mixed_step_graphs_blocker"] = engines["graphs"].mixed_step_graphs_blocker
+    mixed = (
+        f"mixed-step graphs for token buckets {step_graphs.mixed_buckets}"
+        if captured and step_graphs.mixed_buckets
+        else f"no mixed-step graphs ({engines['graphs'].mixed_step_graphs_blocker})"
+    )
     print(
-        f"{kind}: decode CUDA graphs captured for buckets {decode_graphs.buckets}"
+        f"{kind}: decode CUDA graphs captured for buckets {step_graphs.buckets}, {mixed}"
         if captured
         else f"{kind}: decode CUDA graphs not captured ({engines['graphs'].cuda_graphs_blocker or 'not on CUDA'})",
         f"(engines ready at {time.monotonic() - started:.0f} s)",
@@ -464,6 +472,7 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
             row["graph_vs_eager_identical_tokens"] = graphs["tokens"] == eager["tokens"]
             row["graph_vs_eager_identical_log_probs"] = graphs["log_probs"] == eager["log_probs"]
             row["ours_graphs_graph_steps"] = graphs["graph_steps"]
+            row["ours_graphs_graph_mixed_steps"] = graphs["graph_mixed_steps"]
         best = runs.get("graphs", runs["eager"])
         for name, run in hf_runs.items():
             rate = _rate(concurrency, args, run)
@@ -546,7 +555,7 @@ def _format_row(kind: str, row: dict) -> str:
         parts.append(
             f"graphs==eager tokens {row['graph_vs_eager_identical_tokens']} "
             f"log-probs {row['graph_vs_eager_identical_log_probs']} "
-            f"({row['ours_graphs_graph_steps']} graph steps)"
+            f"({row['ours_graphs_graph_steps']} graph steps, {row['ours_graphs_graph_mixed_steps']} of them mixed)"
         )
     if "batch1_step_over_weights_read" in row:
         parts.append(f"batch-1 step / weights read {row['batch1_step_over_weights_read']:.2f}x")

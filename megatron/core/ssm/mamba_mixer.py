@@ -374,7 +374,8 @@ class MambaMixer(nn.Module):
         step = inference_context.step
         lengths = step.host_query_lengths
         starts = [0, *itertools.accumulate(lengths)]
-        order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+        # (A request row of no token, as a mixed CUDA-graph step pads with, keeps its states.)
+        order = sorted((row for row, length in enumerate(lengths) if length), key=lambda row: -lengths[row])
         buckets = step.row_buckets
 
         @functools.cache

@@ -64,8 +64,10 @@ def context(config):
     return ctx
 
 
-def run_steps(mixer, hidden, steps, backend, monkeypatch, invariant=True):
-    """Run ``steps`` through the mixer on a fresh context; per request its output rows, and the context."""
+def run_steps(mixer, hidden, steps, backend, monkeypatch, invariant=True, request_rows=None):
+    """Run ``steps`` through the mixer on a fresh context; per request its output rows, and the context.
+    ``request_rows``: pad each step's request rows to this many with requests of no token (as a
+    mixed CUDA-graph step does)."""
     monkeypatch.setenv(BACKEND_ENV, backend)
     ctx = context(mixer.config)
     done = dict.fromkeys(PROMPTS, 0)
@@ -73,7 +75,7 @@ def run_steps(mixer, hidden, steps, backend, monkeypatch, invariant=True):
     pad = torch.randn(PAD_TO, HIDDEN, generator=torch.Generator().manual_seed(2)).to(device())
     for schedule in steps:
         schedule = [(rid, n) for rid, n in schedule if n]
-        batch = ctx.build_step(schedule, pad_to_tokens=PAD_TO)
+        batch = ctx.build_step(schedule, pad_to_tokens=PAD_TO, pad_to_requests=request_rows, padding_request_tokens=0)
         rows = [hidden[rid][done[rid] : done[rid] + n] for rid, n in schedule]
         x = torch.cat([*rows, pad[: PAD_TO - batch.num_tokens]])[:, None]
         with torch.no_grad(), batch_invariant(invariant):
@@ -114,6 +116,18 @@ def test_triton_recurrence_matches_token_by_token_path_is_split_invariant_and_le
     unused = [s for s in range(6) if s not in slots]
     assert torch.isnan(got_ctx.mamba_slots.ssm[0, unused]).all()
     assert torch.isnan(got_ctx.mamba_slots.conv[0, unused]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@on_single_rank
+def test_request_rows_of_no_token_change_no_output_and_no_state(pg, monkeypatch, backend):
+    mixer, hidden = mixer_and_inputs(pg)
+    want, want_ctx = run_steps(mixer, hidden, PIECES, backend, monkeypatch)
+    got, got_ctx = run_steps(mixer, hidden, PIECES, backend, monkeypatch, request_rows=5)
+    for rid in PROMPTS:
+        assert torch.equal(got[rid], want[rid]), rid
+    for state, expected in zip(slot_states(got_ctx)[:2], slot_states(want_ctx)[:2], strict=True):
+        assert torch.equal(state, expected)
 
 
 @on_single_rank

@@ -563,6 +563,7 @@ class DynamicInferenceContext:
         *,
         pad_to_tokens: int | None = None,
         pad_to_requests: int | None = None,
+        padding_request_tokens: int = 1,
         pending_tokens: torch.Tensor | None = None,
         row_buckets: Sequence[int] = (),
     ) -> StepBatch:
@@ -572,8 +573,10 @@ class DynamicInferenceContext:
 
         Args:
             pad_to_tokens: pad the packed tokens to this many (padding writes to the dummy block).
-            pad_to_requests: pad the request rows too, each padding request one token (the
-                static-buffer decode path: then ``pad_to_tokens`` must equal it).
+            pad_to_requests: pad the request rows to this many (the static-buffer steps of the CUDA
+                graphs, whose block tables are then full rows), each padding request of
+                ``padding_request_tokens`` tokens: 1 (a decode-only step, whose tokens must then hold
+                every row's token) or 0 (any step).
             pending_tokens: the device tensor a step in flight samples into; a request's pending
                 token (:meth:`append_pending_token`) is read from it on the device.
             row_buckets: the step's :attr:`StepBatch.row_buckets` (sorted).
@@ -627,23 +630,28 @@ class DynamicInferenceContext:
         dummy = self.pool.dummy_block_id
         num_real = len(ids)
         if pad_to_requests is not None:
-            if pad_to_tokens != pad_to_requests or num_tokens != num_real or pad_to_requests < num_real:
+            extra = pad_to_requests - num_real
+            if padding_request_tokens not in (0, 1):
+                raise StepError(f"padding_request_tokens must be 0 or 1, got {padding_request_tokens}")
+            if extra < 0 or pad_to_tokens is None or num_tokens + extra * padding_request_tokens > pad_to_tokens:
                 raise StepError(
-                    f"pad_to_requests={pad_to_requests} pads a decode-only step of at most that many requests to as "
-                    f"many tokens (pad_to_tokens={pad_to_tokens}, {num_real} requests, {num_tokens} tokens)"
+                    f"pad_to_requests={pad_to_requests} pads {num_real} requests of {num_tokens} tokens with padding "
+                    f"requests of {padding_request_tokens} token(s), which must fit pad_to_tokens={pad_to_tokens}"
                 )
+            if padding_request_tokens and num_tokens != num_real:
+                raise StepError("padding requests of one token pad a decode-only step (one token per request)")
             if pad_to_requests > self.step_buffers.max_requests:
                 raise StepError(f"pad_to_requests={pad_to_requests} exceeds {self.step_buffers.max_requests} step rows")
-            extra = pad_to_requests - num_real
             scratch = self.mamba_slots.scratch_slot if self.mamba_slots is not None else None
-            token_ids += [0] * extra
-            positions += [0] * extra
-            slots += [dummy * bs + i % bs for i in range(extra)]
-            q_lens += [1] * extra
+            padding = extra * padding_request_tokens
+            token_ids += [0] * padding
+            positions += [0] * padding
+            slots += [dummy * bs + i % bs for i in range(padding)]
+            q_lens += [padding_request_tokens] * extra
             offsets += [0] * extra
             rows += [self._padding_row] * extra
             mamba_slots += [scratch] * extra
-            num_tokens += extra
+            num_tokens += padding
         padded = num_tokens if pad_to_tokens is None else pad_to_tokens
         if padded < num_tokens:
             raise StepError(f"pad_to_tokens={pad_to_tokens} is less than the step's {num_tokens} tokens")
@@ -700,7 +708,7 @@ class DynamicInferenceContext:
             num_tokens=num_tokens,
             host_query_lengths=tuple(q_lens),
             host_kv_offsets=tuple(offsets),
-            decode_only=all(n == 1 for n in q_lens),
+            decode_only=all(n == 1 for n in q_lens if n),  # (padding requests of no token aside)
             row_buckets=tuple(row_buckets),
         )
         if self.spec.attention_layer_numbers:

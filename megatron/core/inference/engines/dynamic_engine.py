@@ -56,7 +56,7 @@ from torch import nn
 from megatron.core.inference import kernels
 from megatron.core.inference.contexts.capacity import CapacityConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState, StepBatch
-from megatron.core.inference.engines.cuda_graphs import DecodeGraphs, graph_blocker
+from megatron.core.inference.engines.cuda_graphs import StepGraphs, graph_blocker, mixed_step_blocker
 from megatron.core.inference.engines.errors import (
     EngineConfigError,
     InvalidPromptError,
@@ -92,10 +92,10 @@ class _Step:
     scheduled: list[ScheduledRequest]
     starts: list[int]  # first packed row of each scheduled request
     offsets: list[int]  # tokens cached before the step, per scheduled request
-    logits: torch.Tensor | None  # [len(logit_rows) or T, V] fp32 (last stage)
+    logits: torch.Tensor | None  # [T, V] fp32, or its first len(logit_rows) rows are those rows' (last stage)
     hidden: torch.Tensor | None  # [T, h] (last stage)
     positions: torch.Tensor | None  # [T] (for the MTP drafter)
-    log_probs: torch.Tensor | None  # [T, V] fp32 log-softmax of every row (decode graphs), or None
+    log_probs: torch.Tensor | None  # log-softmax of every row of ``logits`` (graphs), or None
     # The packed rows whose logits ``logits`` holds, in its row order; None: every packed row.
     logit_rows: list[int] | None = None
     # Filled by _sample: per scheduled request, its rows among the sampled ones, its prompt
@@ -261,7 +261,7 @@ class DynamicInferenceEngine:
         # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
         with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
             self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
-        self.graphs = self._decode_graphs(enable_cuda_graphs, self.buckets or StepBuckets(candidates))
+        self.graphs = self._step_graphs(enable_cuda_graphs, self.buckets or StepBuckets(candidates))
         self.overlap_steps = self._overlap(overlap_steps)
         self._requests: dict[str, EngineRequest] = {}
         self._pending: list[RequestOutput] = []
@@ -280,17 +280,25 @@ class DynamicInferenceEngine:
             drafts_accepted=0,
             drafts_rejected=0,
             graph_steps=0,
+            graph_mixed_steps=0,
         )
 
-    def _decode_graphs(self, enable: bool | None, buckets: StepBuckets) -> DecodeGraphs | None:
+    def _step_graphs(self, enable: bool | None, buckets: StepBuckets) -> StepGraphs | None:
         blocker = graph_blocker(self.runner, self.context)
         self.cuda_graphs_blocker = blocker
+        self.mixed_step_graphs_blocker = mixed_step_blocker(self.context, self.batch_invariant)
         on_cpu = self.runner.device.type == "cpu"
         if enable is False or (enable is None and blocker is not None):
             return None
         if blocker is not None and not on_cpu:
             raise EngineConfigError(f"enable_cuda_graphs=True, but {blocker}")
-        graphs = DecodeGraphs(self.runner, self.context, buckets.sizes, capture=not on_cpu)
+        graphs = StepGraphs(
+            self.runner,
+            self.context,
+            buckets.sizes,
+            capture=not on_cpu,
+            mixed_steps=self.mixed_step_graphs_blocker is None,
+        )
         with kernels.batch_invariant(self.batch_invariant):
             graphs.capture()
         return graphs
@@ -510,24 +518,31 @@ class DynamicInferenceEngine:
         schedule = [(s.request.request_id, s.num_tokens) for s in scheduled]
         num_tokens = sum(s.num_tokens for s in scheduled)
         pending = in_flight.sampled_tokens if in_flight is not None else None
-        bucket = self.graphs.bucket_for(len(scheduled)) if self.graphs is not None else None
-        if bucket is not None and num_tokens == len(scheduled):
+        row_buckets = self.buckets.sizes if self.buckets is not None else ()
+        key = None
+        if self.graphs is not None:
+            key = self.graphs.key_for(len(scheduled), num_tokens, self._one_logit_row_per_request(scheduled))
+        if key is not None:
             batch = self.context.build_step(
-                schedule, pad_to_tokens=bucket, pad_to_requests=bucket, pending_tokens=pending
+                schedule,
+                pad_to_tokens=key.tokens,
+                pad_to_requests=key.rows,
+                padding_request_tokens=int(key.decode),
+                pending_tokens=pending,
+                row_buckets=row_buckets,
             )
             starts, offsets = _starts_and_offsets(scheduled, batch)
             self._host_s += time.perf_counter() - started
             with kernels.batch_invariant(self.batch_invariant):
-                logits, hidden, log_probs = self.graphs.run(batch)
-            logit_rows = None  # a decode step: every row samples
+                logits, hidden, log_probs = self.graphs.run(key, batch)
+            # A decode step: every row samples; a mixed one: the logits hold each request's last row.
+            logit_rows = None if key.decode else [s + e.num_tokens - 1 for e, s in zip(scheduled, starts, strict=True)]
             self._stats["graph_steps"] += 1
+            self._stats["graph_mixed_steps"] += not key.decode
         else:
             pad = self.buckets.pad(num_tokens) if self.buckets is not None else None
             batch = self.context.build_step(
-                schedule,
-                pad_to_tokens=pad,
-                pending_tokens=pending,
-                row_buckets=self.buckets.sizes if self.buckets is not None else (),
+                schedule, pad_to_tokens=pad, pending_tokens=pending, row_buckets=row_buckets
             )
             starts, offsets = _starts_and_offsets(scheduled, batch)
             logit_rows = self._logit_rows(scheduled, starts, offsets) if self.runner.is_last_stage else None
@@ -549,12 +564,17 @@ class DynamicInferenceEngine:
         self._stats["steps"] += 1
         return _Step(scheduled, starts, offsets, logits, hidden, batch.positions, log_probs, logit_rows)
 
+    def _one_logit_row_per_request(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether sampling reads at most each request's last row of the step (no speculation,
+        no prompt log-probs)."""
+        return not self.num_speculative_tokens and not any(e.request.wants_prompt_log_probs for e in scheduled)
+
     def _logit_rows(self, scheduled: list[ScheduledRequest], starts: list[int], offsets: list[int]) -> list[int]:
         """The packed rows of an eager step whose logits sampling can read (see :meth:`_row_plan`):
         only those are projected onto the vocabulary, not every prefill row. Without speculation
         or prompt log-probs, each request's last row (one per request, so that no state is read;
         a chunk that does not end its prompt adds one row never read)."""
-        if not self.num_speculative_tokens and not any(e.request.wants_prompt_log_probs for e in scheduled):
+        if self._one_logit_row_per_request(scheduled):
             return [start + entry.num_tokens - 1 for entry, start in zip(scheduled, starts, strict=True)]
         rows = []
         for entry, start, offset in zip(scheduled, starts, offsets, strict=True):

@@ -103,6 +103,22 @@ def test_kernel_result_of_a_token_does_not_depend_on_the_rest_of_the_step():
         start = end
 
 
+def test_request_rows_of_no_token_and_padding_tokens_change_nothing():
+    """The rows of a mixed-step graph: request rows of no token between and after the real ones,
+    and packed tokens past the queries; every real token keeps its bits, padding tokens are zero."""
+    query, key_cache, value_cache, block_tables, query_lengths, kv_lengths = poisoned_batch(4, 8)
+    expected = triton_paged_attention(query, key_cache, value_cache, block_tables, query_lengths, kv_lengths)
+    order = [0, None, 1, 2, None, 3, 4, None, None]  # None: a request row of no token
+    padding_row = torch.full_like(block_tables[:1], key_cache.shape[0] - 1)
+    tables = torch.cat([block_tables[r : r + 1] if r is not None else padding_row for r in order])
+    q_lens = torch.stack([query_lengths[r] if r is not None else query_lengths[0] * 0 for r in order])
+    kv_lens = torch.stack([kv_lengths[r] if r is not None else kv_lengths[0] * 0 for r in order])
+    padded_query = torch.cat([query, torch.randn(5, *query.shape[1:]).to(query)])
+    out = triton_paged_attention(padded_query, key_cache, value_cache, tables, q_lens, kv_lens, validate=False)
+    assert torch.equal(out[: query.shape[0]], expected)
+    assert not out[query.shape[0] :].any()
+
+
 def test_kernel_rejects_bad_inputs_like_the_reference():
     query, key_cache, value_cache, block_tables, query_lengths, kv_lengths = poisoned_batch(4, 8)
     with pytest.raises(ValueError, match=r"query_lengths sum to 13 but query has 12 tokens"):

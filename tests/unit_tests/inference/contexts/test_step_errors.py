@@ -47,3 +47,23 @@ def test_step_needs_blocks_uncomputed_tokens_and_a_commit():
         ctx.build_step([("a", 1)])
     with pytest.raises(UnknownRequestError, match="request 'zz' is not in the context"):
         ctx.build_step([("zz", 1)])
+
+
+def test_request_row_padding_must_fit_the_step():
+    ctx = make_context()
+    ctx.add_request("a", [1, 2, 3])
+    with pytest.raises(StepError, match=r"padding_request_tokens must be 0 or 1, got 2"):
+        ctx.build_step([("a", 3)], pad_to_tokens=8, pad_to_requests=2, padding_request_tokens=2)
+    with pytest.raises(StepError, match=r"padding requests of one token pad a decode-only step"):
+        ctx.build_step([("a", 3)], pad_to_tokens=8, pad_to_requests=2)
+    with pytest.raises(
+        StepError,
+        match=r"pad_to_requests=1 pads 1 requests of 3 tokens with padding requests of 0 token\(s\), which must "
+        r"fit pad_to_tokens=2",
+    ):
+        ctx.build_step([("a", 3)], pad_to_tokens=2, pad_to_requests=1, padding_request_tokens=0)
+    with pytest.raises(StepError, match=r"pad_to_requests=9 exceeds 8 step rows"):
+        ctx.build_step([("a", 3)], pad_to_tokens=8, pad_to_requests=9, padding_request_tokens=0)
+    batch = ctx.build_step([("a", 3)], pad_to_tokens=8, pad_to_requests=4, padding_request_tokens=0)
+    assert batch.query_lengths.tolist() == [3, 0, 0, 0] and batch.cu_query_lengths.tolist() == [0, 3, 3, 3, 3]
+    assert batch.num_tokens == 3 and batch.num_padded_tokens == 8 and not batch.decode_only

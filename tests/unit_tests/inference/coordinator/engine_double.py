@@ -142,6 +142,7 @@ class HashEngine:
             drafts_accepted=0,
             drafts_rejected=0,
             graph_steps=0,
+            graph_mixed_steps=0,
             queue_depth=states.count("waiting"),
             active_requests=states.count("active"),
             paused_requests=states.count("paused"),

@@ -11,7 +11,7 @@ import torch
 
 from megatron.core.inference import kernels
 from megatron.core.inference.engines import DynamicInferenceEngine
-from megatron.core.inference.engines.cuda_graphs import DecodeGraphs
+from megatron.core.inference.engines.cuda_graphs import GraphKey, StepGraphs
 from megatron.core.inference.engines.step_buckets import StepBuckets, row_invariant_buckets
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.ssm.backends import TorchSSMBackend
@@ -120,7 +120,9 @@ def _static_decode_engine(model, pg, **kwargs) -> DynamicInferenceEngine:
         model, enable_cuda_graphs=True if on_cpu else None, pg_collection=pg, **ARGS, **kwargs
     )
     if engine.graphs is None:
-        engine.graphs = DecodeGraphs(engine.runner, engine.context, engine.buckets.sizes, capture=False)
+        engine.graphs = StepGraphs(
+            engine.runner, engine.context, engine.buckets.sizes, capture=False, mixed_steps=False
+        )
     assert engine.graphs.capturing == (not on_cpu and engine.cuda_graphs_blocker is None)
     return engine
 
@@ -128,7 +130,7 @@ def _static_decode_engine(model, pg, **kwargs) -> DynamicInferenceEngine:
 def _padded_bucket(engine, num_requests: int) -> int:
     """The smallest decode bucket of ``engine`` with room for a padding request past ``num_requests``
     (the buckets are those the model passed the row-invariance check at, on its device)."""
-    return engine.graphs.bucket_for(num_requests + 1)
+    return engine.graphs.key_for(num_requests + 1, num_requests + 1, True).tokens
 
 
 def _decode_all(engine, requests) -> dict:
@@ -151,7 +153,7 @@ def test_padding_requests_of_a_static_decode_step_touch_no_live_mamba_state(pg):
     bucket = _padded_bucket(engine, 1)
     batch = context.build_step([("1", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
     assert batch.mamba_slot_ids.tolist() == [live["1"]] + [slots.scratch_slot] * (bucket - 1)
-    engine.graphs.run(batch)
+    engine.graphs.run(GraphKey(bucket, bucket, True), batch)
     context.commit_step()
     for rid, slot in live.items():
         changed = [
@@ -170,7 +172,7 @@ def test_static_buffer_mamba_decode_step_reads_nothing_back_to_the_host(pg):
     bucket = _padded_bucket(engine, 2)
     batch = engine.context.build_step([("0", 1), ("2", 1)], pad_to_tokens=bucket, pad_to_requests=bucket)
     with kernels.batch_invariant(True), HostReads() as watch:
-        engine.graphs.run(batch)
+        engine.graphs.run(GraphKey(bucket, bucket, True), batch)
     engine.context.commit_step()
     assert watch.reads == []
 
@@ -185,6 +187,7 @@ def test_hybrid_decode_graphs_give_exactly_the_eager_outputs(pg):
     graphs = engines["graphs"].graphs
     assert engines["eager"].graphs is None
     assert graphs.buckets == [1, 2, 4, 8]  # steps go to 32 tokens, decode steps to max_requests=8
+    assert engines["graphs"].mixed_step_graphs_blocker is None and graphs.mixed_buckets == [1, 2, 4, 8, 16, 32]
     # On CUDA the decode steps are captured and replayed; on the CPU the same static-buffer step
     # runs eagerly.
     capturable = device().type == "cuda"

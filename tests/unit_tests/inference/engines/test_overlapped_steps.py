@@ -33,32 +33,38 @@ from tests.unit_tests.transformer.single_rank import on_single_rank
 MODELS = {"gpt": gpt_model, "hybrid": hybrid_model}
 
 
-def _tight_run(model, pg, **modes):
+def _tight_run(model, pg, params, **modes):
     engine = DynamicInferenceEngine(
         model, num_blocks=10, paused_block_budget=3, pg_collection=pg, **ENGINE_ARGS, **modes
     )
     watch = PoolWatch(engine)
-    results = run(engine, prompts(PROMPT_LENGTHS), PARAMS, on_step=watch.after_step)
+    results = run(engine, prompts(PROMPT_LENGTHS), params, on_step=watch.after_step)
     return results, engine, watch
 
 
+# A mixed (prefill) step that samples at most each request's last row runs on the static buffers
+# too: every such step without prompt log-probs, and with them the steps after the prompt's (a
+# re-admitted request recomputes its prompt without them).
+@pytest.mark.parametrize("prompt_log_probs", [True, False], ids=["prompt-logprobs", "sampled-only"])
 @pytest.mark.parametrize("kind", list(MODELS))
 @on_single_rank
-def test_tight_pool_overlapped_and_static_buffer_steps_give_the_roomy_synchronous_outputs(pg, kind):
+def test_tight_pool_overlapped_and_static_buffer_steps_give_the_roomy_synchronous_outputs(pg, kind, prompt_log_probs):
     model = MODELS[kind](pg)
+    params = dataclasses.replace(PARAMS, return_prompt_logprobs=prompt_log_probs)
     roomy = run(
         DynamicInferenceEngine(model, num_blocks=100, paused_block_budget=100, pg_collection=pg, **ENGINE_ARGS),
         prompts(PROMPT_LENGTHS),
-        PARAMS,
+        params,
     )
     for graphs in (False, True):
         modes = dict(overlap_steps=True, enable_cuda_graphs=graphs)
-        tight, engine, watch = _tight_run(model, pg, **modes)
+        tight, engine, watch = _tight_run(model, pg, params, **modes)
         stats, page_inits = engine.stats, engine.context.private_page_init_counts
         assert stats["pauses"] > 0 and stats["evictions"] > 0, modes
         assert page_inits["async_preparation"] > 0 and page_inits["admission"] > 0 and page_inits["resume"] > 0
         assert watch.nonfinite_owned_pages == 0 and watch.max_decoding_together >= 2
         assert (stats["graph_steps"] > 0) == graphs
+        assert (stats["graph_mixed_steps"] > 0) == graphs, modes
         assert_same_outputs(tight, roomy)
         assert all(r["terminal"] == 1 and len(r["tokens"]) == NEW_TOKENS for r in tight.values())
         assert engine.context.num_requests == 0 and engine.context.num_free_blocks == 10
