@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Train-step time with overlapped communication on vs off, side by side in one process.
 
-Two Trainers of the same GPT-2-style model (LayerNorm, GeLU, learned positions) start from
+Three Trainers of the same GPT-2-style model (LayerNorm, GeLU, learned positions) start from
 the same weights and read the same batches: one with the plain flags, one adding
-``--overlap-grad-reduce`` (and, with ``--distributed-optimizer``, ``--overlap-param-gather``).
-Trials alternate between them (which goes first alternates too); each trial times
-``--steps`` train steps, and the median step time of each side gives the ratio.
+``--overlap-grad-reduce`` (and, with ``--distributed-optimizer``, ``--overlap-param-gather``),
+and a control with the plain flags again (the A/A run: how far two identical sides differ in
+time, and in loss where the device's kernels are not deterministic, e.g. CUDA's embedding
+backward). Trials rotate the sides (which goes first rotates too); each trial times ``--steps``
+train steps, and the median step time of each side gives the ratios.
 
     # one GPU (DP 1: nothing to reduce, so the overlap machinery must cost nothing)
     python benchmarks/grad_overlap.py --json grad_overlap.json
@@ -14,8 +16,9 @@ Trials alternate between them (which goes first alternates too); each trial time
     # CPU smoke run (gloo)
     python benchmarks/grad_overlap.py --hidden-size 64 --num-layers 2 --seq-length 64 --micro-batch-size 2
 
-Prints each side's median ms/step, the ratio on/off (<= 1 is good) and whether the two loss
-curves are identical; ``--json`` writes the same numbers.
+Prints each side's median (and fastest and slowest trial's) ms/step, the ratios on/off (<= 1
+is good) and control/off (the noise floor), and whether the loss curves of on and of the
+control are identical to off's; ``--json`` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.benchmark_report import finish
+
+SIDES = ("off", "on", "control")
 
 
 def gpt_flags(opts, train_iters: int) -> list[str]:
@@ -53,7 +58,7 @@ def gpt_flags(opts, train_iters: int) -> list[str]:
 
 
 def build_trainers(opts, train_iters: int):
-    """The overlap-off and overlap-on Trainers on this world, from the same seed."""
+    """The overlap-off, overlap-on and control (off again) Trainers on this world, from the same seed."""
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron, set_random_seeds
     from megatron.training.training import Trainer
@@ -61,7 +66,7 @@ def build_trainers(opts, train_iters: int):
     off = gpt_flags(opts, train_iters)
     on = off + ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if opts.distributed_optimizer else [])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args = [parse_args(flags, model_family="gpt", world_size=world_size) for flags in (off, on)]
+    args = [parse_args(flags, model_family="gpt", world_size=world_size) for flags in (off, on, off)]
     pgc = initialize_megatron(args[0])
     trainers = []
     for a in args:
@@ -79,13 +84,14 @@ def compare(opts) -> dict:
     train_iters = opts.trials * opts.steps + opts.warmup
     trainers = build_trainers(opts, train_iters)
     iterators = [t.data_iterator(t.train_ds, 0) for t in trainers]
-    losses: list[list[float]] = [[], []]
+    sides = range(len(trainers))
+    losses: list[list[float]] = [[] for _ in sides]
     for _ in range(opts.warmup):
-        for side in (0, 1):
+        for side in sides:
             losses[side].append(trainers[side].train_step(iterators[side])[0])
-    times: list[list[float]] = [[], []]
+    times: list[list[float]] = [[] for _ in sides]
     for trial in range(opts.trials):
-        for side in (0, 1) if trial % 2 == 0 else (1, 0):
+        for side in [(trial + offset) % len(trainers) for offset in sides]:
             _sync()
             dist.barrier()
             start = time.perf_counter()
@@ -93,11 +99,13 @@ def compare(opts) -> dict:
                 losses[side].append(trainers[side].train_step(iterators[side])[0])
             _sync()
             times[side].append((time.perf_counter() - start) / opts.steps)
-    # Every rank must agree on the time: take the slowest rank's (the step ends for all then).
-    slowest = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    # Every rank must agree on the times: take the slowest rank's (the step ends for all then).
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces device tensors
+    per_side = [[statistics.median(t), min(t), max(t)] for t in times]
+    slowest = torch.tensor(per_side, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    (off_ms, on_ms, control_ms), fastest, slowest_trial = (1000 * slowest[:, column] for column in range(3))
     args = trainers[0].args
-    off_ms, on_ms = 1000 * float(slowest[0]), 1000 * float(slowest[1])
     return {
         "world_size": dist.get_world_size(),
         "data_parallel_size": args.data_parallel_size,
@@ -113,12 +121,22 @@ def compare(opts) -> dict:
         },
         "steps_per_trial": opts.steps,
         "trials": opts.trials,
-        "off_ms_per_step": off_ms,
-        "on_ms_per_step": on_ms,
-        "ratio_on_over_off": on_ms / off_ms,
+        "off_ms_per_step": float(off_ms),
+        "on_ms_per_step": float(on_ms),
+        "control_ms_per_step": float(control_ms),
+        "fastest_trial_ms_per_step": dict(zip(SIDES, fastest.tolist(), strict=True)),
+        "slowest_trial_ms_per_step": dict(zip(SIDES, slowest_trial.tolist(), strict=True)),
+        "ratio_on_over_off": float(on_ms / off_ms),
+        "ratio_control_over_off": float(control_ms / off_ms),
         "losses_identical": losses[0] == losses[1],
-        "max_abs_loss_difference": max(abs(a - b) for a, b in zip(*losses, strict=True)),
+        "max_abs_loss_difference": _max_difference(losses[0], losses[1]),
+        "control_losses_identical": losses[0] == losses[2],
+        "control_max_abs_loss_difference": _max_difference(losses[0], losses[2]),
     }
+
+
+def _max_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def main(argv=None) -> int:
@@ -134,7 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ddp-bucket-size", type=int, default=None, help="default: Megatron's")
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--steps", type=int, default=5, help="timed train steps per trial")
-    parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--trials", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     parser.add_argument("--json", type=str, default=None, metavar="PATH")
     opts = parser.parse_args(argv)
@@ -144,10 +162,19 @@ def main(argv=None) -> int:
             f"{result['device']}, world {result['world_size']} (DP {result['data_parallel_size']}), "
             f"buckets {result['model']['num_buckets'][0]}"
         )
-        print(f"overlap off : {result['off_ms_per_step']:.2f} ms/step")
-        print(f"overlap on  : {result['on_ms_per_step']:.2f} ms/step")
-        print(f"ratio on/off: {result['ratio_on_over_off']:.3f}")
-        print(f"losses identical: {result['losses_identical']} (max diff {result['max_abs_loss_difference']:.3g})")
+        for side in SIDES:
+            print(
+                f"overlap {side:<8}: {result[f'{side}_ms_per_step']:.2f} ms/step (trials "
+                f"{result['fastest_trial_ms_per_step'][side]:.2f}-{result['slowest_trial_ms_per_step'][side]:.2f})"
+            )
+        print(
+            f"ratio on/off: {result['ratio_on_over_off']:.3f} "
+            f"(control/off, the same flags twice: {result['ratio_control_over_off']:.3f})"
+        )
+        print(
+            f"losses identical: {result['losses_identical']} (max diff {result['max_abs_loss_difference']:.3g}); "
+            f"control: {result['control_losses_identical']} (max diff {result['control_max_abs_loss_difference']:.3g})"
+        )
     return finish(result, opts.json)
 
 
