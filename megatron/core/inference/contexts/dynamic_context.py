@@ -33,8 +33,9 @@ Each step:
    ``batch.token_ids`` / ``batch.positions`` ``[padded_tokens]`` feed the model as ``[1, T]``,
    so activations are ``[T, 1, h]``. Padding tokens write K/V to the dummy block. The batch's
    tensors are views of preallocated buffers (:mod:`step_buffers`); ``pad_to_requests`` also
-   pads the request rows (decode steps of the static-buffer / CUDA-graph path: each padding
-   request has one token, attends the dummy block and uses the scratch Mamba slot).
+   pads the request rows (the static-buffer / CUDA-graph steps): in a decode step each padding
+   request has one token, attends the dummy block and uses the scratch Mamba slot; in a mixed
+   step (``padding_request_tokens=0``) padding requests have no token and change nothing.
 2. The model runs ``forward(..., inference_context=context)``. Two hooks:
 
    * **Attention**: ``context.store_kv_and_attend(layer_number, q, k, v)`` with this step's

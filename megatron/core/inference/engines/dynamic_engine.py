@@ -2,7 +2,7 @@
 
 ``add_request`` validates and queues; each ``step`` schedules (see :mod:`scheduler`: growth,
 pausing, eviction, admission, chunked prefill), runs the model over the packed step
-(:mod:`model_runner`, any TP/PP layout; decode-only steps from CUDA graphs, see
+(:mod:`model_runner`, any TP/PP layout; decode and mixed steps from CUDA graphs, see
 :mod:`cuda_graphs`), samples on the last pipeline stage, on the device (logit bias, min_tokens,
 presence / frequency / repetition penalties over device token counts, see
 :mod:`~megatron.core.inference.sampling_controls`; greedy, temperature, min-p, top-k, top-p,
@@ -161,9 +161,10 @@ class DynamicInferenceEngine:
             Mamba decode steps were checked row invariant (see :mod:`step_buckets`), so that
             outputs do not depend on batch composition; False runs eager steps at their real
             size (outputs may then differ in the last bits).
-        enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket (default:
-            True on CUDA when the stage can be captured; on a CPU device True runs the same
-            static-buffer steps eagerly). ``--no-cuda-graphs`` / ``--cuda-graphs`` on
+        enable_cuda_graphs: decode-only steps replay CUDA graphs captured per bucket, and mixed
+            (prefill) steps that sample at most each request's last row one per token bucket
+            (default: True on CUDA when the stage can be captured; on a CPU device True runs the
+            same static-buffer steps eagerly). ``--no-cuda-graphs`` / ``--cuda-graphs`` on
             ``megatron-serve`` and the offline example set it (see :func:`add_cuda_graph_flag`).
         overlap_steps: prepare step N+1 on the host while the device runs step N (see module
             doc; default: on CUDA with one pipeline stage and no speculation).
@@ -258,7 +259,7 @@ class DynamicInferenceEngine:
         self.token_counts = TokenCounts(self.context.capacity.max_requests, model.vocab_size, self.runner.device)
         self.structured_outputs = StructuredOutputs(tokenizer, model.vocab_size, self.eos_token_id)
         candidates = candidate_buckets(max_tokens_per_step, self.context.capacity.max_requests)
-        # Eager steps pad to these (None: unpadded); decode graphs always run at a bucket.
+        # Eager steps pad to these (None: unpadded); graphs always run at a bucket.
         with kernels.batch_invariant(batch_invariant):  # checked with the GEMMs the mode runs
             self.buckets = StepBuckets(row_invariant_buckets(model, candidates, pg)) if batch_invariant else None
         self.graphs = self._step_graphs(enable_cuda_graphs, self.buckets or StepBuckets(candidates))
@@ -661,7 +662,7 @@ class DynamicInferenceEngine:
             logits = self._rows(step.logits, num_sampled, indices)
             if step.log_probs is None:
                 log_probs = kernels.log_softmax(logits)  # per row (Triton on CUDA, torch's on CPU)
-            else:  # the same kernel's rows, computed by the decode graph before the changes
+            else:  # the same kernel's rows, computed by the step's graph before the changes
                 log_probs = self._rows(step.log_probs, num_sampled, indices)
             self._apply_sampling_controls(logits, requests, draft_prefixes)
             if self.logits_processors:
