@@ -19,7 +19,8 @@ does. "plain" is the simplest fast loop: fp32 parameters, SDPA, ``autocast(bf16)
 AdamW, ``clip_grad_norm_``, and (compiled) ``torch.compile`` of the whole model. Variants run
 in alternating trials; the median step time gives tokens/s and TFLOP/s (every variant by the
 one FLOPs formula,
-:func:`megatron.training.metrics.training_flops_per_token`). Each configuration also reports
+:func:`megatron.training.metrics.training_flops_per_token`), and each ratio ours / plain comes
+from the trials of the alternation the two ran in together. Each configuration also reports
 peak memory, a forward/backward/optimizer split, which fused kernels and attention backend were
 active, the attention kernel's time per SDPA backend and layout, and one profiled step's GPU busy
 time and top CUDA kernels. Before any configuration runs, every fused kernel is checked against its torch reference
@@ -674,6 +675,8 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
             result["step_profile"] = {"ours": step_profile(ours.step), "plain_eager": step_profile(plain.step)}
 
     ours_times = list(eager["ours"])
+    # Each ratio compares the trials of one alternation (the card's clocks drift between them).
+    pairs = {("ours", "plain_eager"): (eager["ours"], eager["plain_eager"])}
     try:
         start = time.perf_counter()
         plain.compile()
@@ -682,6 +685,7 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
         result["peak_memory_gib"]["plain_compiled"] = peak_memory_gib(plain.step)
         compiled = alternating_trials({"ours": ours.step, "plain_compiled": plain.step}, trials, steps)
         ours_times += compiled["ours"]
+        pairs["ours", "plain_compiled"] = (compiled["ours"], compiled["plain_compiled"])
         result["variants"]["plain_compiled"] = _variant_result(compiled["plain_compiled"], flops_per_token)
         result["breakdown_ms"]["plain_compiled"] = phase_split_ms(plain_phases(plain))
     except Exception as error:
@@ -702,26 +706,34 @@ def run_config(name: str, opts, budget: Budget, configs_left: int) -> dict:
                 rivals["plain_compiled"] = plain.step
             final = alternating_trials(rivals, trials, steps)
             result["variants"]["ours_compiled"] = _variant_result(final["ours_compiled"], flops_per_token)
+            if "plain_compiled" in final:
+                pairs["ours_compiled", "plain_compiled"] = (final["ours_compiled"], final["plain_compiled"])
             result["breakdown_ms"]["ours_compiled"] = phase_split_ms(ours.phases())
         except Exception as error:
             result["errors"]["ours_compiled"] = f"{type(error).__name__}: {error}"[:2000]
     result["warmup_losses"] = {k: [round(v, 4) for v in vals] for k, vals in losses.items()}
     result["peak_memory_gib"] = {k: round(v, 2) for k, v in result["peak_memory_gib"].items()}
 
-    _add_ratios(result)
+    _add_ratios(result, pairs)
     del ours, plain
     return result
 
 
-def _add_ratios(result: dict) -> None:
-    variants = result["variants"]
+def _add_ratios(result: dict, pairs: dict | None = None) -> None:
+    """``ratios[mine/base]``: base's median step time over mine's, from the trials of the
+    alternation they ran in together (``pairs[mine, base]``), else (one loop at a time) from
+    each variant's median."""
+    variants, pairs = result["variants"], pairs or {}
     for base in ("plain_compiled", "plain_eager"):
-        if base in variants:
-            for mine in ("ours", "ours_compiled"):
-                if mine in variants:
-                    result.setdefault("ratios", {})[f"{mine}/{base}"] = round(
-                        variants[base]["step_ms"] / variants[mine]["step_ms"], 3
-                    )
+        for mine in ("ours", "ours_compiled"):
+            if (mine, base) in pairs:
+                mine_s, base_s = pairs[mine, base]
+                ratio = statistics.median(base_s) / statistics.median(mine_s)
+            elif mine in variants and base in variants:
+                ratio = variants[base]["step_ms"] / variants[mine]["step_ms"]
+            else:
+                continue
+            result.setdefault("ratios", {})[f"{mine}/{base}"] = round(ratio, 3)
 
 
 def run_config_sequentially(name: str, opts) -> dict:
