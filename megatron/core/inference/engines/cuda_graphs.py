@@ -130,15 +130,16 @@ class StepGraphs:
         if not one_logit_row_per_request:
             return None
         bucket = next((b for b in self.mixed_buckets if b >= num_tokens), None)
-        if bucket is None:
-            return None
-        return GraphKey(bucket, min(bucket, self.context.capacity.max_requests), False)
+        return None if bucket is None else self._mixed_key(bucket)
 
     def keys(self) -> list[GraphKey]:
         """Every key served, largest first (the capture order)."""
         decode = [GraphKey(b, b, True) for b in self.buckets]
-        mixed = [GraphKey(t, min(t, self.context.capacity.max_requests), False) for t in self.mixed_buckets]
-        return sorted(decode + mixed, reverse=True)
+        return sorted(decode + [self._mixed_key(t) for t in self.mixed_buckets], reverse=True)
+
+    def _mixed_key(self, tokens: int) -> GraphKey:
+        # A step of ``tokens`` tokens has at most that many requests, and at most max_requests.
+        return GraphKey(tokens, min(tokens, self.context.capacity.max_requests), False)
 
     @torch.no_grad()
     def capture(self) -> None:
