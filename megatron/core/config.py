@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from megatron.core.activations import ACTIVATIONS
 from megatron.core.errors import MegatronConfigError
 
+# Megatron's --attention-backend values (what each selects: megatron.core.transformer.attention).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
 
 class ConfigError(MegatronConfigError):
     """An invalid configuration; the message names the fields that disagree."""
@@ -101,6 +104,9 @@ class TransformerConfig(ModelParallelConfig):
     kv_channels: int | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # The SDPA kernels core attention may use (Megatron's --attention-backend): see
+    # megatron.core.transformer.attention.sdpa_backends.
+    attention_backend: str = "auto"
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5
     # Norms multiply by (1 + weight), weights initialized to 0 (Megatron's --apply-layernorm-1p).
@@ -194,6 +200,10 @@ class TransformerConfig(ModelParallelConfig):
             (
                 self.ffn_hidden_size % tp == 0,
                 f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})",
+            ),
+            (
+                self.attention_backend in ATTENTION_BACKENDS,
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
             ),
             (
                 self.normalization in ("LayerNorm", "RMSNorm"),

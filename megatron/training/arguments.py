@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from megatron.core.config import TransformerConfig
+from megatron.core.config import ATTENTION_BACKENDS, TransformerConfig
 from megatron.core.datasets.blend import parse_blend
 from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
@@ -38,10 +38,6 @@ IMPLEMENTATION_FLAGS = {
         "layers are this framework's own torch modules (fused kernels where the backend switch has them)",
     ),
     "--use-flash-attn": ({"action": "store_true"}, "attention already uses fused SDPA"),
-    "--attention-backend": (
-        {"choices": ["auto", "flash", "fused", "unfused", "local"], "default": None},
-        "attention uses torch SDPA, which picks its fastest kernel itself",
-    ),
     "--no-masked-softmax-fusion": (
         {"action": "store_true"},
         "attention uses SDPA, which has no separate masked-softmax kernel to turn off",
@@ -199,6 +195,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="SDPA kernels for core attention: flash, fused (cuDNN), unfused / local (plain math), or auto "
+        "(on CUDA cuDNN, then flash, memory-efficient, math: the first that takes the inputs)",
+    )
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hybrid-layer-pattern", type=str, default=None)
     g.add_argument("--mamba-state-dim", type=int, default=128)
@@ -860,6 +863,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        attention_backend=args.attention_backend,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,

@@ -12,12 +12,14 @@ norm weights' gradients are partial and are summed over ``tp`` (``sequence_paral
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.fusions.dropout import sharded_rng_context
@@ -34,6 +36,34 @@ from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import build_module
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
+
+# --attention-backend -> the SDPA kernels allowed, in priority order (SDPA takes the first that
+# supports the inputs). Megatron's names: "flash" the flash-attention kernel, "fused" cuDNN's
+# fused attention (Transformer Engine's choice on Hopper), "unfused" / "local" the plain math.
+# "auto" on CUDA tries cuDNN first: on Hopper its causal bf16 forward and backward beat the
+# flash kernel at training shapes (benchmarks/gpu_train.py's SDPA probe measures each).
+_SDPA_BACKENDS = {
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION],
+    "unfused": [SDPBackend.MATH],
+    "local": [SDPBackend.MATH],
+}
+_AUTO_CUDA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(name: str, device: torch.device) -> list[SDPBackend] | None:
+    """The SDPA kernels ``--attention-backend name`` allows on ``device``, in priority order;
+    None where SDPA's own choice stands: "auto" off CUDA, and "fused" off CUDA (cuDNN runs on
+    CUDA only, so a GPU script still runs on a CPU)."""
+    if device.type != "cuda" and name in ("auto", "fused"):
+        return None
+    return _AUTO_CUDA if name == "auto" else _SDPA_BACKENDS[name]
+
+
+def _allowed_kernels(backends: list[SDPBackend] | None):
+    """A context in which SDPA picks among ``backends`` in their order (None: SDPA's default).
+    Compiled layers keep SDPA's default (the context is not traced)."""
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True)
 
 
 @runtime_checkable
@@ -53,7 +83,8 @@ class AttentionInferenceContext(Protocol):
 class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [s, b, heads, d] inputs with torch SDPA; GQA by sharing
     each key/value group among ``heads / groups`` consecutive query heads (SDPA's
-    ``enable_gqa``: the kernels read the shared heads, nothing is repeated in memory).
+    ``enable_gqa``: the kernels read the shared heads, nothing is repeated in memory), among the
+    kernels ``config.attention_backend`` allows (:func:`sdpa_backends`).
 
     Under context parallelism (a ``cp`` group of size > 1 in ``pg_collection``) the inputs hold
     this CP rank's load-balanced chunks of the sequence and attention runs over the whole
@@ -94,8 +125,9 @@ class DotProductAttention(nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         causal = attention_mask is None and self.attn_mask_type == "causal"
+        backends = None if torch.compiler.is_compiling() else sdpa_backends(self.config.attention_backend, q.device)
         # Heads are TP-sharded: each rank draws its own dropout mask.
-        with sharded_rng_context(dropout_p > 0.0):
+        with sharded_rng_context(dropout_p > 0.0), _allowed_kernels(backends):
             ctx = F.scaled_dot_product_attention(
                 q,
                 k,

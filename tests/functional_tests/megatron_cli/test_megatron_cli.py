@@ -89,7 +89,6 @@ def test_gpt3_175b_example_trains_tp2_pp2_with_gpt2_bpe_files(tmp_path):
         tmp_path,
     )
     _check_run(output)
-    assert "note: --attention-backend auto: attention uses torch SDPA" in output
     assert "> layout: world 4 = TP 2 x GTP 1 x CP 1 x DP 1 x PP 2" in output
     assert "number of skipped iterations:   5 |" in output  # fp16 from 2^32: every step overflows
     scalars = _scalars(tmp_path / "tb")
@@ -107,7 +106,7 @@ def test_gpt3_175b_example_trains_tp2_pp2_with_gpt2_bpe_files(tmp_path):
 def test_llama3_8b_example_trains_on_mock_data_with_per_token_loss_in_bf16(tmp_path):
     output = _run("train_llama3_8b_tiny.sh", [str(tmp_path / "ckpt"), str(tmp_path / "tb")], tmp_path)
     _check_run(output)
-    for note in ("--use-mcore-models:", "--attention-backend fused:", "--cross-entropy-loss-fusion:"):
+    for note in ("--use-mcore-models:", "--cross-entropy-loss-fusion:"):
         assert f"note: {note}" in output
     assert "> tokens per step: 256 = global batch 4 x sequence 64" in output and "5 iterations = 20 samples" in output
     scalars = _scalars(tmp_path / "tb")

@@ -79,7 +79,6 @@ def _args(*extra, family="gpt", world=1):
         ["--transformer-impl", "transformer_engine"],
         ["--use-flash-attn"],
         ["--no-masked-softmax-fusion"],
-        ["--attention-backend", "auto"],
         ["--cross-entropy-loss-fusion"],
         ["--no-create-attention-mask-in-dataloader"],
         ["--log-throughput"],
@@ -99,7 +98,7 @@ def test_implementation_flags_are_accepted_and_noted_once(extra):
 
 def test_the_flash_attention_note_says_what_is_used():
     assert _args("--use-flash-attn").compatibility_notes == ["--use-flash-attn: attention already uses fused SDPA"]
-    assert set(IMPLEMENTATION_FLAGS) >= {"--use-mcore-models", "--transformer-impl", "--attention-backend"}
+    assert set(IMPLEMENTATION_FLAGS) >= {"--use-mcore-models", "--transformer-impl"}
 
 
 def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
