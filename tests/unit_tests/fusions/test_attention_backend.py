@@ -25,8 +25,14 @@ def _kernels_run(events) -> list[str]:
     return [KERNELS[e.name[len("aten::") :]] for e in events if e.name[len("aten::") :] in KERNELS]
 
 
-def _config(backend: str, **kw) -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, attention_backend=backend, **kw)
+def _config(backend: str, heads: int = 4, groups: int = 2) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=64 * heads,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_backend=backend,
+    )
 
 
 def _packed_qkv(device, heads: int, groups: int, dtype, seq: int = 128, batch: int = 2, head_dim: int = 64):
@@ -40,7 +46,7 @@ def _packed_qkv(device, heads: int, groups: int, dtype, seq: int = 128, batch: i
 
 def _run(device, backend: str, heads: int, groups: int, dtype):
     """Output, packed-QKV gradient and the kernels that ran, under ``backend``."""
-    attention = DotProductAttention(_config(backend, num_query_groups=groups), layer_number=1)
+    attention = DotProductAttention(_config(backend, heads, groups), layer_number=1)
     qkv, (q, k, v) = _packed_qkv(device, heads, groups, dtype)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         out = attention(q, k, v)
@@ -95,7 +101,7 @@ def test_cuda_kernels_give_the_math_results_on_the_packed_layout(backend, kernel
     out, grad, kernels = _run(cuda, backend, heads, groups, torch.bfloat16)
     assert kernels == [kernel]  # "auto": cuDNN first on the card
     # The reference: fp32 math on the same bf16 inputs.
-    attention = DotProductAttention(_config("unfused", num_query_groups=groups), layer_number=1)
+    attention = DotProductAttention(_config("unfused", heads, groups), layer_number=1)
     qkv, (q, k, v) = _packed_qkv(cuda, heads, groups, torch.bfloat16)
     q, k, v = (t.float() for t in (q, k, v))
     want = attention(q, k, v)
