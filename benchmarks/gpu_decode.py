@@ -36,9 +36,9 @@ benchmark stays within a bounded time; the JSON is rewritten after every row.
 ``--profile-steps N`` also runs ``torch.profiler`` over the prefill steps and then N decode steps of
 the default engine (graphs where captured) at each concurrency: per step of each phase the wall
 time and the GPU busy time (the union of the kernels' intervals), the kernels with the most device
-time, the CUDA runtime calls with the most host time, and (``cProfile`` over as many more steps)
-the engine functions, device waits and garbage collections with the most host time, in the row's
-``profile``.
+time, the CUDA runtime calls with the most host time, and (over as many more steps, timed without a
+profiler) the host's wall time per step in each phase of the engine's step, the wait for the
+device included (:func:`host_phases`), in the row's ``profile``.
 
     python -m benchmarks.gpu_decode --models gpt --concurrency 1,64 --no-unpadded --profile-steps 20
 """
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import sys
 import time
@@ -281,7 +280,7 @@ def _kernel_summary(prof, num_steps: int, wall_s: float) -> dict:
 def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: int, device: torch.device) -> dict:
     """``torch.profiler`` over the prefill steps of ``prompts`` (until every request has its first
     token; in ``prefill``) and then over ``num_steps`` decode steps with them all decoding: the
-    :func:`_kernel_summary` of each, and the host functions of as many more decode steps."""
+    :func:`_kernel_summary` of each, and the :func:`host_phases` of as many more decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = [f"profile-{index}" for index in range(len(prompts))]
@@ -306,62 +305,66 @@ def profile_decode(engine: DynamicInferenceEngine, prompts, params, num_steps: i
         _sync(device)
         wall_s = time.perf_counter() - started
     graph_steps = engine.stats["graph_steps"] - graph_steps
-    host = host_profile(engine, num_steps)
+    host = host_phases(engine, num_steps)
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     return _kernel_summary(prof, num_steps, wall_s) | dict(
         graph_steps=graph_steps,
-        host_functions=host,
+        host_ms_per_step=host,
         prefill=_kernel_summary(prefill_prof, prefill_steps, prefill_wall_s),
     )
 
 
-def host_profile(engine: DynamicInferenceEngine, num_steps: int) -> list[dict]:
-    """``cProfile`` over ``num_steps`` more decode steps: the engine's functions, graph replays
-    and waits on the device with the most cumulative host time per step (where the host's part
-    of a step goes, and whether it waits for the device)."""
-    import cProfile
-    import pstats
+# The host's part of an engine step, as (owner attribute of the engine or None, method, label).
+HOST_PHASES = (
+    ("scheduler", "schedule", "schedule"),
+    ("context", "build_step", "build_step"),
+    ("graphs", "run", "graph replay"),
+    ("runner", "forward", "eager forward"),
+    (None, "_sample", "sample"),
+    (None, "_decisions", "decisions (incl. read-back wait)"),
+    (None, "_apply", "apply"),
+)
 
-    collections = []  # (generation, seconds) of every garbage collection during the steps
 
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append((info["generation"], time.perf_counter()))
-        else:
-            generation, started = collections[-1]
-            collections[-1] = (generation, time.perf_counter() - started)
+def host_phases(engine: DynamicInferenceEngine, num_steps: int) -> dict:
+    """Median wall milliseconds per step, over ``num_steps`` more decode steps, of each phase of
+    :data:`HOST_PHASES` (timed with ``perf_counter`` around the engine's own methods: no profiler
+    slows its Python down, which under ``cProfile`` more than doubled it) and of the whole step.
+    The decisions include the wait for the step's read-back: the host idling on the device."""
+    spent: dict[str, float] = {}
 
-    profiler = cProfile.Profile()
-    gc.callbacks.append(on_gc)
-    profiler.enable()
-    for _ in range(num_steps):
-        engine.step()
-    profiler.disable()
-    gc.callbacks.remove(on_gc)
-    rows = []
-    for (file, _, name), (_, calls, self_s, cumulative_s, _) in pstats.Stats(profiler).stats.items():
-        if "megatron/core/inference" in file or any(w in name for w in ("synchronize", "replay", "pin_memory")):
-            label = f"{file.rsplit('megatron/core/inference/', 1)[-1]}:{name}" if file != "~" else name
-            rows.append(
-                dict(
-                    function=label[:100],
-                    ms_per_step=1e3 * cumulative_s / num_steps,
-                    self_ms_per_step=1e3 * self_s / num_steps,
-                    calls_per_step=calls / num_steps,
-                )
-            )
-    rows.append(
-        dict(
-            function=f"garbage collection (generations {sorted({g for g, _ in collections})})",
-            ms_per_step=1e3 * sum(seconds for _, seconds in collections) / num_steps,
-            self_ms_per_step=0.0,
-            calls_per_step=len(collections) / num_steps,
-        )
-    )
-    return sorted(rows, key=lambda row: -row["ms_per_step"])[:25]
+    def timed(method, label):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+        return run
+
+    wrapped = []
+    for owner_name, name, label in HOST_PHASES:
+        owner = engine if owner_name is None else getattr(engine, owner_name)
+        if owner is not None:
+            setattr(owner, name, timed(getattr(owner, name), label))
+            wrapped.append((owner, name))
+    per_step: dict[str, list[float]] = {"step": []}
+    try:
+        for _ in range(num_steps):
+            spent.clear()
+            started = time.perf_counter()
+            engine.step()
+            per_step["step"].append(time.perf_counter() - started)
+            for label, seconds in spent.items():
+                per_step.setdefault(label, []).append(seconds)
+    finally:
+        for owner, name in wrapped:
+            delattr(owner, name)  # the class's method again
+    return {label: 1e3 * statistics.median(values) for label, values in per_step.items()}
 
 
 def engine_for(model, pg, args, max_requests: int, **modes) -> DynamicInferenceEngine:
@@ -515,8 +518,8 @@ def bench_model(kind: str, args, pg, device: torch.device, bandwidth: float, res
                 flush=True,
             )
             print(
-                f"{kind:6s} c={concurrency:<4d} | host per step: "
-                + ", ".join(f"{h['function']} {h['ms_per_step']:.2f} ms" for h in profiled["host_functions"][:12]),
+                f"{kind:6s} c={concurrency:<4d} | host per step (median): "
+                + ", ".join(f"{label} {ms:.3f} ms" for label, ms in profiled["host_ms_per_step"].items()),
                 flush=True,
             )
         args.write_partial()
