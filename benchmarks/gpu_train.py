@@ -14,8 +14,10 @@ Configurations (bf16, seq 2048, micro-batch 8, mock data, AdamW, grad clipping 1
 
 "ours" is :class:`megatron.training.training.Trainer` built from the flags as
 ``megatron-pretrain-gpt`` / ``megatron-pretrain-hybrid`` build it, stepped through
-``Trainer.train_step``; "ours_compiled" compiles its decoder layers as ``--use-torch-compile``
-does. "plain" is the simplest fast loop: fp32 parameters, SDPA, ``autocast(bf16)``, fused
+``Trainer.train_step`` (its attention takes the SDPA kernels of ``--attention-backend``: by
+default cuDNN first); "ours_compiled" compiles its decoder layers as ``--use-torch-compile`` does
+(SDPA's own kernel choice inside them). "plain" is the simplest fast loop: fp32 parameters, SDPA
+with its own kernel choice, ``autocast(bf16)``, fused
 AdamW, ``clip_grad_norm_``, and (compiled) ``torch.compile`` of the whole model. Variants run
 in alternating trials; the median step time gives tokens/s and TFLOP/s (every variant by the
 one FLOPs formula,
@@ -607,9 +609,14 @@ def _variant_result(step_s: list, flops_per_token: float) -> dict:
 def _active_kernels(ours: OurLoop) -> dict:
     from megatron.core.fusions.backend import FUSED_OPS, fused_backend
     from megatron.core.ssm.backends import get_ssm_backend
+    from megatron.core.transformer.attention import sdpa_backends
 
     device = ours.trainer.device
     kernels = {op: fused_backend(op, device) for op in FUSED_OPS}
+    allowed = sdpa_backends(ours.args.attention_backend, device)
+    kernels["attention"] = f"--attention-backend {ours.args.attention_backend}: " + (
+        "SDPA's own choice" if allowed is None else ", ".join(backend.name for backend in allowed)
+    )
     if ours.args.model_family == "hybrid":
         kernels["ssm_scan"] = get_ssm_backend(device).name
     return kernels
