@@ -126,6 +126,11 @@ def _starts_and_offsets(scheduled: list[ScheduledRequest], batch: StepBatch) -> 
     return starts, list(batch.host_kv_offsets[: len(scheduled)])
 
 
+def _last_rows(scheduled: list[ScheduledRequest], starts: list[int]) -> list[int]:
+    """The packed row of each scheduled request's last token in the step."""
+    return [start + entry.num_tokens - 1 for entry, start in zip(scheduled, starts, strict=True)]
+
+
 def _automatic_long_prefill_threshold(model, batch_invariant: bool, max_tokens_per_step: int, device) -> int:
     """The default ``long_prefill_token_threshold``: a hybrid model's batch-invariant prefill on
     the torch Mamba path advances its recurrence one position after another, so a step costs its
@@ -537,7 +542,7 @@ class DynamicInferenceEngine:
             with kernels.batch_invariant(self.batch_invariant):
                 logits, hidden, log_probs = self.graphs.run(key, batch)
             # A decode step: every row samples; a mixed one: the logits hold each request's last row.
-            logit_rows = None if key.decode else [s + e.num_tokens - 1 for e, s in zip(scheduled, starts, strict=True)]
+            logit_rows = None if key.decode else _last_rows(scheduled, starts)
             self._stats["graph_steps"] += 1
             self._stats["graph_mixed_steps"] += not key.decode
         else:
@@ -576,7 +581,7 @@ class DynamicInferenceEngine:
         or prompt log-probs, each request's last row (one per request, so that no state is read;
         a chunk that does not end its prompt adds one row never read)."""
         if self._one_logit_row_per_request(scheduled):
-            return [start + entry.num_tokens - 1 for entry, start in zip(scheduled, starts, strict=True)]
+            return _last_rows(scheduled, starts)
         rows = []
         for entry, start, offset in zip(scheduled, starts, offsets, strict=True):
             plan = self._row_plan(entry, start, offset)
