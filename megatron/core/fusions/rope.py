@@ -111,6 +111,21 @@ def _split_rotate(qkv, freqs, heads, groups, head_dim, cos_sin=None):
     return q_rot, k_rot, v_out, cos, sin
 
 
+def _split_rotate_packed(qkv, heads, groups, head_dim, cos, sin):
+    """The forward-only split: q and k (adjacent in ``qkv``) rotated as one tensor of ``heads +
+    groups`` heads, into one batch-major ``[Q | K | V]`` buffer of which q, k and v are views; k and
+    v are then two planes of it (a paged KV cache stores both in one copy). The same elementwise
+    ops as :func:`_split_rotate`, so the same values, in half the calls."""
+    s, b, _ = qkv.shape
+    rotated = heads + groups
+    packed = qkv.new_empty(b, s, rotated + groups, head_dim).transpose(0, 1)
+    _rotate_into(
+        packed[:, :, :rotated], qkv[..., : rotated * head_dim].reshape(s, b, rotated, head_dim), cos, sin, False
+    )
+    packed[:, :, rotated:] = qkv[..., rotated * head_dim :].reshape(s, b, groups, head_dim)
+    return packed[:, :, :heads], packed[:, :, heads:rotated], packed[:, :, rotated:]
+
+
 class _SplitRotaryTorch(torch.autograd.Function):
     """Split and rotate in torch ops; the backward fills one packed gradient buffer."""
 
@@ -145,7 +160,7 @@ def split_qkv(
         return split_qkv_reference(qkv, heads, groups, head_dim, freqs)
     if fused_backend("rope", qkv.device) == "torch":
         if not needs_autograd(qkv):
-            return _split_rotate(qkv, freqs, heads, groups, head_dim, _cos_sin(freqs, qkv.dtype))[:3]
+            return _split_rotate_packed(qkv, heads, groups, head_dim, *_cos_sin(freqs, qkv.dtype))
         return _SplitRotaryTorch.apply(qkv, freqs, heads, groups, head_dim)
     from megatron.core.fusions.rope_triton import SplitRotaryFunction, split_rotary_forward
 

@@ -42,6 +42,18 @@ def test_fused_split_rotary_matches_reference(heads, groups, dim, rotary_percent
     assert_triton_matches_torch(lambda x: fn(x, freqs, (heads, groups, dim)), [qkv], dtype)
 
 
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("heads, groups, dim, rotary_percent", SHAPES)
+def test_forward_only_torch_split_gives_the_reference_bits(heads, groups, dim, rotary_percent, broadcast):
+    """The one-buffer forward path rotates q and k as one tensor: the reference's values exactly."""
+    qkv, freqs = _inputs(heads, groups, dim, rotary_percent, torch.float32, broadcast)
+    with fusion_backend("torch"), torch.no_grad():
+        got = split_qkv(qkv, heads, groups, dim, freqs)
+        want = split_qkv_reference(qkv, heads, groups, dim, freqs)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_angles_broadcast_over_the_batch():
     qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32, broadcast=True)
     assert_triton_matches_torch(lambda x: split_qkv(x, 4, 2, 8, freqs), [qkv], torch.float32)
@@ -94,10 +106,11 @@ def test_forward_only_torch_path_reuses_angles_only_while_they_are_unchanged():
     check(qkv.bfloat16(), freqs)  # another dtype
 
 
-def test_fused_split_gives_k_and_v_as_two_planes_of_one_buffer():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forward_only_split_gives_k_and_v_as_two_planes_of_one_buffer(backend):
     """(A paged KV cache then stores both in one copy: see ``PagedKVCache.store``.)"""
     qkv, freqs = _inputs(4, 2, 8, 1.0, torch.float32)
-    with fusion_backend("triton"):
+    with fusion_backend(backend):
         _, k, v = split_qkv(qkv.detach(), 4, 2, 8, freqs)
     pair = planes_of_one_tensor(k, v)
     assert pair is not None and torch.equal(pair[0], k) and torch.equal(pair[1], v)
