@@ -17,14 +17,17 @@ backend comes from :func:`~megatron.core.inference.contexts.paged_attention.reso
   only that tile is masked. Pieces are grouped by kind (one query, or several: padded to the
   group's longest) and key count. The plan (once per step, on the host) holds per group one index
   of cache slots, key-major, whose ``index_select`` gives the keys and values of every head of the
-  group at once (the products read each matrix with a row stride), and the mask of the last tile.
+  group at once (the products read each matrix with a row stride), and which keys of the last tile
+  each query may not see; the step's first layer turns these into an additive mask (``-inf`` there,
+  0 elsewhere) that the score product adds on its way out (``baddbmm``), so no layer makes a
+  masking pass of its own.
   Masked keys past the piece read the request's key 0 instead of their own slot, so a stale NaN in
   a block tail can never reach ``0 * NaN`` (as the reference zeroes such values); their
   probability is exactly 0. A layer makes three data movements for all groups at once, each an
   ``index_select`` of rows of ``d`` elements: one gather of every group's keys and values, one of
   every group's queries in the products' layout (rows of the query axis; padding rows take a zero
   row), one of every (token, head)'s result from the products' rows (padding tokens take a zero
-  row); the per-group work is the two products and the masked softmax between them. The step's
+  row); the per-group work is the two products and the softmax between them. The step's
   first layer makes the row indices and every group's operand views over buffers kept across
   steps (:class:`AttentionWorkspace`), which the later layers reuse as they are.
 
@@ -33,8 +36,9 @@ requests, of queries per request) are the batch and the rows (the queries' axis)
 key count is fixed by its position (padded to the end of its tile); each output element is a dot
 product over the head dimension or over the keys in a fixed order, the same whatever else is in
 the step, whether its query came in a decode step or a prefill chunk
-(tests/unit_tests/inference/contexts/test_step_attention.py checks it bitwise). Masked keys get
-probability exactly 0 against finite values, so they add exactly 0.
+(tests/unit_tests/inference/contexts/test_step_attention.py checks it bitwise). The mask adds
+exactly 0 to a visible key's score, and masked keys get probability exactly 0 against finite
+values, so they add exactly 0.
 """
 
 from __future__ import annotations
@@ -106,8 +110,7 @@ class _GroupOperands:
     keys: torch.Tensor  # [n * kv_heads, d, K] (of the gathered keys, read with a row stride)
     values: torch.Tensor  # [n * kv_heads, K, d]
     scores: torch.Tensor  # [n * kv_heads, rows, K]
-    last_tile: torch.Tensor  # the real rows' scores of the last key tile, [n, kv_heads, L, group, KEY_TILE]
-    hidden: torch.Tensor  # last_tile's shape: the scores a query may not see (materialized, contiguous)
+    mask: torch.Tensor  # scores' shape: -inf where a query may not see a key, else 0 (padding rows: 0)
     probs: torch.Tensor  # [n * kv_heads, rows, K]
     context: torch.Tensor  # [n * kv_heads, rows, d]
 
@@ -277,7 +280,8 @@ class StepAttention:
             batch * padded * group.num_keys for group, (_, batch, padded, _) in zip(self._groups, shapes, strict=True)
         ]
         scores_buffer, probs_buffer = (space.buffer((name, key), max(sizes), device) for name in ("scores", "probs"))
-        operands, kv_start = [], 0
+        masks = space.buffer(("masks", key), sum(sizes), device).zero_()
+        operands, kv_start, mask_start = [], 0, 0
         for group, (first, batch, padded, rows) in zip(self._groups, shapes, strict=True):
             n, num_keys, length = group.num_requests, group.num_keys, group.num_queries
             group_size = q_heads // group.kv_heads
@@ -286,18 +290,20 @@ class StepAttention:
             # matrix [K, d] read with a row stride of n * kv_heads * d.
             keys, values = gathered[kv_start:kv_end].view(2, num_keys, batch, head_dim).transpose(1, 2)
             kv_start = kv_end
-            scores = scores_buffer[: batch * padded * num_keys].view(batch, padded, num_keys)
+            size = batch * padded * num_keys
+            mask = masks[mask_start : mask_start + size].view(batch, padded, num_keys)
+            mask_start += size
             # Only the last key tile holds keys a query may not see (padding rows: zero queries, finite).
-            last_tile = scores[:, :rows].view(n, group.kv_heads, length, group_size, num_keys)[..., group.hidden_from :]
+            last_tile = mask[:, :rows].view(n, group.kv_heads, length, group_size, num_keys)[..., group.hidden_from :]
+            last_tile.masked_fill_(group.hidden, float("-inf"))
             operands.append(
                 _GroupOperands(
                     queries=query_rows[first : first + batch * padded].view(batch, padded, head_dim),
                     keys=keys.transpose(1, 2),
                     values=values,
-                    scores=scores,
-                    last_tile=last_tile,
-                    hidden=group.hidden.expand(last_tile.shape).contiguous(),
-                    probs=probs_buffer[: batch * padded * num_keys].view(batch, padded, num_keys),
+                    scores=scores_buffer[:size].view(batch, padded, num_keys),
+                    mask=mask,
+                    probs=probs_buffer[:size].view(batch, padded, num_keys),
                     context=context_rows[first : first + batch * padded].view(batch, padded, head_dim),
                 )
             )
@@ -368,9 +374,8 @@ class _PiecePlan:
 
 
 def _attend_group(group: _GroupOperands) -> None:
-    """The group's attention, in its operands (see :class:`_GroupOperands`): scores, the masked
-    last key tile, probabilities and weighted values (fp32)."""
-    torch.bmm(group.queries, group.keys, out=group.scores)
-    group.last_tile.masked_fill_(group.hidden, float("-inf"))
+    """The group's attention, in its operands (see :class:`_GroupOperands`): masked scores (the
+    product plus the mask, in one call), probabilities and weighted values (fp32)."""
+    torch.baddbmm(group.mask, group.queries, group.keys, out=group.scores)
     torch.ops.aten._softmax.out(group.scores, -1, False, out=group.probs)
     torch.bmm(group.probs, group.values, out=group.context)

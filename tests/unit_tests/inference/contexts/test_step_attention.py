@@ -153,23 +153,30 @@ def test_every_product_takes_a_multiple_of_the_row_multiple(monkeypatch):
     zero-padded: every product of the torch path has a multiple of PRODUCT_ROW_MULTIPLE rows."""
     from megatron.core.inference.contexts import step_attention
 
-    bmm, heights = torch.bmm, []
+    bmm, baddbmm, heights = torch.bmm, torch.baddbmm, {"bmm": [], "baddbmm": []}
 
     def recording_bmm(a, b, out=None):
-        heights.append(a.shape[-2])
+        heights["bmm"].append(a.shape[-2])
         return bmm(a, b, out=out)
 
+    def recording_baddbmm(mask, a, b, out=None):
+        heights["baddbmm"].append(a.shape[-2])
+        return baddbmm(mask, a, b, out=out)
+
     monkeypatch.setattr(torch, "bmm", recording_bmm)
+    monkeypatch.setattr(torch, "baddbmm", recording_baddbmm)
     data = sequences({"a": 9, "b": 3})
     run_steps(data, [[("a", 9), ("b", 2)], [("b", 1)]])
     multiple = step_attention.PRODUCT_ROW_MULTIPLE
-    assert heights and all(h % multiple == 0 for h in heights) and min(heights) == multiple
+    for products in heights.values():  # the scores' (with their mask) and the weighted values'
+        assert products and all(h % multiple == 0 for h in products) and min(products) == multiple
 
 
 def test_products_give_the_same_row_bits_for_every_row_count():
     """The measured fact the padding rests on, on this machine's BLAS: with the products' operand
-    layouts (keys and values read with a row stride), every row of ``Q @ K^T`` and ``P @ V`` has
-    the same bits whatever the (multiple of PRODUCT_ROW_MULTIPLE) row count and batch size."""
+    layouts (keys and values read with a row stride), every row of ``mask + Q @ K^T`` and ``P @ V``
+    has the same bits whatever the (multiple of PRODUCT_ROW_MULTIPLE) row count and batch size, and
+    adding the mask in the product leaves a visible key's score as the plain product gives it."""
     from megatron.core.inference.contexts.step_attention import PRODUCT_ROW_MULTIPLE
 
     gen = torch.Generator().manual_seed(0)
@@ -177,10 +184,15 @@ def test_products_give_the_same_row_bits_for_every_row_count():
         keys, values = torch.randn(2 * num_keys * batch, head_dim, generator=gen).view(2, num_keys, batch, head_dim)
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         queries = torch.randn(batch, 256, head_dim, generator=gen)
+        hidden = torch.rand(batch, 256, num_keys, generator=gen) < 0.3
+        mask = torch.zeros(batch, 256, num_keys).masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(torch.randn(batch, 256, num_keys, generator=gen), -1)
-        scores, weighted = torch.bmm(queries, keys.transpose(1, 2)), torch.bmm(probs, values)
+        scores, weighted = torch.baddbmm(mask, queries, keys.transpose(1, 2)), torch.bmm(probs, values)
+        plain = torch.bmm(queries, keys.transpose(1, 2))
+        assert torch.equal(scores[~hidden], plain[~hidden]) and bool((scores[hidden] == float("-inf")).all())
         for rows in range(PRODUCT_ROW_MULTIPLE, 256, PRODUCT_ROW_MULTIPLE):
-            assert torch.equal(torch.bmm(queries[:, :rows].contiguous(), keys.transpose(1, 2)), scores[:, :rows])
+            masked = torch.baddbmm(mask[:, :rows].contiguous(), queries[:, :rows].contiguous(), keys.transpose(1, 2))
+            assert torch.equal(masked, scores[:, :rows])
             assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), weighted[:, :rows])
 
 
