@@ -62,7 +62,7 @@ def sdpa_backends(name: str, device: torch.device) -> list[SDPBackend] | None:
 
 def _allowed_kernels(backends: list[SDPBackend] | None):
     """A context in which SDPA picks among ``backends`` in their order (None: SDPA's default).
-    Compiled layers keep SDPA's default (the context is not traced)."""
+    Dynamo traces it, so compiled layers (``--use-torch-compile``) run the kernel it picks too."""
     return contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True)
 
 
@@ -125,7 +125,7 @@ class DotProductAttention(nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         causal = attention_mask is None and self.attn_mask_type == "causal"
-        backends = None if torch.compiler.is_compiling() else sdpa_backends(self.config.attention_backend, q.device)
+        backends = sdpa_backends(self.config.attention_backend, q.device)
         # Heads are TP-sharded: each rank draws its own dropout mask.
         with sharded_rng_context(dropout_p > 0.0), _allowed_kernels(backends):
             ctx = F.scaled_dot_product_attention(

@@ -44,15 +44,20 @@ def _packed_qkv(device, heads: int, groups: int, dtype, seq: int = 128, batch: i
     return qkv, [t.unflatten(-1, (-1, head_dim)) for t in parts]
 
 
-def _run(device, backend: str, heads: int, groups: int, dtype):
-    """Output, packed-QKV gradient and the kernels that ran, under ``backend``."""
+def _run(device, backend: str, heads: int, groups: int, dtype, compiler: str | None = None):
+    """Output, packed-QKV gradient, the kernels that ran and every aten op recorded, under
+    ``backend``; with ``compiler``, through ``torch.compile(backend=compiler)`` (as
+    ``--use-torch-compile`` compiles the layers), profiled after the compiling call."""
     attention = DotProductAttention(_config(backend, heads, groups), layer_number=1)
     qkv, (q, k, v) = _packed_qkv(device, heads, groups, dtype)
+    if compiler is not None:
+        attention = torch.compile(attention, backend=compiler, fullgraph=True)
+        attention(q, k, v)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         out = attention(q, k, v)
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     (grad,) = torch.autograd.grad(out, qkv, cotangent)
-    return out, grad, _kernels_run(profile.events())
+    return out, grad, _kernels_run(profile.events()), {e.name for e in profile.events()}
 
 
 def test_each_backend_names_its_kernels():
@@ -86,9 +91,24 @@ def test_the_flag_reaches_the_config_and_defaults_to_auto():
 @pytest.mark.parametrize("backend,kernel", [("unfused", "math"), ("local", "math"), ("flash", "flash")])
 def test_cpu_runs_the_kernel_asked_for_with_the_math_results(backend, kernel):
     cpu = torch.device("cpu")
-    out, grad, kernels = _run(cpu, backend, 4, 2, torch.float32)
+    out, grad, kernels, _ = _run(cpu, backend, 4, 2, torch.float32)
     assert kernels == [kernel]
-    want_out, want_grad, _ = _run(cpu, "unfused", 4, 2, torch.float32)
+    want_out, want_grad, _, _ = _run(cpu, "unfused", 4, 2, torch.float32)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["unfused", "flash"])
+def test_compiled_attention_runs_the_kernel_asked_for(backend):
+    """Dynamo traces the backend context: a compiled layer honours the flag too. (SDPA's own CPU
+    choice is flash, so "unfused" shows the flag is not ignored: its math is traced as matmuls.)"""
+    cpu = torch.device("cpu")
+    out, grad, kernels, ops = _run(cpu, backend, 4, 2, torch.float32, compiler="aot_eager")
+    if backend == "flash":
+        assert kernels == ["flash"]
+    else:
+        assert kernels == [] and "aten::bmm" in ops
+    want_out, want_grad, _, _ = _run(cpu, "unfused", 4, 2, torch.float32)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
 
@@ -98,7 +118,7 @@ def test_cpu_runs_the_kernel_asked_for_with_the_math_results(backend, kernel):
 @pytest.mark.parametrize("backend,kernel", [("auto", "cudnn"), ("fused", "cudnn"), ("flash", "flash")])
 def test_cuda_kernels_give_the_math_results_on_the_packed_layout(backend, kernel, heads, groups):
     cuda = torch.device("cuda")
-    out, grad, kernels = _run(cuda, backend, heads, groups, torch.bfloat16)
+    out, grad, kernels, _ = _run(cuda, backend, heads, groups, torch.bfloat16)
     assert kernels == [kernel]  # "auto": cuDNN first on the card
     # The reference: fp32 math on the same bf16 inputs.
     attention = DotProductAttention(_config("unfused", heads, groups), layer_number=1)
@@ -109,3 +129,14 @@ def test_cuda_kernels_give_the_math_results_on_the_packed_layout(backend, kernel
     (want_grad,) = torch.autograd.grad(want, qkv, cotangent)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("backend,kernel", [("auto", "cudnn"), ("flash", "flash")])
+def test_layers_compiled_by_inductor_run_the_kernel_asked_for(backend, kernel):
+    cuda = torch.device("cuda")
+    out, grad, kernels, _ = _run(cuda, backend, 16, 4, torch.bfloat16, compiler="inductor")
+    assert kernels == [kernel]
+    want_out, want_grad, _, _ = _run(cuda, backend, 16, 4, torch.bfloat16)
+    torch.testing.assert_close(out, want_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad, want_grad, rtol=5e-2, atol=5e-2)
