@@ -16,12 +16,11 @@ Configurations (bf16, seq 2048, micro-batch 8, mock data, AdamW, grad clipping 1
 ``megatron-pretrain-gpt`` / ``megatron-pretrain-hybrid`` build it, stepped through
 ``Trainer.train_step`` (its attention takes the SDPA kernels of ``--attention-backend``: by
 default cuDNN first); "ours_compiled" compiles its decoder layers as ``--use-torch-compile`` does
-(the same SDPA kernels inside them: the backend context is traced). "plain" is the simplest fast loop: fp32 parameters, SDPA
-with its own kernel choice, ``autocast(bf16)``, fused
-AdamW, ``clip_grad_norm_``, and (compiled) ``torch.compile`` of the whole model. Variants run
-in alternating trials; the median step time gives tokens/s and TFLOP/s (every variant by the
-one FLOPs formula,
-:func:`megatron.training.metrics.training_flops_per_token`), and each ratio ours / plain comes
+(the same SDPA kernels inside them: the backend context is traced). "plain" is the simplest
+fast loop: fp32 parameters, SDPA with its own kernel choice, ``autocast(bf16)``, fused AdamW,
+``clip_grad_norm_``, and (compiled) ``torch.compile`` of the whole model. Variants run in
+alternating trials; the median step time gives tokens/s and TFLOP/s (every variant by the one
+FLOPs formula, :func:`megatron.training.metrics.training_flops_per_token`), and each ratio ours / plain comes
 from the trials of the alternation the two ran in together. Each configuration also reports
 peak memory, a forward/backward/optimizer split, which fused kernels and attention backend were
 active, the attention kernel's time per SDPA backend and layout, and one profiled step's GPU busy
