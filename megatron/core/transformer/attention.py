@@ -136,7 +136,8 @@ class DotProductAttention(nn.Module):
                 dropout_p=dropout_p,
                 is_causal=causal,
                 scale=self.softmax_scale,
-                enable_gqa=k.shape[1] != heads,
+                # From the config, a plain bool (from the shapes it is a symbol when compiled with dynamic shapes).
+                enable_gqa=self.config.num_query_groups != self.config.num_attention_heads,
             )
         return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 

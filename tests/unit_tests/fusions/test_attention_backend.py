@@ -113,6 +113,17 @@ def test_compiled_attention_runs_the_kernel_asked_for(backend):
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_recompile_with_dynamic_shapes_still_traces():
+    """A second compile of the layer code with other head counts makes Dynamo mark the shapes
+    dynamic; whether heads are grouped (GQA) must stay a plain bool for SDPA, not a symbol."""
+    cpu = torch.device("cpu")
+    for heads, groups in ((4, 2), (8, 8), (8, 2)):
+        out, _, kernels, _ = _run(cpu, "flash", heads, groups, torch.float32, compiler="aot_eager")
+        want, _, _, _ = _run(cpu, "unfused", heads, groups, torch.float32)
+        assert kernels == ["flash"]
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("heads,groups", [(16, 16), (16, 4)])
 @pytest.mark.parametrize("backend,kernel", [("auto", "cudnn"), ("fused", "cudnn"), ("flash", "flash")])
