@@ -77,10 +77,12 @@ def test_hybrid_on_fused_kernels_matches_the_torch_path(pg):
 
 @on_single_rank
 def test_compiled_layers_give_the_eager_losses_and_grads_bitwise(pg):
+    """Inside compiled layers every fused op takes its torch reference, so the eager torch path is
+    their oracle (on a GPU the eager Triton kernels round differently)."""
     model = _gpt("llama", pg)
-    eager = _loss_and_grads(model, "auto")
+    eager = _loss_and_grads(model, "torch")
     model.decoder.compile_layers(backend="aot_eager")
-    compiled = _loss_and_grads(model, "auto")
+    compiled = _loss_and_grads(model, "torch")
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
 
 
