@@ -41,6 +41,7 @@ from megatron.core.inference import kernels
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, StepBatch
 from megatron.core.inference.contexts.paged_attention import resolve_backend
 from megatron.core.inference.model_runner import ModelRunner
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 
 def add_cuda_graph_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -62,6 +63,8 @@ def graph_blocker(runner: ModelRunner, context: DynamicInferenceContext) -> str 
         return f"CUDA graphs need a CUDA device, the model is on {runner.device}"
     if runner.pp_size > 1:
         return "CUDA graphs are not captured under pipeline parallelism"
+    if any(isinstance(module, MoELayer) for module in runner.model.modules()):
+        return "MoE layers size each expert's batch from token counts read on the host, which a graph cannot replay"
     if context.spec.attention_layer_numbers and resolve_backend("auto", runner.device) != "triton":
         return "paged attention runs on the torch backend (Triton is off or missing), which reads back lengths"
     return None

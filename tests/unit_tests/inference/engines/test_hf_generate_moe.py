@@ -1,8 +1,15 @@
 """Greedy generations of the engine (MoE layers, batch-invariant routing) equal HuggingFace
 ``generate`` for Mixtral, Qwen3-MoE and a NemotronH with ``moe`` layers, random weights mapped to
-ours."""
+ours. On a GPU the engine runs their steps eagerly: an MoE layer sizes each expert's batch from
+token counts read on the host, which a CUDA graph cannot replay."""
 
+from types import SimpleNamespace
+
+import torch
+
+from megatron.core.inference.engines.cuda_graphs import graph_blocker
 from megatron.core.models import hf_mapping
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from tests.unit_tests.inference.engines.test_hf_generate import (
     _perturbed,
     assert_engine_matches_hf_greedy,
@@ -30,3 +37,15 @@ def test_qwen3_moe_greedy_generation_matches_transformers(pg):
 @on_single_rank
 def test_nemotron_h_moe_greedy_generation_matches_transformers(pg):
     assert_hybrid_engine_matches_hf_greedy(nemotron_h_moe_model(vocab_size=96), pg)
+
+
+@on_single_rank
+def test_moe_models_are_not_captured_in_cuda_graphs(pg):
+    """The engine asks graph_blocker whether a stage can be captured: an MoE model's says why not."""
+    hf = mixtral_model(vocab_size=96, seed=3)
+    config, kwargs = hf_mapping.mixtral_config_from_hf(hf.config)
+    model = GPTModel(config, get_gpt_layer_local_spec(config.num_moe_experts), pg_collection=pg, **kwargs)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), pp_size=1, model=model)
+    assert graph_blocker(on_cuda, context=None) == (
+        "MoE layers size each expert's batch from token counts read on the host, which a graph cannot replay"
+    )
