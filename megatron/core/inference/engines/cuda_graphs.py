@@ -27,7 +27,9 @@ eagerly, which is how the tests check that this path gives exactly the outputs o
 
 Capturing needs every kernel of a step to run without reading the device from the host: paged
 attention through Triton (the grid is sized from shapes, the lengths are read on the device); the
-Mamba mixer's packed decode step reads nothing back (:meth:`MambaMixer._packed_step`).
+Mamba mixer's packed decode step reads nothing back (:meth:`MambaMixer._packed_step`). An MoE
+layer reads its per-expert token counts on the host, so a stage with one runs every step eagerly
+(:func:`graph_blocker`).
 """
 
 from __future__ import annotations
