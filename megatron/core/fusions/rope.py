@@ -101,9 +101,9 @@ class _LastCosSin:
 _cos_sin = _LastCosSin()
 
 
-def _split_rotate(qkv, freqs, heads, groups, head_dim, cos_sin=None):
+def _split_rotate(qkv, freqs, heads, groups, head_dim):
     q, k, v = _split_views(qkv, heads, groups, head_dim)
-    cos, sin = cos_sin if cos_sin is not None else (freqs.cos().to(qkv.dtype), freqs.sin().to(qkv.dtype))
+    cos, sin = freqs.cos().to(qkv.dtype), freqs.sin().to(qkv.dtype)
     q_rot, k_rot, v_out = _batch_major_like(q), _batch_major_like(k), _batch_major_like(v)
     _rotate_into(q_rot, q, cos, sin, inverse=False)
     _rotate_into(k_rot, k, cos, sin, inverse=False)
