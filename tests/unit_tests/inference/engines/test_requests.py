@@ -19,7 +19,9 @@ from megatron.core.inference.engines import (
     RequestOutput,
 )
 from megatron.core.inference.errors import InferenceRequestError
+from megatron.core.inference.kernels.mode import kernel_backend
 from megatron.core.inference.sampling import SamplingParams
+from tests.unit_tests.dist_harness import device
 from tests.unit_tests.inference.engines.common import gpt_model, hybrid_model, prompts, run
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
@@ -162,11 +164,12 @@ def test_stop_token_ends_with_stop_and_request_output_round_trips(pg):
 def test_a_prompt_of_a_whole_step_runs_while_others_decode(pg):
     # Without chunked prefill a prompt of max_tokens_per_step tokens never fits beside a decode
     # token: deferred once, it goes first in the next step (the decode waits that step), not after
-    # every decoding request ended.
+    # every decoding request ended. Steps run one by one (no overlap, which reports a step's tokens
+    # at the next step), so a token's step is the step that computed it.
     model = gpt_model(pg)
     requests = {"short": (prompts([3])[0], SamplingParams(temperature=0.0, max_tokens=12))}
     requests["whole"] = (prompts([8])[0], GREEDY)
-    engine = _engine(model, pg, num_blocks=16)
+    engine = _engine(model, pg, num_blocks=16, overlap_steps=False)
     outputs, token_steps = {}, {}
     for step in range(40):
         if step < 2:
@@ -219,11 +222,13 @@ def test_long_prefill_token_threshold_spreads_a_step_over_prompts_and_keeps_thei
 @on_single_rank
 def test_the_automatic_long_prefill_threshold_is_on_only_for_token_by_token_hybrid_prefill(pg):
     """Off for a GPT model and for a hybrid model's unpadded mode; an eighth of the step's budget
-    (at least 16) for a hybrid model's batch-invariant prefill on the CPU's torch Mamba path."""
+    (at least 16) for a hybrid model's batch-invariant prefill on the torch Mamba path (the CPU's;
+    the GPU's chunked Triton scan prefills a prompt at once, so there it is off too)."""
+    token_by_token = kernel_backend(device()) != "triton"
     thresholds = [
         _engine(
             model, pg, batch_invariant=invariant, max_requests=2, max_tokens_per_step=256
         ).scheduler.long_prefill_token_threshold
         for model, invariant in ((gpt_model(pg), True), (hybrid_model(pg), True), (hybrid_model(pg), False))
     ]
-    assert thresholds == [0, 32, 0]
+    assert thresholds == [0, 32 if token_by_token else 0, 0]
