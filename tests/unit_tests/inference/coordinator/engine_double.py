@@ -11,6 +11,7 @@ with the engine's finish rules (EOS, then a completed stop sequence, then the le
 It produces only what :class:`DynamicInferenceEngine` produces: its outputs are the engine's
 own :class:`RequestOutput`, its ``stats`` have the engine's keys, and it refuses bad requests
 with the engine's typed errors (test_engine_double.py holds it to that against the real engine).
+Like the engine with ``overlap_steps=False``, a step reports the tokens it made.
 """
 
 from __future__ import annotations

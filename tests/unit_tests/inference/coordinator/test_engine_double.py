@@ -1,7 +1,9 @@
 """The serving tests' engine double against the real DynamicInferenceEngine: driven alike, it
 reports outputs of the same type with the same fields, step by step, the same stats keys and
 the same typed errors for the same bad requests. Only the token values (a hash) and their
-log-probs (and top log-probs) differ."""
+log-probs (and top log-probs) differ. The double reports a step's tokens from the step that made
+them, as the engine does with its steps run one by one (``overlap_steps=False``, the default off
+CUDA; with overlapped steps, the default on one GPU, the engine reports them a step later)."""
 
 import pytest
 
@@ -75,6 +77,7 @@ def test_the_double_reports_what_the_engine_reports(pg):
         max_sequence_length=MAX_SEQ,
         num_blocks=64,
         max_requests=8,
+        overlap_steps=False,
         pg_collection=pg,
     )
     expected, got = _drive(real), _drive(HashEngine(max_sequence_length=MAX_SEQ))
