@@ -500,7 +500,9 @@ class DynamicInferenceContext:
         state.num_computed_tokens = min(state.num_computed_tokens, len(state.tokens))
         state.num_draft_tokens = 0
         if self.enable_prefix_caching:
-            state.hash_chain.extend(state.tokens[: state.num_computed_tokens])
+            # The chain covers the confirmed tokens, as everywhere: with overlapped steps it may
+            # already hash a resolved token whose KV a step has yet to compute.
+            state.hash_chain.extend(state.confirmed_tokens)
             self._register_computed_blocks(state)
 
     def ensure_token_capacity(self, request_id: Hashable, num_tokens: int, reason: PageReason) -> list[int]:

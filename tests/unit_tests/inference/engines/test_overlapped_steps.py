@@ -115,6 +115,43 @@ def test_overlapped_steps_keep_seeds_stops_top_logprobs_and_prefix_caching(pg):
 
 
 @on_single_rank
+def test_decodes_left_out_of_overlapped_steps_twice_keep_their_prefix_cache_chain(pg):
+    """Two decoding requests whose returned token fills a block (prompts of 5, block size 4) are
+    left out of two steps in a row by whole-step prompts (deferred, then run first). With
+    overlapped steps the chain had hashed that token before any step computed its KV, and the
+    scheduler's draft drop rehashed only the computed tokens: the engine raised ValueError. Now it
+    gives the tokens of synchronous steps."""
+    model = gpt_model(pg)
+    requests = prompts([5, 5, 8, 8, 8], seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=10)] * 2 + [SamplingParams(temperature=0.0, max_tokens=4)] * 3
+    args = dict(
+        block_size=4,
+        num_blocks=64,
+        max_tokens_per_step=8,
+        max_requests=8,
+        max_sequence_length=32,
+        enable_prefix_caching=True,
+        pg_collection=pg,
+    )
+    results = {}
+    for overlap in (False, True):
+        engine = DynamicInferenceEngine(model, overlap_steps=overlap, **args)
+        got = {}
+        for index in range(2):
+            engine.add_request(str(index), requests[index], params[index])
+        for step in range(100):
+            collect(got, engine.step())
+            if step == 1:  # the decodes have a token in flight
+                for index in range(2, 5):
+                    engine.add_request(str(index), requests[index], params[index])
+            if not engine.has_unfinished_requests():
+                break
+        results[overlap] = got
+    assert_same_outputs(results[True], results[False])
+    assert [len(results[True][str(i)]["tokens"]) for i in range(5)] == [10, 10, 4, 4, 4]
+
+
+@on_single_rank
 def test_abort_in_every_state_of_overlapped_steps_gives_one_terminal_output(pg):
     engine = DynamicInferenceEngine(
         gpt_model(pg),
