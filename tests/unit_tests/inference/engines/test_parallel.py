@@ -30,7 +30,9 @@ def _generate(kind: str, tp: int, pp: int):
         model = hybrid_model(
             pg, pattern="M*|-M" if pp > 1 else "M*-M", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         )
-    # A tight pool, so pauses and evictions run in lockstep on every rank too.
+    # A tight pool, so pauses and evictions run in lockstep on every rank too. Steps one by one on
+    # every layout (PP cannot overlap them; on a GPU one process would by default, and then it
+    # schedules, pauses and counts steps differently).
     engine = DynamicInferenceEngine(
         model,
         block_size=4,
@@ -41,6 +43,7 @@ def _generate(kind: str, tp: int, pp: int):
         enable_chunked_prefill=True,
         paused_block_budget=2,
         num_speculative_tokens=2 if speculative else 0,
+        overlap_steps=False,
         pg_collection=pg,
     )
     results = run(engine, prompts(LENGTHS), PARAMS)
