@@ -32,7 +32,12 @@ decision is applied, and its row of N+1 is not sampled; a row whose token is no 
 request's next one (it was evicted and re-admitted meanwhile) is not sampled either. Sampling
 of N+1 comes after N is applied, so per-request logits processors see every token so far, and the
 grammar bitmasks of N+1 (:mod:`~megatron.core.inference.structured_output`) are filled on the host
-from every accepted token while the device runs N+1's forward.
+from every accepted token while the device runs N+1's forward. When the pool is short of blocks
+(a request is paused, or the decoding requests' next tokens need more fresh blocks than are free,
+:meth:`Scheduler.short_of_blocks`), N is finished before N+1 is scheduled: the requests N ends give
+their blocks back first, so overlapped steps do not pause or evict requests that steps run one by
+one would keep running (before this, a tight pool paused and evicted half as often again and
+recomputed nearly twice the prefill tokens).
 Without overlap, N is the step just launched, and the order is the plain one.
 
 Steps are padded to step buckets (``batch_invariant``, the default; see :mod:`step_buckets`):
@@ -490,10 +495,17 @@ class DynamicInferenceEngine:
         the next call (a call with nothing new to launch just finishes the step in flight)."""
         outputs, self._pending = self._pending, []
         self._host_s = 0.0
+        completed = False
+        in_flight = self._in_flight
+        if in_flight is not None and self.scheduler.short_of_blocks([entry.request for entry in in_flight.scheduled]):
+            # Short of blocks: finish the step in flight first, so that the requests it ends give
+            # their blocks back before the schedule, which would otherwise pause or evict others.
+            outputs += self._complete(in_flight)
+            self._in_flight, completed = None, True
         launched = None
         if not self._stepping_paused and self.scheduler.has_requests():
             launched = self._launch()
-        completed = self._in_flight is not None or (launched is not None and not self.overlap_steps)
+        completed = completed or self._in_flight is not None or (launched is not None and not self.overlap_steps)
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
             self._in_flight = None

@@ -95,6 +95,21 @@ class Scheduler:
         state = self.context.request(request.request_id)
         return len(state.tokens) - state.num_computed_tokens
 
+    def short_of_blocks(self, in_flight: list[EngineRequest]) -> bool:
+        """Whether the next schedule may pause a request: one is paused already, or the decoding
+        requests' next tokens (one more for each of ``in_flight``, whose next token a step still
+        running samples) need more fresh blocks than the pool has free."""
+        if self.paused:
+            return True
+        growing = {id(request) for request in in_flight}
+        needed = 0
+        for request in self.admitted:
+            state = self.context.request(request.request_id)
+            if state.num_computed_tokens >= request.prefill_target:
+                tokens = len(state.tokens) + (id(request) in growing)
+                needed += max(0, self.context.blocks_for_tokens(tokens) - len(state.block_ids))
+        return needed > self.context.num_free_blocks
+
     def _paused_blocks(self) -> int:
         return sum(len(self.context.request(r.request_id).block_ids) for r in self.paused)
 

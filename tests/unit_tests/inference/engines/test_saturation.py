@@ -55,8 +55,15 @@ class PoolWatch:
 
 
 def _generate(pg, build_model, num_blocks: int, paused_block_budget: int, skip_page_init: bool = False):
+    # Steps one by one, whose decode growth takes pages on the decode_growth path (overlapped
+    # steps, the default on a GPU, take them ahead on the async_preparation path: test_overlapped_steps.py).
     engine = DynamicInferenceEngine(
-        build_model(pg), num_blocks=num_blocks, paused_block_budget=paused_block_budget, pg_collection=pg, **ENGINE_ARGS
+        build_model(pg),
+        num_blocks=num_blocks,
+        paused_block_budget=paused_block_budget,
+        overlap_steps=False,
+        pg_collection=pg,
+        **ENGINE_ARGS,
     )
     engine.context._skip_private_page_init_for_tests = skip_page_init
     watch = PoolWatch(engine)
