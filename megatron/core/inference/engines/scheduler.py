@@ -101,6 +101,8 @@ class Scheduler:
         running samples) need more fresh blocks than the pool has free."""
         if self.paused:
             return True
+        if len(self.admitted) <= self.context.num_free_blocks:
+            return False  # a request's next token takes at most one fresh block
         growing = {id(request) for request in in_flight}
         needed = 0
         for request in self.admitted:
