@@ -497,7 +497,7 @@ class DynamicInferenceEngine:
         self._host_s = 0.0
         completed = False
         in_flight = self._in_flight
-        if in_flight is not None and self.scheduler.short_of_blocks([entry.request for entry in in_flight.scheduled]):
+        if in_flight is not None and self.scheduler.short_of_blocks(in_flight.scheduled):
             # Short of blocks: finish the step in flight first, so that the requests it ends give
             # their blocks back before the schedule, which would otherwise pause or evict others.
             outputs += self._complete(in_flight)

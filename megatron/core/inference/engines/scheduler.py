@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from megatron.core.inference.contexts.block_allocator import PageReason
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, RequestState
 from megatron.core.inference.contexts.errors import BlockPoolExhaustedError, StorageExhaustedError
 from megatron.core.inference.engines.requests import EngineRequest, RequestStatus
 
@@ -95,19 +95,24 @@ class Scheduler:
         state = self.context.request(request.request_id)
         return len(state.tokens) - state.num_computed_tokens
 
-    def short_of_blocks(self, in_flight: list[EngineRequest]) -> bool:
+    @staticmethod
+    def _decoding(request: EngineRequest, state: RequestState) -> bool:
+        """Whether ``request`` (context state ``state``) is past its prefill: it decodes."""
+        return state.num_computed_tokens >= request.prefill_target
+
+    def short_of_blocks(self, in_flight: list[ScheduledRequest]) -> bool:
         """Whether the next schedule may pause a request: one is paused already, or the decoding
-        requests' next tokens (one more for each of ``in_flight``, whose next token a step still
-        running samples) need more fresh blocks than the pool has free."""
+        requests' next tokens (one more for each request of ``in_flight``, the entries of a step
+        still running, which samples their next token) need more fresh blocks than are free."""
         if self.paused:
             return True
         if len(self.admitted) <= self.context.num_free_blocks:
             return False  # a request's next token takes at most one fresh block
-        growing = {id(request) for request in in_flight}
+        growing = {id(entry.request) for entry in in_flight}
         needed = 0
         for request in self.admitted:
             state = self.context.request(request.request_id)
-            if state.num_computed_tokens >= request.prefill_target:
+            if self._decoding(request, state):
                 tokens = len(state.tokens) + (id(request) in growing)
                 needed += max(0, self.context.blocks_for_tokens(tokens) - len(state.block_ids))
         return needed > self.context.num_free_blocks
@@ -148,7 +153,7 @@ class Scheduler:
                 if request.status is RequestStatus.PAUSED:
                     context.resume_request(request.request_id)
                     request.status = RequestStatus.ACTIVE
-                elif state.num_computed_tokens >= request.prefill_target:
+                elif self._decoding(request, state):
                     # A pending token (overlapped steps) is grown for ahead of knowing it.
                     reason = PageReason.ASYNC_PREPARATION if state.num_pending_tokens else PageReason.DECODE_GROWTH
                     context.ensure_token_capacity(request.request_id, len(state.tokens), reason)
@@ -229,8 +234,7 @@ class Scheduler:
         for request in self.admitted:
             if request.status is RequestStatus.ACTIVE:
                 state = self.context.request(request.request_id)
-                done = state.num_computed_tokens >= request.prefill_target
-                (decoding if done else prefilling).append((request, state))
+                (decoding if self._decoding(request, state) else prefilling).append((request, state))
         first = []  # the oldest prefill, when it goes before the decode tokens (its rows still after theirs)
         if prefilling and prefilling[0][0].prefill_deferred:
             request, state = prefilling[0]
