@@ -17,12 +17,12 @@ Inside ``torch.compile`` every op takes the torch path, so Inductor fuses it wit
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
 
 from megatron.core.errors import MegatronConfigError
+from megatron.core.triton_support import triton_importable, triton_runs_on
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "MEGATRON_FUSION_BACKEND"
@@ -47,15 +47,6 @@ class FusionBackendError(MegatronConfigError):
 
 
 _settings = {"backend": None, "disabled_ops": frozenset()}
-
-
-@functools.lru_cache(maxsize=1)
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_backend(name: str) -> str:
@@ -107,7 +98,7 @@ def fused_backend(op: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_importable() else "torch"
     if not triton_importable():
         raise FusionBackendError("fusion backend 'triton' was forced but triton does not import; use 'torch'")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(device):
         raise FusionBackendError(
             f"fusion backend 'triton' needs CUDA tensors (got {device}) or Triton's interpreter "
             "(TRITON_INTERPRET=1 before triton is imported); use 'torch' or 'auto'"

@@ -27,13 +27,13 @@ variable :data:`BACKEND_ENV`) forces one.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
 from megatron.core.errors import MegatronConfigError
+from megatron.core.triton_support import triton_importable
 
 KEY_TILE = 64
 QUERY_SLICE = 128
@@ -43,15 +43,6 @@ BACKENDS = ("auto", "torch", "triton")
 
 class PagedAttentionBackendError(MegatronConfigError):
     """An unknown paged-attention backend was asked for, or the Triton one without Triton."""
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -64,8 +55,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             f"paged attention backend {backend!r} is unknown; accepted: {BACKENDS} (argument or {BACKEND_ENV})"
         )
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
-    if backend == "triton" and not _triton_importable():
+        return "triton" if device.type == "cuda" and triton_importable() else "torch"
+    if backend == "triton" and not triton_importable():
         raise PagedAttentionBackendError(
             "paged attention backend 'triton' was forced but triton does not import; "
             "install triton or use backend 'torch'"

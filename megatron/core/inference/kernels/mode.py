@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 
 import torch
 
 from megatron.core.errors import MegatronConfigError
+from megatron.core.triton_support import triton_importable, triton_runs_on
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "MEGATRON_INFERENCE_KERNEL_BACKEND"
@@ -36,15 +36,6 @@ _batch_invariant = contextvars.ContextVar("megatron_batch_invariant", default=Fa
 
 class KernelBackendError(MegatronConfigError):
     """An unknown inference-kernel backend, or Triton asked for where it cannot run."""
-
-
-@functools.lru_cache(maxsize=1)
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def is_batch_invariant() -> bool:
@@ -81,7 +72,7 @@ def kernel_backend(device: torch.device, backend: str = "auto") -> str:
     if backend == "triton":
         if not triton_importable():
             raise KernelBackendError("inference kernel backend 'triton' was forced but triton does not import")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton_runs_on(device):
             raise KernelBackendError(
                 f"inference kernel backend 'triton' needs CUDA tensors (got {device}) or Triton's interpreter "
                 "(TRITON_INTERPRET=1 before triton is imported); use 'torch' or 'auto'"
