@@ -293,6 +293,21 @@ class DynamicInferenceContext:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def storage_counts(self) -> dict[str, int]:
+        """Free and total KV blocks and Mamba slots (slots 0 and 0 without Mamba layers)."""
+        slots = self.mamba_slots
+        return dict(
+            free_blocks=self.num_free_blocks,
+            num_blocks=self.capacity.num_blocks,
+            free_mamba_slots=slots.num_free_slots if slots is not None else 0,
+            num_mamba_slots=slots.num_slots if slots is not None else 0,
+        )
+
+    @staticmethod
+    def storage_all_free(counts: dict[str, int]) -> bool:
+        """Whether :meth:`storage_counts` ``counts`` say every block and Mamba slot is free."""
+        return counts["free_blocks"] == counts["num_blocks"] and counts["free_mamba_slots"] == counts["num_mamba_slots"]
+
     @property
     def private_page_init_counts(self):
         """Fresh private pages initialized so far, per :class:`PageReason` value."""

@@ -307,7 +307,7 @@ class DecodeSide:
         and Mamba slots, transfers not released, the context's requests and its free and total
         blocks and slots; ``idle`` when nothing is held (every block and slot free, nothing
         waiting, pulling, quarantined or open)."""
-        context, slots = self.context, self.context.mamba_slots
+        context = self.context
         stats = dict(
             waiting=len(self.waiting),
             pulling=len(self.pulling),
@@ -316,15 +316,10 @@ class DecodeSide:
             quarantined_mamba_slots=self.num_quarantined_slots,
             open_transfers=self.transport.num_open,
             requests=context.num_requests,
-            free_blocks=context.num_free_blocks,
-            num_blocks=context.capacity.num_blocks,
-            free_mamba_slots=slots.num_free_slots if slots is not None else 0,
-            num_mamba_slots=slots.num_slots if slots is not None else 0,
+            **context.storage_counts(),
         )
-        stats["idle"] = (
-            stats["free_blocks"] == stats["num_blocks"]
-            and stats["free_mamba_slots"] == stats["num_mamba_slots"]
-            and not any(stats[k] for k in ("waiting", "pulling", "quarantined_imports", "open_transfers", "requests"))
+        stats["idle"] = context.storage_all_free(stats) and not any(
+            stats[k] for k in ("waiting", "pulling", "quarantined_imports", "open_transfers", "requests")
         )
         return stats
 

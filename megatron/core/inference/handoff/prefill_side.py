@@ -222,20 +222,15 @@ class PrefillSide:
         """Where this side's storage is: requests prefilling, pins, quarantined pins, the blocks
         they hold, the context's free and total blocks and Mamba slots; ``idle`` when nothing is
         held (every block and slot free, nothing prefilling, pinned or quarantined)."""
-        context, slots = self.context, self.context.mamba_slots
+        context = self.context
         stats = dict(
             prefilling=len(self._prefilling),
             pins=len(self.pins),
             quarantined_pins=len(self.quarantine),
             pinned_blocks=self.num_pinned_blocks,
-            free_blocks=context.num_free_blocks,
-            num_blocks=context.capacity.num_blocks,
-            free_mamba_slots=slots.num_free_slots if slots is not None else 0,
-            num_mamba_slots=slots.num_slots if slots is not None else 0,
+            **context.storage_counts(),
         )
-        stats["idle"] = (
-            stats["free_blocks"] == stats["num_blocks"]
-            and stats["free_mamba_slots"] == stats["num_mamba_slots"]
-            and not any(stats[k] for k in ("prefilling", "pins", "quarantined_pins"))
+        stats["idle"] = context.storage_all_free(stats) and not any(
+            stats[k] for k in ("prefilling", "pins", "quarantined_pins")
         )
         return stats
