@@ -7,7 +7,9 @@
    step buckets) mode and unpadded (``batch_invariant=False``); the ratio default / unpadded is
    printed. With ``--baseline-tree DIR`` (e.g. the main checkout before this change) the same
    measurement also runs on that tree's package, in a subprocess alternating with ours, and the
-   ratio now / before is printed (and the tokens compared).
+   ratio now / before is printed (and the tokens compared). Where the time goes: each side's
+   time until every request has its first token (HF: a one-token ``generate`` of the same
+   prompts, each trial) and the rest.
 2. The engine's CPU bookkeeping time per step (scheduling, batch building, sampling
    decisions, output assembly; not the forward) at 64 and 256 concurrent requests.
 3. Time to first token of a batch of long prompts with and without private page
@@ -127,10 +129,11 @@ def hf_generate(hf, prompts, new_tokens, device):
     return out[:, longest:].tolist(), elapsed
 
 
-def measure_ours(ours, pg, args, prompts, params, batch_invariant: bool) -> tuple[list[list[int]], float]:
-    """Greedy tokens and seconds of one run of a fresh engine over ``prompts``."""
-    tokens, _, seconds = drive(make_engine(ours, pg, args, batch_invariant=batch_invariant), prompts, params)
-    return tokens, seconds
+def measure_ours(ours, pg, args, prompts, params, batch_invariant: bool) -> tuple[list[list[int]], float, float]:
+    """Greedy tokens, seconds, and seconds until every request had its first token, of one run
+    of a fresh engine over ``prompts``."""
+    tokens, first, seconds = drive(make_engine(ours, pg, args, batch_invariant=batch_invariant), prompts, params)
+    return tokens, seconds, max(first)
 
 
 def _baseline_run(args) -> tuple[list[list[int]], float]:
@@ -161,18 +164,20 @@ def _shared_argv(args) -> list[str]:
 def throughput(hf, ours, pg, args, device) -> dict:
     prompts = make_prompts(args.requests, 16, 128)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
-    seconds = {"default": [], "unpadded": [], "hf": [], "before": []}
+    seconds = {"default": [], "unpadded": [], "hf": [], "before": [], "default_first": [], "hf_first": []}
     tokens = {}
     hf_generate(hf, prompts, args.new_tokens, device)  # full-size warm-ups
     for batch_invariant in (True, False):
         measure_ours(ours, pg, args, prompts, params, batch_invariant)
     for _ in range(args.trials):  # alternating, so that load on the shared cores hits every side alike
-        tokens["default"], elapsed = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
+        tokens["default"], elapsed, first = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
         seconds["default"].append(elapsed)
-        tokens["unpadded"], elapsed = measure_ours(ours, pg, args, prompts, params, batch_invariant=False)
+        seconds["default_first"].append(first)
+        tokens["unpadded"], elapsed, _ = measure_ours(ours, pg, args, prompts, params, batch_invariant=False)
         seconds["unpadded"].append(elapsed)
         tokens["hf"], elapsed = hf_generate(hf, prompts, args.new_tokens, device)
         seconds["hf"].append(elapsed)
+        seconds["hf_first"].append(hf_generate(hf, prompts, 1, device)[1])  # the prompts and one token
         if args.baseline_tree:
             tokens["before"], elapsed = _baseline_run(args)
             seconds["before"].append(elapsed)
@@ -194,6 +199,14 @@ def throughput(hf, ours, pg, args, device) -> dict:
         # GEMM shapes the CPU invariant linear runs as row tiles (its probe found one call differs): each
         # costs many small calls per step, so a nonzero count explains a slow default mode.
         tiled_gemm_shapes=sum(not whole for whole in linear._WHOLE_CALL_MATCHES.values()),
+        # Where the time goes: until every request has its first token (the prompts), then the rest
+        # (decoding); HF computes every prompt at the longest one's length (left padding).
+        ours_first_tokens_ms=1e3 * median["default_first"],
+        hf_first_tokens_ms=1e3 * median["hf_first"],
+        ours_rest_ms=1e3 * (median["default"] - median["default_first"]),
+        hf_rest_ms=1e3 * (median["hf"] - median["hf_first"]),
+        prompt_tokens=sum(len(p) for p in prompts),
+        hf_prompt_positions=len(prompts) * max(len(p) for p in prompts),
     )
     if "before" in median:
         result.update(
@@ -256,7 +269,7 @@ def main() -> int:
         prompts = make_prompts(args.requests, 16, 128)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
         measure_ours(ours, pg, args, prompts, params, batch_invariant=True)  # warm-up
-        tokens, seconds = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
+        tokens, seconds, _ = measure_ours(ours, pg, args, prompts, params, batch_invariant=True)
         print(json.dumps(dict(tokens=tokens, seconds=seconds)))
         torch.distributed.destroy_process_group()
         return 0
@@ -273,6 +286,12 @@ def main() -> int:
         f"{t['ours_unpadded_tokens_per_s']:.1f} tokens/s, ratio default/unpadded {t['default_over_unpadded']:.2f} "
         f"(identical greedy outputs: {t['unpadded_identical_greedy_output']}; "
         f"GEMM shapes run as row tiles: {t['tiled_gemm_shapes']})"
+    )
+    print(
+        f"where the time goes (medians): until every request has its first token ours {t['ours_first_tokens_ms']:.0f} "
+        f"ms, HF {t['hf_first_tokens_ms']:.0f} ms (HF computes {t['hf_prompt_positions']} prompt positions for "
+        f"{t['prompt_tokens']} prompt tokens: left padding); the rest (decoding) ours {t['ours_rest_ms']:.0f} ms, "
+        f"HF {t['hf_rest_ms']:.0f} ms"
     )
     if "now_over_before" in t:
         print(
