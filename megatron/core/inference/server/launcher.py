@@ -356,6 +356,9 @@ def _serve_in_process(args, config) -> int:
         if is_frontend:
             sock = _bind_http(args)
             if sock is None:
+                # Leave at once (torchrun ends the other ranks), but with the group destroyed: NCCL
+                # warns at exit about a group left alive, after the one line that says what is wrong.
+                dist.destroy_process_group()
                 return 2
             coordinator = _coordinator(args).start()
         address = _broadcast_address(coordinator.address if is_frontend else None, default_device())
