@@ -11,15 +11,19 @@ decode engine pulled and the transfer rate. The prefill process prefills each pr
 first token and pins its KV blocks (and Mamba state); the decode process pulls them over NIXL
 (UCX; on CPU hosts ``UCX_NET_DEVICES=lo`` is used), admits the request straight into decode
 and tells the prefill process to release the pin. This process runs the coordinator and the
-client; the two engine processes die with it.
+client; the two engine processes die with it, and it fails at once, naming the process, when
+one of them exits early (an engine that cannot load the checkpoint, say). Without NIXL it
+stops before starting anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 
@@ -30,6 +34,7 @@ from megatron.core.inference import offline_inference
 from megatron.core.inference.checkpoint_loading import record_tokenizer
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator, Role
 from megatron.core.inference.coordinator.lifetime import die_with_parent
+from megatron.core.inference.handoff.transport import NixlUnavailableError, require_nixl
 from megatron.core.inference.prompts import prompt_token_ids
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models.model_record import read_model_record
@@ -90,6 +95,50 @@ def decode_process(args, num_blocks: int, num_requests: int, prefill_address: st
     channel.close()
 
 
+class EngineProcessExitedError(RuntimeError):
+    """An engine process ended before its part was done (its own error is in the output above)."""
+
+
+def _check_running(processes: dict[str, mp.Process], until: str) -> None:
+    """Raise :class:`EngineProcessExitedError` naming the first of ``processes`` that has ended."""
+    for name, process in processes.items():
+        if process.exitcode is not None:
+            raise EngineProcessExitedError(
+                f"the {name} engine process exited with code {process.exitcode} {until}; its error is above"
+            )
+
+
+def _receive(items: mp.Queue, processes: dict[str, mp.Process], until: str):
+    """The next item of ``items``, unless one of ``processes`` ends first (then
+    :class:`EngineProcessExitedError`)."""
+    while True:
+        try:
+            return items.get(timeout=0.1)
+        except queue.Empty:
+            try:
+                _check_running(processes, until)
+            except EngineProcessExitedError:
+                with contextlib.suppress(queue.Empty):  # it may have put the item just before exiting
+                    return items.get(timeout=1.0)
+                raise
+
+
+async def _while_running(work, processes: dict[str, mp.Process], until: str):
+    """``await work``, unless one of ``processes`` ends first (then :class:`EngineProcessExitedError`)."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=0.1))[0]:
+        try:
+            _check_running(processes, until)
+        except EngineProcessExitedError:
+            if (await asyncio.wait({task}, timeout=1.0))[0]:  # the work may have ended as the process did
+                break
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
+    return task.result()
+
+
 async def _generate(address: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
     async with InferenceClient(address) as client:
         handles = [
@@ -112,6 +161,11 @@ async def _generate(address: str, prompts: list[list[int]], params: list[Samplin
 
 def main(argv=None) -> int:
     args = offline_inference.parse_args(argv)
+    try:
+        require_nixl()
+    except NixlUnavailableError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if args.load is not None:
@@ -142,29 +196,34 @@ def main(argv=None) -> int:
     ]
     spawn = mp.get_context("spawn")
     addresses, results = spawn.Queue(), spawn.Queue()
+    engines: dict[str, mp.Process] = {}
     with InferenceCoordinator(heartbeat_timeout_s=None) as coordinator:
         engine_keys = coordinator.keys.for_role(Role.ENGINE)  # over the spawn pipes, to the two children only
-        prefill = spawn.Process(target=prefill_process, args=(args, num_blocks, len(prompts), engine_keys, addresses))
-        prefill.start()
-        decode = spawn.Process(
-            target=decode_process,
-            args=(
-                args,
-                num_blocks,
-                len(prompts),
-                addresses.get(timeout=300),
-                coordinator.address,
-                engine_keys,
-                results,
-            ),
-        )
-        decode.start()
-        started = time.perf_counter()
-        outputs = asyncio.run(_generate(coordinator.address, prompts, params))
-        elapsed = time.perf_counter() - started
-        stats = results.get(timeout=300)
-        decode.join(60)
-        prefill.join(60)
+        try:
+            engines["prefill"] = spawn.Process(
+                target=prefill_process, args=(args, num_blocks, len(prompts), engine_keys, addresses)
+            )
+            engines["prefill"].start()
+            prefill_address = _receive(addresses, engines, "before it was ready")
+            engines["decode"] = spawn.Process(
+                target=decode_process,
+                args=(args, num_blocks, len(prompts), prefill_address, coordinator.address, engine_keys, results),
+            )
+            engines["decode"].start()
+            started = time.perf_counter()
+            outputs = asyncio.run(
+                _while_running(_generate(coordinator.address, prompts, params), engines, "while requests were running")
+            )
+            elapsed = time.perf_counter() - started
+            stats = _receive(results, {"decode": engines["decode"]}, "before it reported its stats")
+        except EngineProcessExitedError as error:
+            for engine in engines.values():  # the other one would wait for its peer forever
+                engine.kill()
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        finally:
+            for engine in engines.values():
+                engine.join(60)
     failed = [o for o in outputs if o["finish_reason"] == "error"]
     if failed:
         print(f"error: {len(failed)} requests failed, first: {failed[0]['error']}", file=sys.stderr)

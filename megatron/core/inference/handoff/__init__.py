@@ -18,10 +18,12 @@ from megatron.core.inference.handoff.prefill_side import Pin, PrefillSide
 from megatron.core.inference.handoff.transport import (
     HandoffTransport,
     NixlTransport,
+    NixlUnavailableError,
     PullHandle,
     TorchDistributedTransport,
     TransferState,
     TransportError,
+    require_nixl,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "HandoffTransport",
     "MambaStateDescriptor",
     "NixlTransport",
+    "NixlUnavailableError",
     "Pin",
     "PrefillSide",
     "PullHandle",
@@ -41,4 +44,5 @@ __all__ = [
     "TransferState",
     "TransferSubmitError",
     "TransportError",
+    "require_nixl",
 ]

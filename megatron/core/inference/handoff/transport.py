@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core.errors import MegatronRuntimeError
+from megatron.core.errors import MegatronConfigError, MegatronRuntimeError
 from megatron.core.inference.handoff.plan import Segment
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,21 @@ class TransportError(MegatronRuntimeError):
 
 class PeerGoneError(TransportError):
     """The peer disconnected or died: no transfer with it can run any more."""
+
+
+class NixlUnavailableError(MegatronConfigError):
+    """The NIXL transport was asked for where the ``nixl`` package does not import."""
+
+
+def require_nixl() -> None:
+    """Raise :class:`NixlUnavailableError` unless NIXL's Python API imports here."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        raise NixlUnavailableError(
+            f"the NIXL transport needs the nixl package, which does not import here ({exc}); install it "
+            "(pip install nixl) or use TorchDistributedTransport"
+        ) from exc
 
 
 class TransferState(enum.StrEnum):
@@ -277,6 +292,7 @@ class NixlTransport(HandoffTransport):
 
     def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",), *, probe_interval_s: float = 1.0):
         super().__init__()
+        require_nixl()
         from nixl._api import nixl_agent, nixl_agent_config
 
         self._errors, self._disconnected = _nixl_error_types()
