@@ -22,7 +22,9 @@ when the peer disconnected or died.
   A pending read may write the puller's storage at any time. The
   source does nothing per transfer, so it knows no read exactly: it can only tell that every
   peer expected to read from it (:meth:`~HandoffTransport.expect_readers`) is gone, by probing
-  each with a tiny read of its own (see :meth:`NixlTransport.may_still_read`).
+  each with a tiny read of its own (see :meth:`NixlTransport.may_still_read`). Where the
+  ``nixl`` package does not import, creating one raises :class:`NixlUnavailableError`
+  (:func:`require_nixl` asks the same before anything starts).
 * :class:`TorchDistributedTransport` — ``torch.distributed`` send/recv: the puller asks for
   a list of runs (through a shared store), the source packs and sends them (from
   :meth:`~HandoffTransport.serve`, called from its loop), the puller unpacks inside
