@@ -30,6 +30,7 @@ import time
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.errors import MegatronRuntimeError
 from megatron.core.inference import offline_inference
 from megatron.core.inference.checkpoint_loading import record_tokenizer
 from megatron.core.inference.coordinator import InferenceClient, InferenceCoordinator, Role
@@ -95,7 +96,7 @@ def decode_process(args, num_blocks: int, num_requests: int, prefill_address: st
     channel.close()
 
 
-class EngineProcessExitedError(RuntimeError):
+class EngineProcessExitedError(MegatronRuntimeError):
     """An engine process ended before its part was done (its own error is in the output above)."""
 
 
