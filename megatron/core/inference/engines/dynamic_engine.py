@@ -334,9 +334,7 @@ class DynamicInferenceEngine:
         off: a pinned request's state must stop at its prompt). Finishes any step in flight."""
         if overlap:
             self._overlap(True)  # raises where overlap cannot work
-        if self._in_flight is not None:
-            self._pending += self._complete(self._in_flight)
-            self._in_flight = None
+        self._pending += self._finish_in_flight()
         self.overlap_steps = overlap
 
     # ---- public API -------------------------------------------------------------------------
@@ -496,19 +494,16 @@ class DynamicInferenceEngine:
         outputs, self._pending = self._pending, []
         self._host_s = 0.0
         completed = False
-        in_flight = self._in_flight
-        if in_flight is not None and self.scheduler.short_of_blocks(in_flight.scheduled):
+        if self._in_flight is not None and self.scheduler.short_of_blocks(self._in_flight.scheduled):
             # Short of blocks: finish the step in flight first, so that the requests it ends give
             # their blocks back before the schedule, which would otherwise pause or evict others.
-            outputs += self._complete(in_flight)
-            self._in_flight, completed = None, True
+            outputs += self._finish_in_flight()
+            completed = True
         launched = None
         if not self._stepping_paused and self.scheduler.has_requests():
             launched = self._launch()
         completed = completed or self._in_flight is not None or (launched is not None and not self.overlap_steps)
-        if self._in_flight is not None:
-            outputs += self._complete(self._in_flight)
-            self._in_flight = None
+        outputs += self._finish_in_flight()
         if launched is not None:
             self._sample(launched)
             if self.overlap_steps:
@@ -518,6 +513,14 @@ class DynamicInferenceEngine:
         if completed:
             self.step_bookkeeping_s.append(self._host_s)
         return outputs + self._pending_and_clear()
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Complete the step in flight, if any; its outputs (none without one)."""
+        if self._in_flight is None:
+            return []
+        outputs = self._complete(self._in_flight)
+        self._in_flight = None
+        return outputs
 
     # ---- launch (every stage) ---------------------------------------------------------------
     def _launch(self) -> _Step | None:
