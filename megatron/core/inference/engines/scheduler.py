@@ -104,7 +104,7 @@ class Scheduler:
         """Whether the next schedule may pause a request: one is paused already, or the decoding
         requests' next tokens (one more for each request of ``in_flight``, the entries of a step
         still running, which samples their next token) need more fresh blocks than are free."""
-        if self.paused:
+        if any(request.status is RequestStatus.PAUSED for request in self.admitted):
             return True
         if len(self.admitted) <= self.context.num_free_blocks:
             return False  # a request's next token takes at most one fresh block
