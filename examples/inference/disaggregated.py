@@ -100,43 +100,38 @@ class EngineProcessExitedError(MegatronRuntimeError):
     """An engine process ended before its part was done (its own error is in the output above)."""
 
 
-def _check_running(processes: dict[str, mp.Process], until: str) -> None:
-    """Raise :class:`EngineProcessExitedError` naming the first of ``processes`` that has ended."""
+def _ended(processes: dict[str, mp.Process], until: str) -> EngineProcessExitedError | None:
+    """The error naming the first of ``processes`` that has ended, or None while all run."""
     for name, process in processes.items():
         if process.exitcode is not None:
-            raise EngineProcessExitedError(
+            return EngineProcessExitedError(
                 f"the {name} engine process exited with code {process.exitcode} {until}; its error is above"
             )
+    return None
 
 
 def _receive(items: mp.Queue, processes: dict[str, mp.Process], until: str):
     """The next item of ``items``, unless one of ``processes`` ends first (then
     :class:`EngineProcessExitedError`)."""
-    while True:
-        try:
+    while (ended := _ended(processes, until)) is None:
+        with contextlib.suppress(queue.Empty):
             return items.get(timeout=0.1)
-        except queue.Empty:
-            try:
-                _check_running(processes, until)
-            except EngineProcessExitedError:
-                with contextlib.suppress(queue.Empty):  # it may have put the item just before exiting
-                    return items.get(timeout=1.0)
-                raise
+    with contextlib.suppress(queue.Empty):  # it may have put the item just before exiting
+        return items.get(timeout=1.0)
+    raise ended
 
 
 async def _while_running(work, processes: dict[str, mp.Process], until: str):
     """``await work``, unless one of ``processes`` ends first (then :class:`EngineProcessExitedError`)."""
     task = asyncio.ensure_future(work)
-    while not (await asyncio.wait({task}, timeout=0.1))[0]:
-        try:
-            _check_running(processes, until)
-        except EngineProcessExitedError:
-            if (await asyncio.wait({task}, timeout=1.0))[0]:  # the work may have ended as the process did
-                break
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise
+    while (ended := _ended(processes, until)) is None:
+        if (await asyncio.wait({task}, timeout=0.1))[0]:
+            return task.result()
+    if not (await asyncio.wait({task}, timeout=1.0))[0]:  # the work may have ended as the process did
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ended
     return task.result()
 
 
