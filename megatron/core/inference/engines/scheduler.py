@@ -88,6 +88,10 @@ class Scheduler:
     def paused(self) -> list[EngineRequest]:
         return [r for r in self.admitted if r.status is RequestStatus.PAUSED]
 
+    def has_paused(self) -> bool:
+        """Whether an admitted request is paused (:attr:`paused` non-empty, without building it)."""
+        return any(r.status is RequestStatus.PAUSED for r in self.admitted)
+
     def has_requests(self) -> bool:
         return bool(self.waiting or self.admitted)
 
@@ -104,7 +108,7 @@ class Scheduler:
         """Whether the next schedule may pause a request: one is paused already, or the decoding
         requests' next tokens (one more for each request of ``in_flight``, the entries of a step
         still running, which samples their next token) need more fresh blocks than are free."""
-        if any(request.status is RequestStatus.PAUSED for request in self.admitted):
+        if self.has_paused():
             return True
         if len(self.admitted) <= self.context.num_free_blocks:
             return False  # a request's next token takes at most one fresh block
@@ -138,10 +142,10 @@ class Scheduler:
                 self._grow_or_pause(events)
                 self._evict_over_budget(events)
                 runnable = [r for r in self.admitted if r.status is RequestStatus.ACTIVE]
-                if runnable or not self.paused:
+                if runnable or not self.has_paused():
                     break
                 self._evict(self.paused[-1], events)  # nothing can run: make room
-            if not self.paused:
+            if not self.has_paused():
                 self._admit(events)
         return self._pack(), events
 
