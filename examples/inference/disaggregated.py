@@ -172,24 +172,8 @@ def main(argv=None) -> int:
         record = offline_inference.random_model_record(args, tokenizer.vocab_size)
     max_sequence_length = args.max_sequence_length or record.max_sequence_length
     prompts = [prompt_token_ids(p, tokenizer) for p in offline_inference.read_prompts(args)]
-    longest = max(len(p) for p in prompts)
-    block_count = args.kv_block_count or len(prompts) * -(
-        -(longest + args.num_tokens_to_generate) // args.kv_block_size
-    )
-    num_blocks = max(block_count, -(-max_sequence_length // args.kv_block_size))
-    params = [
-        SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed + i,
-            max_tokens=args.num_tokens_to_generate,
-            ignore_eos=True,
-            logprobs=True,
-            return_prompt_logprobs=True,
-        )
-        for i in range(len(prompts))
-    ]
+    num_blocks = offline_inference.kv_block_count(args, [len(p) for p in prompts], max_sequence_length)
+    params = offline_inference.sampling_params(args, len(prompts))
     spawn = mp.get_context("spawn")
     addresses, results = spawn.Queue(), spawn.Queue()
     engines: dict[str, mp.Process] = {}

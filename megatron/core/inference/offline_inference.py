@@ -127,6 +127,32 @@ def random_model_record(args: argparse.Namespace, vocab_size: int) -> ModelRecor
     )
 
 
+def kv_block_count(args: argparse.Namespace, prompt_lengths: list[int], max_sequence_length: int) -> int:
+    """The KV pool's size in blocks: ``--kv-block-count``, else room for every prompt and its
+    new tokens at once; never fewer than one sequence of ``max_sequence_length`` needs."""
+    per_request = -(-(max(prompt_lengths) + args.num_tokens_to_generate) // args.kv_block_size)
+    wanted = args.kv_block_count or len(prompt_lengths) * per_request
+    return max(wanted, -(-max_sequence_length // args.kv_block_size))
+
+
+def sampling_params(args: argparse.Namespace, count: int) -> list[SamplingParams]:
+    """The sampling flags as one ``SamplingParams`` per prompt (seed ``--seed`` + its index),
+    each asking for exactly ``--num-tokens-to-generate`` tokens and their log-probs."""
+    return [
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + i,
+            max_tokens=args.num_tokens_to_generate,
+            ignore_eos=True,
+            logprobs=True,
+            return_prompt_logprobs=True,
+        )
+        for i in range(count)
+    ]
+
+
 def load_model(
     args: argparse.Namespace, pg: ProcessGroupCollection
 ) -> tuple[torch.nn.Module, MegatronTokenizer, ModelRecord]:
@@ -151,15 +177,13 @@ def main(argv=None) -> int:
     model, tokenizer, _ = load_model(args, pg)
     max_sequence_length = args.max_sequence_length or model.max_sequence_length
     prompts = read_prompts(args)
-    longest = max(len(p) if isinstance(p, list) else len(tokenizer.tokenize(p)) for p in prompts)
-    blocks_per_request = -(-(longest + args.num_tokens_to_generate) // args.kv_block_size)
-    block_count = args.kv_block_count or len(prompts) * blocks_per_request
+    lengths = [len(p) if isinstance(p, list) else len(tokenizer.tokenize(p)) for p in prompts]
     llm = LLM(
         model,
         tokenizer,
         pg_collection=pg,
         block_size=args.kv_block_size,
-        num_blocks=max(block_count, -(-max_sequence_length // args.kv_block_size)),
+        num_blocks=kv_block_count(args, lengths, max_sequence_length),
         max_requests=args.max_requests or len(prompts),
         max_tokens_per_step=args.max_tokens_per_step,
         max_sequence_length=max_sequence_length,
@@ -170,19 +194,7 @@ def main(argv=None) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         enable_cuda_graphs=args.enable_cuda_graphs,
     )
-    params = [
-        SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed + i,
-            max_tokens=args.num_tokens_to_generate,
-            ignore_eos=True,
-            logprobs=True,
-            return_prompt_logprobs=True,
-        )
-        for i in range(len(prompts))
-    ]
+    params = sampling_params(args, len(prompts))
     is_reporter = dist.get_rank() == 0
     with tqdm(total=len(prompts), desc="requests", disable=not is_reporter) as bar:
         started = time.perf_counter()
