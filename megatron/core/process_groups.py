@@ -134,11 +134,6 @@ class RankLayout:
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
-    def has_expert_parallelism(self) -> bool:
-        """Whether the expert groups differ from the dense ones (EP > 1 or ETP != TP)."""
-        return self.ep > 1 or self.etp != self.tp
-
-    @property
     def axes(self) -> tuple[str, ...]:
         return parse_order(self.order)
 

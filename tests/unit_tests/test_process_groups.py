@@ -97,11 +97,50 @@ def _check_world_groups(sizes):
         dist.all_reduce(total, group=group)
         assert total.item() == sum(mine[0]), name
         checked.append(name)
-    assert parallel_state.get_tensor_model_parallel_world_size() == sizes["tp"]
-    assert parallel_state.get_generalized_tensor_parallel_world_size() == sizes["gtp"]
-    assert parallel_state.get_data_parallel_world_size() == sizes["dp"]
-    assert parallel_state.is_pipeline_first_stage() == (pgc.rank("pp") == 0)
+    _check_megatron_getters(table, me)
     return checked
+
+
+def _check_megatron_getters(table, me):
+    """Megatron's ``parallel_state`` getters name the table's groups, and their ranks and
+    world sizes are this rank's place in them."""
+    ps = parallel_state
+    groups = {
+        "tp": ps.get_tensor_model_parallel_group,
+        "pp": ps.get_pipeline_model_parallel_group,
+        "cp": ps.get_context_parallel_group,
+        "gtp": ps.get_generalized_tensor_parallel_group,
+        "dp": ps.get_data_parallel_group,
+        "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "dp_cp_gtp": lambda: ps.get_data_parallel_group(with_gtp=True),
+        "mp": ps.get_model_parallel_group,
+        "expt_tp": ps.get_expert_tensor_parallel_group,
+        "expt_dp": ps.get_expert_data_parallel_group,
+        "embd": ps.get_embedding_group,
+        "pos_embd": ps.get_position_embedding_group,
+    }
+    for name, getter in groups.items():
+        mine = [g for g in table[name] if me in g]
+        if mine:
+            assert dist.get_process_group_ranks(getter()) == mine[0], name
+    places = {
+        "tp": (ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_world_size),
+        "pp": (ps.get_pipeline_model_parallel_rank, ps.get_pipeline_model_parallel_world_size),
+        "cp": (ps.get_context_parallel_rank, ps.get_context_parallel_world_size),
+        "gtp": (ps.get_generalized_tensor_parallel_rank, ps.get_generalized_tensor_parallel_world_size),
+        "dp": (ps.get_data_parallel_rank, ps.get_data_parallel_world_size),
+        "dp_cp": (
+            lambda: ps.get_data_parallel_rank(with_context_parallel=True),
+            lambda: ps.get_data_parallel_world_size(with_context_parallel=True),
+        ),
+    }
+    for name, (rank, world_size) in places.items():
+        (group,) = [g for g in table[name] if me in g]
+        assert (rank(), world_size()) == (group.index(me), len(group)), name
+    (pipeline,) = [g for g in table["pp"] if me in g]
+    assert ps.is_pipeline_first_stage() == (me == pipeline[0])
+    assert ps.is_pipeline_last_stage() == (me == pipeline[-1])
+    assert (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()) == (0, 1)
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=_layout_id)
