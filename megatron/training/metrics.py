@@ -174,8 +174,10 @@ class MetricsLogger:
             f" number of nan iterations: {nan:3d} |"
         )
 
-    def log_evaluation(self, *, iteration: int, loss: float, label: str = "validation") -> None:
-        """Evaluation loss and perplexity as their own record and line."""
+    def log_evaluation(self, *, iteration: int, loss: float, label: str = "validation", final: bool = False) -> None:
+        """Evaluation loss and perplexity as their own record and line. The line is Megatron's:
+        ``validation loss at iteration N``, and for the evaluations after training
+        (``final``) ``... at iteration N on validation set`` / ``on test set``."""
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss))
@@ -184,7 +186,8 @@ class MetricsLogger:
             iteration,
             {f"lm loss {label}": loss, f"lm loss {label} ppl": ppl},
         )
-        line = f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        where = f"iteration {iteration} on {label} set" if final else f"iteration {iteration}"
+        line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         bar = "-" * len(line)
         self.print_fn(f"{bar}\n{line}\n{bar}")
 

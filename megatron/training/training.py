@@ -408,10 +408,10 @@ class Trainer:
             torch.cuda.empty_cache()
         return sum(losses) / len(losses)
 
-    def _evaluate_and_log(self, dataset, label: str, gc_control: GarbageCollection) -> None:
+    def _evaluate_and_log(self, dataset, label: str, gc_control: GarbageCollection, final: bool = False) -> None:
         with gc_control.around_evaluation():
             loss = self.evaluate(dataset)
-        self.logger.log_evaluation(iteration=self.state.iteration, loss=loss, label=label)
+        self.logger.log_evaluation(iteration=self.state.iteration, loss=loss, label=label, final=final)
 
     def train(self) -> TrainState:
         """Train to --train-iters (or until --exit-interval / --exit-duration-in-mins: save,
@@ -456,7 +456,7 @@ class Trainer:
         if not exited and args.eval_iters:
             for dataset, label in ((self.valid_ds, "validation"), (self.test_ds, "test")):
                 if dataset is not None:
-                    self._evaluate_and_log(dataset, label, gc_control)
+                    self._evaluate_and_log(dataset, label, gc_control, final=True)
         gc_control.close()
         return state
 

@@ -58,6 +58,21 @@ def test_log_line_and_jsonl_records(tmp_path):
     assert valid["type"] == "validation" and valid["lm loss"] == 2.0 and abs(valid["lm loss ppl"] - 7.389056) < 1e-6
 
 
+def test_evaluations_after_training_name_their_set_as_megatron_does(tmp_path):
+    lines = []
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(True, str(path), print_fn=lines.append)
+    logger.log_evaluation(iteration=300, loss=2.0, final=True)
+    logger.log_evaluation(iteration=300, loss=2.25, label="test", final=True)
+    logger.close()
+    values = " | lm loss value: {} | lm loss PPL: {} |"
+    assert [block.splitlines()[1] for block in lines] == [
+        " validation loss at iteration 300 on validation set" + values.format("2.000000E+00", "7.389056E+00"),
+        " validation loss at iteration 300 on test set" + values.format("2.250000E+00", "9.487736E+00"),
+    ]
+    assert [json.loads(x)["type"] for x in path.read_text().splitlines()] == ["validation", "test"]
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     lines = []
     logger = MetricsLogger(False, str(tmp_path / "m.jsonl"), print_fn=lines.append)
