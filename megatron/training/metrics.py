@@ -135,7 +135,8 @@ class MetricsLogger:
         loss_scale: float | None = None,
         batch_size: int | None = None,
     ) -> None:
-        """One training record and Megatron's log line."""
+        """One training record and Megatron's log line (its fields in its order and formats, plus
+        tokens/s and TFLOP/s per rank)."""
         if not self.enabled:
             return
         record = {
@@ -162,14 +163,15 @@ class MetricsLogger:
         scalars.update({key: value for key, value in (extra or {}).items() if isinstance(value, (int, float))})
         scalars.update(memory_stats())
         self._record(record, iteration, scalars)
-        grad = "n/a" if grad_norm is None else f"{grad_norm:.3E}"
+        grad = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+        batch = "" if batch_size is None else f" global batch size: {batch_size:5d} |"
         extras = "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items() if isinstance(v, float))
         if loss_scale is not None:
             extras += f" loss scale: {loss_scale:.1f} |"
         self.print_fn(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-            f" tokens/s: {tokens_per_s:.1f} | TFLOP/s: {tflops:.4f} | learning rate: {lr:.6E} |"
+            f" tokens/s: {tokens_per_s:.1f} | TFLOP/s: {tflops:.4f} | learning rate: {lr:.6E} |{batch}"
             f" lm loss: {loss:.6E} |{extras} grad norm: {grad} | number of skipped iterations: {skipped:3d} |"
             f" number of nan iterations: {nan:3d} |"
         )

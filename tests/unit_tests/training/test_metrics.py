@@ -23,6 +23,7 @@ def test_log_line_and_jsonl_records(tmp_path):
         grad_norm=1.5,
         skipped=1,
         nan=0,
+        batch_size=8,
     )
     logger.log_evaluation(iteration=3, loss=2.0)
     logger.close()
@@ -33,9 +34,8 @@ def test_log_line_and_jsonl_records(tmp_path):
         "elapsed time per iteration (ms): 12.5",
         "tokens/s: 100.0",
         "TFLOP/s: 0.2500",
-        "learning rate: 1.000000E-03",
-        "lm loss: 2.500000E+00",
-        "grad norm: 1.500E+00",
+        "learning rate: 1.000000E-03 | global batch size:     8 | lm loss: 2.500000E+00",
+        "grad norm: 1.500 |",
         "number of skipped iterations:   1",
         "number of nan iterations:   0",
     ):
