@@ -50,6 +50,7 @@ from megatron.core.parallel_state import initialize_distributed
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.training.arguments import (
     ArgumentError,
+    optimizer_config_from_args,
     parse_args,
     tokenizer_record_from_args,
     transformer_config_from_args,
@@ -69,7 +70,6 @@ from megatron.training.training import (
     TrainState,
     count_flops_per_token,
     ddp_config_from_args,
-    optimizer_config_from_args,
     save_due,
     scheduler_from_args,
 )
@@ -106,6 +106,8 @@ UNSUPPORTED_FLAGS = {
             "--empty-unused-memory-level",
             "--profile",
             "--use-torch-compile",
+            "--log-params-norm",
+            "--log-num-zeros-in-grad",
         ),
         _NOT_IMPLEMENTED,
     ),

@@ -21,6 +21,7 @@ from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
 from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
+from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
 
@@ -258,7 +259,15 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--loss-scale", type=float, default=None, help="a constant loss scale (default: dynamic scaling with --fp16)"
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="dynamic loss scaling never goes below it")
+    g.add_argument(
+        "--loss-scale-window", type=int, default=1000, help="dynamic loss scaling: steps without overflow to grow"
+    )
+    g.add_argument("--hysteresis", type=int, default=2, help="dynamic loss scaling: overflows tolerated to shrink")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true")
 
@@ -292,6 +301,10 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--metrics-jsonl", type=str, default=None, metavar="PATH")
+    g.add_argument("--log-params-norm", action="store_true", help="log the global L2 norm of the parameters")
+    g.add_argument(
+        "--log-num-zeros-in-grad", action="store_true", help="log the number of zero elements in the gradients"
+    )
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -634,6 +647,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}",
     )
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    try:
+        optimizer_config_from_args(args)
+    except OptimizerConfigError as error:
+        raise ArgumentError(f"invalid optimizer flags: {error}") from error
     _check_data(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_width
@@ -908,6 +925,30 @@ def tokenizer_record_from_args(args: argparse.Namespace) -> TokenizerRecord:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         vocab_size=args.vocab_size if args.tokenizer_type == "NullTokenizer" else None,
+    )
+
+
+def optimizer_config_from_args(args) -> OptimizerConfig:
+    """The optimizer settings the training flags describe."""
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 

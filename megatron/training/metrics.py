@@ -4,8 +4,8 @@ Only the last pipeline stage's data-parallel rank 0 holds the loss; callers pass
 record through :class:`MetricsLogger` on that rank (``enabled=True``), which is the one
 that writes. TensorBoard tags are Megatron's (:data:`TENSORBOARD_TAGS`): ``lm loss`` for
 training, ``lm loss validation`` / ``lm loss test`` for evaluations, ``learning-rate``,
-``grad-norm``, ``loss-scale``, ``batch-size``, ``throughput`` (TFLOP/s per rank),
-``tokens-per-second``, ``iteration-time`` (s), and memory (``mem-allocated-bytes``,
+``grad-norm``, ``num-zeros``, ``params-norm``, ``loss-scale``, ``batch-size``, ``throughput``
+(TFLOP/s per rank), ``tokens-per-second``, ``iteration-time`` (s), and memory (``mem-allocated-bytes``,
 ``mem-max-allocated-bytes``, ``mem-reserved-bytes`` on CUDA; ``mem-max-rss-bytes`` on CPU).
 """
 
@@ -28,6 +28,8 @@ TENSORBOARD_TAGS = {
     "tflops": ("throughput", 1.0),
     "tokens_per_s": ("tokens-per-second", 1.0),
     "elapsed_ms_per_iteration": ("iteration-time", 1e-3),
+    "num_zeros_in_grad": ("num-zeros", 1.0),
+    "params_norm": ("params-norm", 1.0),
 }
 
 
@@ -134,6 +136,8 @@ class MetricsLogger:
         extra: dict | None = None,
         loss_scale: float | None = None,
         batch_size: int | None = None,
+        num_zeros: int | None = None,
+        params_norm: float | None = None,
     ) -> None:
         """One training record and Megatron's log line (its fields in its order and formats, plus
         tokens/s and TFLOP/s per rank)."""
@@ -152,8 +156,9 @@ class MetricsLogger:
             "skipped_iterations": skipped,
             "nan_iterations": nan,
         }
-        if loss_scale is not None:
-            record["loss_scale"] = loss_scale
+        for key, value in (("loss_scale", loss_scale), ("num_zeros_in_grad", num_zeros), ("params_norm", params_norm)):
+            if value is not None:
+                record[key] = value
         record.update(extra or {})
         scalars = {
             tag: record[key] * factor for key, (tag, factor) in TENSORBOARD_TAGS.items() if record.get(key) is not None
@@ -164,6 +169,10 @@ class MetricsLogger:
         scalars.update(memory_stats())
         self._record(record, iteration, scalars)
         grad = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+        if num_zeros is not None:
+            grad += f" | num zeros: {float(num_zeros):.1f}"
+        if params_norm is not None:
+            grad += f" | params norm: {params_norm:.3f}"
         batch = "" if batch_size is None else f" global batch size: {batch_size:5d} |"
         extras = "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items() if isinstance(v, float))
         if loss_scale is not None:

@@ -23,14 +23,14 @@ from megatron.core.dist_checkpointing import AsyncSaver, CheckpointingError, rea
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.model_record import adopt_untracked_checkpoints, model_chunks_from_record
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.moe.router import aux_loss_metrics, set_aux_loss_scale, update_expert_biases
 from megatron.training import startup_summary as summary
-from megatron.training.arguments import model_record_from_args, tokenizer_record_from_args
+from megatron.training.arguments import model_record_from_args, optimizer_config_from_args, tokenizer_record_from_args
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
@@ -72,12 +72,16 @@ class IterationLog:
     """Bookkeeping after each training iteration, shared by the trainers: advances the
     TrainState and writes one record, averaged over the interval, every --log-interval
     iterations (and at the last one). ``extra_metrics`` (called on every rank at each record,
-    e.g. the MoE losses averaged over the interval) adds named values to the record and line."""
+    e.g. the MoE losses averaged over the interval) adds named values to the record and line;
+    ``params_norm`` (called on every rank at each record, with --log-params-norm) adds the
+    parameters' global norm."""
 
-    def __init__(self, args, logger: MetricsLogger, flops_per_token: float, num_ranks: int, extra_metrics=None):
+    def __init__(
+        self, args, logger: MetricsLogger, flops_per_token: float, num_ranks: int, extra_metrics=None, params_norm=None
+    ):
         self.args, self.logger = args, logger
         self.flops_per_token, self.num_ranks = flops_per_token, num_ranks
-        self.extra_metrics = extra_metrics
+        self.extra_metrics, self.params_norm = extra_metrics, params_norm
         self._losses: list[float] = []
         self._start = time.perf_counter()
 
@@ -89,7 +93,10 @@ class IterationLog:
         grad_norm: float | None,
         lr: float,
         loss_scale: float | None = None,
+        num_zeros: int | None = None,
     ) -> None:
+        """Advance ``state`` by one iteration; at a logging iteration, write the record (with
+        this iteration's ``grad_norm`` and ``num_zeros``, as Megatron logs them)."""
         args = self.args
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
@@ -99,6 +106,7 @@ class IterationLog:
         if state.iteration % args.log_interval and state.iteration != args.train_iters:
             return
         extra = self.extra_metrics() if self.extra_metrics is not None else None
+        params_norm = self.params_norm() if self.params_norm is not None else None
         elapsed = time.perf_counter() - self._start
         iters = len(self._losses)
         tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
@@ -116,6 +124,8 @@ class IterationLog:
             nan=state.nan_iterations,
             loss_scale=loss_scale,
             batch_size=args.global_batch_size,
+            num_zeros=num_zeros,
+            params_norm=params_norm,
             extra=extra,
         )
         self._losses, self._start = [], time.perf_counter()
@@ -227,25 +237,6 @@ def count_flops_per_token(
         config.mamba_chunk_size,
     )
     return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size, int(counts[2]), ssd)
-
-
-def optimizer_config_from_args(args) -> OptimizerConfig:
-    """The optimizer settings the training flags describe."""
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        sgd_momentum=args.sgd_momentum,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:
@@ -379,8 +370,9 @@ class Trainer:
             return None
         return aux_loss_metrics(self.model_chunks, self.pgc.pp, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
 
-    def train_step(self, data_iterator) -> tuple[float, bool, float | None]:
-        """One iteration; returns (loss, update_successful, grad_norm)."""
+    def train_step(self, data_iterator) -> tuple[float, bool, float | None, int | None]:
+        """One iteration; returns (loss, update_successful, grad_norm, num_zeros_in_grad), the
+        last None unless --log-num-zeros-in-grad."""
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -389,10 +381,10 @@ class Trainer:
         loss, num_tokens = self._run_schedule(data_iterator, forward_only=False)
         finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_expert_biases(self.model_chunks, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
-        update_successful, grad_norm, _ = self.optimizer.step()
+        update_successful, grad_norm, num_zeros = self.optimizer.step()
         if update_successful:
             self.scheduler.step(1)
-        return loss.item(), update_successful, grad_norm
+        return loss.item(), update_successful, grad_norm, num_zeros
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> float:
@@ -420,7 +412,12 @@ class Trainer:
         args, state = self.args, self.state
         iterator = self.data_iterator(self.train_ds, state.consumed_samples)
         log = IterationLog(
-            args, self.logger, self.flops_per_token, dist.get_world_size(), extra_metrics=self.moe_loss_metrics
+            args,
+            self.logger,
+            self.flops_per_token,
+            dist.get_world_size(),
+            extra_metrics=self.moe_loss_metrics,
+            params_norm=self.optimizer.params_norm if args.log_params_norm else None,
         )
         gc_control = GarbageCollection(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
         exit_rule = ExitRule(args.exit_interval, args.exit_duration_in_mins, self.device)
@@ -430,11 +427,12 @@ class Trainer:
             if self.checkpoint_saver is not None:
                 self.checkpoint_saver.poll()  # a failed background save stops training here
             profiler.before_step(state.iteration + 1)
-            loss, ok, grad_norm = self.train_step(iterator)
+            loss, ok, grad_norm, num_zeros = self.train_step(iterator)
             profiler.after_step(state.iteration + 1)
             if args.empty_unused_memory_level >= 1 and self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            log.record(state, loss, ok, grad_norm, self.scheduler.get_lr(), self.optimizer.get_loss_scale())
+            lr, loss_scale = self.scheduler.get_lr(), self.optimizer.get_loss_scale()
+            log.record(state, loss, ok, grad_norm, lr, loss_scale, num_zeros)
             gc_control.after_step(state.iteration)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
                 self._evaluate_and_log(self.valid_ds, "validation", gc_control)

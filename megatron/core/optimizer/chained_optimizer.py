@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from megatron.core.optimizer.optimizer import step_optimizers
 from megatron.core.optimizer.optimizer_config import OptimizerConfigError
 
@@ -50,6 +52,10 @@ class ChainedOptimizer:
     def step(self) -> tuple[bool, float | None, int | None]:
         """``(update_successful, grad_norm, num_zeros_in_grad)`` of the agreed step."""
         return step_optimizers(self.chained_optimizers)
+
+    def params_norm(self) -> float:
+        """Global L2 norm of every member's parameters (the root of their squared norms)."""
+        return math.sqrt(sum(opt.params_norm() ** 2 for opt in self.chained_optimizers))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.chained_optimizers:

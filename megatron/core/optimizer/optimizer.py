@@ -145,19 +145,22 @@ class MegatronOptimizer:
     def _sum_groups(self, expert: bool = False) -> list:
         return [self.pg_collection.expert_mp_group() if expert else self.pg_collection.mp]
 
-    def _grad_domains(self) -> list[tuple[list[torch.Tensor], list]]:
-        """``(counted grads, sum groups)`` per gradient domain: dense and expert gradients are
-        summed over their own groups, as one domain when those groups are the same."""
+    def _domains(self, tensor_of: Callable[[MasterParam], torch.Tensor | None]) -> list[tuple[list, list]]:
+        """``(tensors, sum groups)`` per domain: ``tensor_of(entry)`` (its gradient, or the master
+        itself) of every counted entry that has one; dense and expert entries are summed over
+        their own groups, as one domain when those groups are the same."""
         dense_groups, expert_groups = self._sum_groups(), self._sum_groups(expert=True)
-        grads = self._master_grads(counted_only=True)
+        counted = [e for e in self.master_params if e.counted and tensor_of(e) is not None]
         if all(a is b for a, b in zip(dense_groups, expert_groups, strict=True)):
-            return [(grads, dense_groups)]
-        counted = [e for e in self.master_params if e.master.grad is not None and e.counted]
+            return [([tensor_of(e) for e in counted], dense_groups)]
         expert = [getattr(e.model_param, "is_expert", False) for e in counted]
         return [
-            ([e.master.grad for e, is_expert in zip(counted, expert, strict=True) if not is_expert], dense_groups),
-            ([e.master.grad for e, is_expert in zip(counted, expert, strict=True) if is_expert], expert_groups),
+            ([tensor_of(e) for e, is_expert in zip(counted, expert, strict=True) if not is_expert], dense_groups),
+            ([tensor_of(e) for e, is_expert in zip(counted, expert, strict=True) if is_expert], expert_groups),
         ]
+
+    def _grad_domains(self) -> list[tuple[list[torch.Tensor], list]]:
+        return self._domains(lambda entry: entry.master.grad)
 
     def _job_groups(self) -> list:
         """Groups whose union is the whole job (for the inf/nan decision)."""
@@ -174,12 +177,8 @@ class MegatronOptimizer:
         """The loss to back-propagate (multiplied by the current loss scale)."""
         return loss * self.get_loss_scale()
 
-    def _master_grads(self, counted_only: bool = False) -> list[torch.Tensor]:
-        return [
-            entry.master.grad
-            for entry in self.master_params
-            if entry.master.grad is not None and (entry.counted or not counted_only)
-        ]
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [entry.master.grad for entry in self.master_params if entry.master.grad is not None]
 
     def prepare_grads(self) -> bool:
         """Give each master its (unscaled, fp32) gradient; return whether any rank of the job
@@ -206,6 +205,12 @@ class MegatronOptimizer:
     def get_grad_norm(self) -> float:
         """:meth:`grad_norm` on the host."""
         return self.grad_norm().item()
+
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 master parameters, each element counted once as in the
+        gradient norm (Megatron's ``params norm``); every rank of the job must call it."""
+        domains = self._domains(lambda entry: entry.master)
+        return root_sum_squares([grad_norm_fp32(*domain, self.device).double() for domain in domains]).item()
 
     def count_zeros(self) -> int:
         return sum(count_zeros_fp32(grads, groups, self.device) for grads, groups in self._grad_domains())

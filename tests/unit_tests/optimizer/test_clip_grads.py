@@ -1,5 +1,6 @@
-"""The global gradient norm counts every parameter exactly once across TP, GTP, PP and DP:
-hand-sharded parameters on 4-8 gloo ranks against the single-process norm of the full model."""
+"""The global gradient norm, zero count and parameter norm count every parameter exactly once
+across TP, GTP, PP and DP: hand-sharded parameters on 4-8 gloo ranks against the
+single-process values of the full model."""
 
 import pytest
 import torch
@@ -104,7 +105,8 @@ def _global_norm_counts_each_param_once(world_size, sizes, distributed_optimizer
         model = params
         for name, param in params.items():
             param.grad = shard(grads[name], SPECS[name], pgc).to(device())
-    ok, norm, num_zeros = get_megatron_optimizer(config, [model], pgc).step()
+    optimizer = get_megatron_optimizer(config, [model], pgc)
+    ok, norm, num_zeros = optimizer.step()
 
     ref_norm, ref_zeros, ref_params = reference()
     assert ok and ref_norm > MAX_NORM
@@ -114,6 +116,8 @@ def _global_norm_counts_each_param_once(world_size, sizes, distributed_optimizer
         torch.testing.assert_close(
             param.detach().cpu(), shard(ref_params[name], SPECS[name], pgc), rtol=1e-5, atol=1e-6
         )
+    unique = [p.flatten() for name, p in ref_params.items() if name != "emb_copy"]
+    assert optimizer.params_norm() == pytest.approx(float(torch.linalg.vector_norm(torch.cat(unique))), rel=1e-5)
     return norm
 
 

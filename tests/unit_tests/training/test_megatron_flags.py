@@ -2,15 +2,20 @@
 select what is always used (accepted, noted once), the refused ones (named, with what to use
 instead), the sample-based schedule, and the flags with meaning (recompute, zero-centered norms)."""
 
+import re
+
 import pytest
 import torch
 
 from megatron.core.config import TransformerConfig
 from megatron.core.transformer.norms import LayerNorm, RMSNorm
+from megatron.core.optimizer import build_grad_scaler
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.training.arguments import (
     IMPLEMENTATION_FLAGS,
     ArgumentError,
     build_parser,
+    optimizer_config_from_args,
     parse_args,
     transformer_config_from_args,
 )
@@ -26,6 +31,12 @@ MEGATRON_DEFAULTS = {
     "mamba_num_groups": 8,
     "mamba_chunk_size": 128,
     "initial_loss_scale": 2.0**32,
+    "loss_scale": None,
+    "min_loss_scale": 1.0,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "log_params_norm": False,
+    "log_num_zeros_in_grad": False,
     "log_interval": 100,
     "eval_iters": 100,
     "eval_interval": None,
@@ -255,3 +266,29 @@ def test_non_default_arguments_are_listed_for_the_summary():
     args = _args("--use-flash-attn", "--hidden-dropout", "0.0")
     assert args.non_default_args["--hidden-dropout"] == 0.0 and args.non_default_args["--use-flash-attn"] is True
     assert "--attention-dropout" not in args.non_default_args
+
+
+def test_loss_scale_flags_reach_the_scaler():
+    dynamic = build_grad_scaler(
+        optimizer_config_from_args(
+            _args("--fp16", "--min-loss-scale", "4", "--loss-scale-window", "10", "--hysteresis", "3")
+        )
+    )
+    assert type(dynamic) is DynamicGradScaler
+    assert (dynamic.min_scale, dynamic.growth_interval, dynamic.hysteresis) == (4.0, 10, 3)
+    constant = build_grad_scaler(optimizer_config_from_args(_args("--bf16", "--loss-scale", "1024")))
+    assert type(constant) is ConstantGradScaler and constant.scale == 1024.0
+    assert optimizer_config_from_args(_args("--log-num-zeros-in-grad")).log_num_zeros_in_grad
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--hysteresis", "0"], "invalid optimizer flags: hysteresis must be an integer >= 1, got 0"),
+        (["--loss-scale", "-1"], "invalid optimizer flags: loss_scale must be None"),
+        (["--weight-decay", "-0.1"], "invalid optimizer flags: weight_decay must be >= 0, got -0.1"),
+    ],
+)
+def test_bad_optimizer_flags_fail_before_any_process_group(extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        _args(*extra)

@@ -24,6 +24,8 @@ def test_log_line_and_jsonl_records(tmp_path):
         skipped=1,
         nan=0,
         batch_size=8,
+        num_zeros=12,
+        params_norm=3.5,
     )
     logger.log_evaluation(iteration=3, loss=2.0)
     logger.close()
@@ -35,7 +37,7 @@ def test_log_line_and_jsonl_records(tmp_path):
         "tokens/s: 100.0",
         "TFLOP/s: 0.2500",
         "learning rate: 1.000000E-03 | global batch size:     8 | lm loss: 2.500000E+00",
-        "grad norm: 1.500 |",
+        "grad norm: 1.500 | num zeros: 12.0 | params norm: 3.500 | number of skipped iterations:   1",
         "number of skipped iterations:   1",
         "number of nan iterations:   0",
     ):
@@ -54,6 +56,8 @@ def test_log_line_and_jsonl_records(tmp_path):
         "tflops": 0.25,
         "skipped_iterations": 1,
         "nan_iterations": 0,
+        "num_zeros_in_grad": 12,
+        "params_norm": 3.5,
     }
     assert valid["type"] == "validation" and valid["lm loss"] == 2.0 and abs(valid["lm loss ppl"] - 7.389056) < 1e-6
 
@@ -121,6 +125,8 @@ def test_tensorboard_tags_are_megatrons_and_keep_validation_apart(tmp_path):
         nan=0,
         loss_scale=4096.0,
         batch_size=8,
+        num_zeros=12,
+        params_norm=3.5,
     )
     logger.log_evaluation(iteration=5, loss=2.0)
     logger.log_evaluation(iteration=5, loss=2.25, label="test")
@@ -136,6 +142,8 @@ def test_tensorboard_tags_are_megatrons_and_keep_validation_apart(tmp_path):
         "throughput": 0.5,
         "tokens-per-second": 512.0,
         "iteration-time": 0.25,
+        "num-zeros": 12.0,
+        "params-norm": 3.5,
     }
     for tag, value in expected.items():
         assert scalars[tag] == [(5, pytest.approx(value))], tag

@@ -116,6 +116,7 @@ def test_overlap_flags_reach_every_module_and_change_nothing_computed(tmp_path):
         (["--manual-gc"], "--manual-gc"),
         (["--profile"], "--profile"),
         (["--use-torch-compile"], "--use-torch-compile"),
+        (["--log-params-norm"], "--log-params-norm"),
     ],
 )
 def test_flags_the_example_does_not_implement_are_refused(extra, flag):
