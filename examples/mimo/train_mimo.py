@@ -63,7 +63,7 @@ from megatron.training.checkpointing import (
     train_state_object,
 )
 from megatron.training.data import microbatches
-from megatron.training.initialize import device_for
+from megatron.training.initialize import configure_process, device_for
 from megatron.training.metrics import MetricsLogger
 from megatron.training.training import (
     IterationLog,
@@ -452,6 +452,7 @@ class MimoTrainer:
 
 def train(args) -> TrainState:
     """Join the job, build this rank's part (resumed from --load when given), train and close the logger."""
+    configure_process(args)
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = MimoTrainer(args)
     if args.load:

@@ -88,6 +88,15 @@ REFUSED_FLAGS = {
     "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
 }
 
+# Megatron's flags that turn a fusion off: (flag, dest, what it fuses); _disabled_fusions maps them
+# to the ops of megatron.core.fusions.
+FUSION_FLAGS = (
+    ("--no-rope-fusion", "apply_rope_fusion", "RoPE"),
+    ("--no-bias-gelu-fusion", "bias_gelu_fusion", "the bias + GeLU activation"),
+    ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "the bias + SwiGLU activation"),
+    ("--no-bias-dropout-fusion", "bias_dropout_fusion", "bias + dropout + residual add"),
+)
+
 # What --spec may name (module, function): the specs this framework builds for each family.
 ACCEPTED_SPECS = {
     "gpt": {
@@ -242,11 +251,13 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument(
         "--override-opt-param-scheduler",
+        "--override-opt_param-scheduler",  # Megatron's spelling
         action="store_true",
         help="on --load, use the scheduler flags instead of the checkpoint's",
     )
     g.add_argument(
         "--use-checkpoint-opt-param-scheduler",
+        "--use-checkpoint-opt_param-scheduler",  # Megatron's spelling
         action="store_true",
         help="on --load, use the checkpoint's scheduler settings",
     )
@@ -356,6 +367,26 @@ def _add_megatron_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--spec", nargs="*", default=None, metavar="MODULE NAME", help="accepted when it names the spec built here"
     )
+    g.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="the same as --position-embedding-type rope (Megatron's older spelling)",
+    )
+    g.add_argument(
+        "--no-position-embedding",
+        action="store_false",
+        dest="add_position_embedding",
+        help="no learned absolute positions: --position-embedding-type none unless rope is chosen",
+    )
+    g.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="bit-reproducible runs: torch's deterministic algorithms, NCCL_ALGO=Ring and a fixed cuBLAS "
+        "workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8) unless the environment sets them",
+    )
+    # Megatron's switches that send a fused op back to the torch reference path.
+    for flag, dest, what in FUSION_FLAGS:
+        g.add_argument(flag, action="store_false", dest=dest, help=f"run {what} on the torch reference path")
 
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -703,8 +734,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"{args.recompute_granularity}",
         )
         args.recompute_granularity = "selective"  # Megatron's meaning
-    if args.position_embedding_type is None:
-        args.position_embedding_type = "none" if args.model_family == "hybrid" else "learned_absolute"
+    _resolve_position_embedding(args)
+    args.disabled_fusions = _disabled_fusions(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
@@ -757,6 +788,36 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args
+
+
+def _resolve_position_embedding(args: argparse.Namespace) -> None:
+    """--position-embedding-type, or Megatron's older --use-rotary-position-embeddings /
+    --no-position-embedding, else the family's default (learned positions for GPT, none for hybrid)."""
+    chosen = args.position_embedding_type
+    if args.use_rotary_position_embeddings:
+        _require(
+            chosen in (None, "rope"),
+            f"--use-rotary-position-embeddings contradicts --position-embedding-type {chosen}",
+        )
+        chosen = "rope"
+    if not args.add_position_embedding and chosen != "rope":
+        _require(
+            chosen in (None, "none"),
+            f"--no-position-embedding contradicts --position-embedding-type {chosen}",
+        )
+        chosen = "none"
+    if chosen is None:
+        chosen = "none" if args.model_family == "hybrid" else "learned_absolute"
+    args.position_embedding_type = chosen
+
+
+def _disabled_fusions(args: argparse.Namespace) -> list[str]:
+    """The fused ops (megatron.core.fusions names) that Megatron's --no-*-fusion flags send back to
+    the torch path: the activation's switch is the one of the activation the model uses."""
+    activation_fused = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+    off = {"rope": not args.apply_rope_fusion, "activation": not activation_fused}
+    off["bias_dropout_add"] = not args.bias_dropout_fusion
+    return [op for op, disabled in off.items() if disabled]
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.fusions import set_fusion_backend
 from megatron.core.parallel_state import initialize_distributed
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_manual_seed
@@ -25,8 +26,26 @@ def set_random_seeds(seed: int, pg_collection: ProcessGroupCollection) -> None:
     model_parallel_manual_seed(seed, pg_collection)
 
 
+# What --deterministic-mode sets unless the environment already does (read by NCCL and cuBLAS
+# when they start, so before the process group exists).
+DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def configure_process(args) -> None:
+    """What the flags set for the whole process before any process group exists:
+    --deterministic-mode and the fused ops that --no-*-fusion flags turn off."""
+    if args.deterministic_mode:
+        for name, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(name, value)
+        torch.use_deterministic_algorithms(True)
+    if args.disabled_fusions:
+        set_fusion_backend(disabled_ops=args.disabled_fusions)
+
+
 def initialize_megatron(args) -> ProcessGroupCollection:
-    """Initialize torch.distributed, the world's process groups and the RNGs from flags."""
+    """Configure the process (:func:`configure_process`), then initialize torch.distributed,
+    the world's process groups and the RNGs, from flags."""
+    configure_process(args)
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if os.environ.get("OMP_NUM_THREADS") is None and args.distributed_backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))

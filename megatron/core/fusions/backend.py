@@ -80,6 +80,11 @@ def fusion_backend(backend: str | None = None, disabled_ops=()):
         _settings.update(previous)
 
 
+def disabled_ops() -> frozenset[str]:
+    """The fused ops that always take the torch path (:func:`set_fusion_backend`'s ``disabled_ops``)."""
+    return _settings["disabled_ops"]
+
+
 def requested_backend() -> str:
     """The backend asked for, before looking at any device: the setting, the environment, auto."""
     if _settings["backend"] is not None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron.core.config import TransformerConfig
-from megatron.core.transformer.norms import LayerNorm, RMSNorm
 from megatron.core.optimizer import build_grad_scaler
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.transformer.norms import LayerNorm, RMSNorm
 from megatron.training.arguments import (
     IMPLEMENTATION_FLAGS,
     ArgumentError,
@@ -292,3 +292,77 @@ def test_loss_scale_flags_reach_the_scaler():
 def test_bad_optimizer_flags_fail_before_any_process_group(extra, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
         _args(*extra)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--use-rotary-position-embeddings"], "rope"),
+        (["--no-position-embedding"], "none"),
+        (["--no-position-embedding", "--use-rotary-position-embeddings"], "rope"),
+        (["--position-embedding-type", "rope", "--no-position-embedding"], "rope"),
+    ],
+)
+def test_megatrons_older_position_embedding_flags(extra, expected):
+    assert _args(*extra).position_embedding_type == expected
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"],
+            "--use-rotary-position-embeddings contradicts --position-embedding-type learned_absolute",
+        ),
+        (
+            ["--no-position-embedding", "--position-embedding-type", "learned_absolute"],
+            "--no-position-embedding contradicts --position-embedding-type learned_absolute",
+        ),
+    ],
+)
+def test_contradicting_position_embedding_flags_are_refused(extra, message):
+    with pytest.raises(ArgumentError, match=f"^{message}$"):
+        _args(*extra)
+
+
+@pytest.mark.parametrize("spelling", ["--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"])
+def test_megatrons_underscore_spellings_of_the_scheduler_flags(spelling):
+    dest = "use_checkpoint_opt_param_scheduler" if "use" in spelling else "override_opt_param_scheduler"
+    assert getattr(_args(spelling), dest) is True
+
+
+@pytest.mark.parametrize(
+    "extra, disabled",
+    [
+        ([], []),
+        (["--no-rope-fusion"], ["rope"]),
+        (["--no-bias-gelu-fusion"], ["activation"]),
+        (["--swiglu", "--no-bias-gelu-fusion"], []),  # the switch of an activation the model does not use
+        (["--swiglu", "--no-bias-swiglu-fusion"], ["activation"]),
+        (["--no-bias-dropout-fusion", "--no-rope-fusion"], ["rope", "bias_dropout_add"]),
+    ],
+)
+def test_fusion_flags_name_the_ops_they_send_to_the_torch_path(extra, disabled):
+    assert _args(*extra).disabled_fusions == disabled
+
+
+def _configure_and_report(argv):
+    import os
+
+    from megatron.core.fusions import disabled_ops
+    from megatron.training.initialize import configure_process
+
+    configure_process(parse_args(BASE + argv, model_family="gpt", world_size=1))
+    env = {name: os.environ.get(name) for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
+    return torch.are_deterministic_algorithms_enabled(), env, sorted(disabled_ops())
+
+
+def test_deterministic_mode_and_fusion_flags_configure_the_process():
+    from tests.unit_tests.dist_harness import run_distributed
+
+    argv = ["--deterministic-mode", "--no-rope-fusion", "--no-bias-dropout-fusion"]
+    ((deterministic, env, disabled),) = run_distributed(_configure_and_report, 1, argv)
+    assert deterministic and env == {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert disabled == ["bias_dropout_add", "rope"]
+    ((deterministic, _, disabled),) = run_distributed(_configure_and_report, 1, [])
+    assert not deterministic and disabled == []
