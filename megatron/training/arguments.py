@@ -63,6 +63,95 @@ IMPLEMENTATION_FLAGS = {
         "checkpoints are always sharded torch.distributed.checkpoint directories (torch_dist)",
     ),
     "--tiktoken-pattern": ({"choices": ["v1", "v2"], "default": None}, "only TikTokenizer reads it (not supported)"),
+    "--attention-softmax-in-fp32": (
+        {"action": "store_true"},
+        "attention runs in SDPA, whose kernels keep the softmax in fp32",
+    ),
+    "--apply-query-key-layer-scaling": (
+        {"action": "store_true"},
+        "SDPA keeps the softmax in fp32, so fp16 needs no query-key scaling by the layer number",
+    ),
+    "--no-persist-layer-norm": ({"action": "store_true"}, "each norm is one kernel: there is no persistent variant"),
+    "--check-for-nan-in-loss-and-grad": (
+        {"action": "store_true"},
+        "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
+        "(number of nan iterations)",
+    ),
+    "--no-check-for-nan-in-loss-and-grad": (
+        {"action": "store_true"},
+        "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
+        "(number of nan iterations)",
+    ),
+    "--timing-log-level": (
+        {"type": int, "choices": [0, 1, 2], "default": None},
+        "only the iteration time is measured (Megatron's level 0)",
+    ),
+    "--timing-log-option": (
+        {"choices": ["max", "minmax", "all"], "default": None},
+        "only the iteration time is measured (Megatron's level 0)",
+    ),
+    "--log-timers-to-tensorboard": (
+        {"action": "store_true"},
+        "the iteration time is always written to TensorBoard (iteration-time); no other timers are measured",
+    ),
+    "--log-validation-ppl-to-tensorboard": (
+        {"action": "store_true"},
+        "evaluation perplexities are always written to TensorBoard (lm loss validation ppl)",
+    ),
+    "--log-memory-to-tensorboard": (
+        {"action": "store_true"},
+        "memory is always written to TensorBoard (mem-* tags)",
+    ),
+    "--tensorboard-log-interval": (
+        {"type": int, "default": None},
+        "TensorBoard gets the record of every --log-interval iterations",
+    ),
+    "--tensorboard-queue-size": ({"type": int, "default": None}, "TensorBoard events are flushed at every record"),
+    "--wandb-project": (
+        {"type": str, "default": None},
+        "Weights & Biases logging is not built in (nothing is sent over the network); the same scalars go "
+        "to --tensorboard-dir and --metrics-jsonl",
+    ),
+    "--wandb-exp-name": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
+    "--wandb-save-dir": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
+    "--wandb-entity": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
+    "--ckpt-fully-parallel-save": (
+        {"action": "store_true"},
+        "every rank always writes its own shards of a checkpoint, in parallel",
+    ),
+    "--ckpt-fully-parallel-load": (
+        {"action": "store_true"},
+        "every rank always reads only the shards it needs, in parallel",
+    ),
+    "--use-persistent-ckpt-worker": (
+        {"action": "store_true"},
+        "--async-save writes from a background thread of the training process",
+    ),
+    "--ckpt-assume-constant-structure": (
+        {"action": "store_true"},
+        "a hint for Megatron's save planner cache; saves here plan from the model each time",
+    ),
+    "--auto-detect-ckpt-format": (
+        {"action": "store_true"},
+        "--load reads the torch_dist checkpoints this framework writes (see --ckpt-format)",
+    ),
+    "--dist-ckpt-strictness": (
+        {
+            "choices": [
+                "assume_ok_unexpected",
+                "log_unexpected",
+                "log_all",
+                "raise_unexpected",
+                "raise_all",
+                "return_unexpected",
+                "return_all",
+                "ignore_all",
+            ],
+            "default": None,
+        },
+        "a load reads the keys the model has: a missing one fails it, others in the checkpoint are ignored "
+        "(Megatron's assume_ok_unexpected)",
+    ),
 }
 
 # Flags with a meaning this framework does not implement: refused before any process group

@@ -99,12 +99,38 @@ def _args(*extra, family="gpt", world=1):
         ["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
         ["--group-query-attention"],
         ["--use-checkpoint-args"],
+        ["--attention-softmax-in-fp32"],
+        ["--apply-query-key-layer-scaling"],
+        ["--no-persist-layer-norm"],
+        ["--check-for-nan-in-loss-and-grad"],
+        ["--no-check-for-nan-in-loss-and-grad"],
+        ["--timing-log-level", "2"],
+        ["--timing-log-option", "minmax"],
+        ["--log-timers-to-tensorboard"],
+        ["--log-validation-ppl-to-tensorboard"],
+        ["--log-memory-to-tensorboard"],
+        ["--tensorboard-log-interval", "1"],
+        ["--tensorboard-queue-size", "1000"],
+        ["--wandb-project", "p"],
+        ["--wandb-exp-name", "e"],
+        ["--wandb-save-dir", "d"],
+        ["--wandb-entity", "x"],
+        ["--ckpt-fully-parallel-save"],
+        ["--ckpt-fully-parallel-load"],
+        ["--use-persistent-ckpt-worker"],
+        ["--ckpt-assume-constant-structure"],
+        ["--auto-detect-ckpt-format"],
+        ["--dist-ckpt-strictness", "log_all"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
     notes = _args(*extra).compatibility_notes
     assert len(notes) == 1 and notes[0].startswith(" ".join(extra[:2] if extra[0] != "--spec" else extra))
     assert _args().compatibility_notes == []
+
+
+def test_timing_level_zero_is_what_runs_and_needs_no_note():
+    assert _args("--timing-log-level", "0").compatibility_notes == []
 
 
 def test_the_flash_attention_note_says_what_is_used():
