@@ -219,6 +219,7 @@ def language_model_provider(args, config: TransformerConfig, vocab_size: int):
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
         scatter_embedding_sequence_parallel=False,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
 
     def provide(pg_collection):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import squared_relu
 from megatron.core.config import ATTENTION_BACKENDS, TransformerConfig
 from megatron.core.datasets.blend import parse_blend
 from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
@@ -289,6 +290,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as the MLP activation instead of GeLU")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head before RoPE")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -392,6 +394,13 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss on end-of-document tokens")
     g.add_argument("--vocab-size", type=int, default=None, help="for --mock-data; defaults to the tokenizer's")
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the embedding and output layer to a multiple of this x --tensor-model-parallel-size rows "
+        "(padded entries are masked; checkpoints hold the true rows)",
+    )
 
 
 def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -767,6 +776,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}",
     )
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    _require(not (args.swiglu and args.squared_relu), "--squared-relu and --swiglu are mutually exclusive")
+    _require(
+        args.make_vocab_size_divisible_by >= 1,
+        f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}",
+    )
     try:
         optimizer_config_from_args(args)
     except OptimizerConfigError as error:
@@ -1035,7 +1049,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
         qk_layernorm=args.qk_layernorm,
         init_method_std=args.init_method_std,

@@ -276,7 +276,12 @@ class Trainer:
         self.tokenizer = tokenizer_record_from_args(args).build()
         self.vocab_size = args.vocab_size or self.tokenizer.vocab_size
         self.record = model_record_from_args(args, self.vocab_size)
-        chunks = model_chunks_from_record(self.record, pgc, args.virtual_pipeline_model_parallel_size)
+        chunks = model_chunks_from_record(
+            self.record,
+            pgc,
+            args.virtual_pipeline_model_parallel_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        )
         chunks = [chunk.to(self.device) for chunk in chunks]
         for chunk in chunks:
             chunk.linear_cross_entropy = args.cross_entropy_fusion_impl == "linear"

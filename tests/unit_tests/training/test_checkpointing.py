@@ -59,6 +59,34 @@ def test_resume_reproduces_the_straight_run_exactly(straight_run, tmp_path):
     assert [resumed[i] for i in range(11, 21)] == straight[10:]  # bit-identical to the straight run
 
 
+def _padded_vocab_size(flags):
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import Trainer
+
+    args = tiny_args(RUN + ["--train-iters", "1"] + flags)
+    return Trainer(args, initialize_megatron(args)).model_chunks[0].module.padded_vocab_size
+
+
+def test_make_vocab_size_divisible_by_sets_the_padding():
+    assert run_distributed(_padded_vocab_size, 1, []) == [128]  # Megatron's default 128 x TP
+    assert run_distributed(_padded_vocab_size, 1, ["--make-vocab-size-divisible-by", "1"]) == [64]
+    assert run_distributed(_padded_vocab_size, 1, ["--make-vocab-size-divisible-by", "48"]) == [96]
+
+
+def test_resume_with_another_vocabulary_padding_continues_the_run(straight_run, tmp_path):
+    """Checkpoints hold the true vocabulary rows: a run padded to 128 rows resumes unpadded
+    (--make-vocab-size-divisible-by 1, 64 rows) and continues the same loss curve."""
+    save, straight = straight_run
+    write_latest_iteration(save, 10)
+    try:
+        flags = ["--train-iters", "20", "--load", save, "--make-vocab-size-divisible-by", "1"]
+        run_distributed(_train, 2, flags, 2, tmp_path / "unpadded.jsonl")
+    finally:
+        write_latest_iteration(save, 20)
+    resumed = losses_by_iteration(tmp_path / "unpadded.jsonl")
+    assert [resumed[i] for i in range(11, 21)] == pytest.approx(straight[10:], rel=1e-5)
+
+
 def test_finetune_loads_weights_only_and_no_load_optim_keeps_the_position(straight_run, tmp_path, capfd):
     save, straight = straight_run
     (fine,) = run_distributed(_train, 1, ["--train-iters", "1", "--load", save, "--finetune"], 1, tmp_path / "f.jsonl")

@@ -37,6 +37,7 @@ MEGATRON_DEFAULTS = {
     "hysteresis": 2,
     "log_params_norm": False,
     "log_num_zeros_in_grad": False,
+    "make_vocab_size_divisible_by": 128,
     "log_interval": 100,
     "eval_iters": 100,
     "eval_interval": None,
@@ -392,3 +393,16 @@ def test_deterministic_mode_and_fusion_flags_configure_the_process():
     assert disabled == ["bias_dropout_add", "rope"]
     ((deterministic, _, disabled),) = run_distributed(_configure_and_report, 1, [])
     assert not deterministic and disabled == []
+
+
+def test_squared_relu_is_the_mlp_activation():
+    from megatron.core.activations import squared_relu
+
+    assert transformer_config_from_args(_args("--squared-relu")).activation_func is squared_relu
+    with pytest.raises(ArgumentError, match="^--squared-relu and --swiglu are mutually exclusive$"):
+        _args("--squared-relu", "--swiglu")
+
+
+def test_make_vocab_size_divisible_by_must_be_positive():
+    with pytest.raises(ArgumentError, match="^--make-vocab-size-divisible-by must be >= 1, got 0$"):
+        _args("--make-vocab-size-divisible-by", "0")

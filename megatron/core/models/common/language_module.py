@@ -66,6 +66,10 @@ class LanguageModule(nn.Module):
     a training forward given ``labels`` and ``loss_mask`` computes the loss with the fused
     output-layer + cross-entropy op (:mod:`megatron.core.fusions.linear_cross_entropy`, the
     logits never materialized) where the backend switch runs ``linear_cross_entropy`` in Triton.
+
+    The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` x TP (Megatron's
+    rule); padded entries never win a softmax (their logits are masked) and checkpoints hold the
+    true rows only, so the padding is a run's choice, not part of the model.
     """
 
     linear_cross_entropy = True
@@ -91,13 +95,14 @@ class LanguageModule(nn.Module):
         mtp_block_spec=None,
         pg_collection: ProcessGroupCollection | None = None,
         logit_dtype: torch.dtype | None = None,
+        make_vocab_size_divisible_by: int = 128,
     ):
         super().__init__()
         check_position_embedding_type(position_embedding_type)
         self.config = config
         self.pg_collection = resolve_pg_collection(pg_collection)
         self.vocab_size = vocab_size
-        self.padded_vocab_size = pad_vocab_size(vocab_size, self.pg_collection.size("tp"))
+        self.padded_vocab_size = pad_vocab_size(vocab_size, self.pg_collection.size("tp"), make_vocab_size_divisible_by)
         self.max_sequence_length = max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
         self.fp16_lm_cross_entropy = fp16_lm_cross_entropy

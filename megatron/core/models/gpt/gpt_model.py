@@ -48,6 +48,7 @@ class GPTModel(LanguageModule):
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
         logit_dtype: torch.dtype | None = None,
+        make_vocab_size_divisible_by: int = 128,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         check_context_parallel_config(config, pg_collection)
@@ -70,6 +71,7 @@ class GPTModel(LanguageModule):
             mtp_block_spec=mtp_block_spec,
             pg_collection=pg_collection,
             logit_dtype=logit_dtype,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         )
         self.transformer_layer_spec = transformer_layer_spec
         self.vp_stage = vp_stage

@@ -53,6 +53,7 @@ class HybridModel(LanguageModule):
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
         logit_dtype: torch.dtype | None = None,
+        make_vocab_size_divisible_by: int = 128,
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         layer_pattern = resolve_hybrid_pattern(
@@ -87,6 +88,7 @@ class HybridModel(LanguageModule):
             mtp_block_spec=mtp_block_spec,
             pg_collection=pg_collection,
             logit_dtype=logit_dtype,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         )
         self.layer_pattern = layer_pattern
         self.hybrid_stack_spec = hybrid_stack_spec
