@@ -305,6 +305,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hybrid-layer-pattern", type=str, default=None)
+    g.add_argument(
+        "--hybrid-override-pattern", type=str, default=None, help="Megatron's older name of --hybrid-layer-pattern"
+    )
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-num-groups", type=int, default=8)
@@ -757,6 +760,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # GTP peers read different micro-batches: they are part of the data-parallel width. CP peers
     # share each micro-batch (each keeps its chunks of the sequences).
     args.data_parallel_width = args.data_parallel_size * gtp
+    if args.hybrid_override_pattern is not None:
+        _require(
+            args.hybrid_layer_pattern is None,
+            "--hybrid-override-pattern is the older name of --hybrid-layer-pattern; give one of them",
+        )
+        args.hybrid_layer_pattern = args.hybrid_override_pattern
     if args.model_family == "hybrid" and args.num_layers is None and args.hybrid_layer_pattern is not None:
         try:  # Megatron's rule: the pattern gives the depth (and the MTP depth after '/')
             parsed = parse_hybrid_pattern(args.hybrid_layer_pattern)

@@ -406,3 +406,11 @@ def test_squared_relu_is_the_mlp_activation():
 def test_make_vocab_size_divisible_by_must_be_positive():
     with pytest.raises(ArgumentError, match="^--make-vocab-size-divisible-by must be >= 1, got 0$"):
         _args("--make-vocab-size-divisible-by", "0")
+
+
+def test_hybrid_override_pattern_is_the_older_name_of_the_pattern():
+    mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
+    args = _args(*mamba, "--hybrid-override-pattern", "M*M-", family="hybrid")
+    assert (args.hybrid_layer_pattern, args.num_layers) == ("M*M-", 4)
+    with pytest.raises(ArgumentError, match="^--hybrid-override-pattern is the older name of --hybrid-layer-pattern"):
+        _args(*mamba, "--hybrid-override-pattern", "M*M-", "--hybrid-layer-pattern", "M*M-", family="hybrid")
