@@ -135,8 +135,13 @@ class TransformerConfig(ModelParallelConfig):
     # Multi-token prediction
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
-    # Activation recomputation: None, "full" or "selective"
+    # Activation recomputation: None, "full" or "selective". Full recompute (Megatron's
+    # methods): "uniform" checkpoints each run of recompute_num_layers layers as one unit,
+    # "block" checkpoints the first recompute_num_layers layers of a stage one by one and keeps
+    # the others' activations; None is uniform over single layers.
     recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     # Mixture of experts (Megatron's names; num_moe_experts None: dense MLPs)
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -212,6 +217,18 @@ class TransformerConfig(ModelParallelConfig):
             (
                 self.recompute_granularity in (None, "full", "selective"),
                 f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}",
+            ),
+            (
+                self.recompute_method is None
+                or (self.recompute_method in ("uniform", "block") and self.recompute_granularity == "full"),
+                f"recompute_method must be None, or 'uniform' or 'block' with recompute_granularity 'full'; got "
+                f"{self.recompute_method!r} with {self.recompute_granularity!r}",
+            ),
+            (
+                self.recompute_num_layers is None
+                or (self.recompute_num_layers >= 1 and self.recompute_granularity == "full"),
+                f"recompute_num_layers must be None, or >= 1 with recompute_granularity 'full'; got "
+                f"{self.recompute_num_layers!r} with {self.recompute_granularity!r}",
             ),
             (
                 self.mtp_num_layers is None or self.mtp_num_layers >= 0,

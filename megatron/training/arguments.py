@@ -316,6 +316,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute: uniform checkpoints each run of --recompute-num-layers layers as one unit; "
+        "block checkpoints the first --recompute-num-layers layers of each stage (default: every layer alone)",
+    )
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per unit (uniform) or in all (block)")
+    g.add_argument(
         "--use-torch-compile",
         action="store_true",
         help="torch.compile each decoder layer (regional compilation; collectives stay outside)",
@@ -846,6 +854,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"{args.recompute_granularity}",
         )
         args.recompute_granularity = "selective"  # Megatron's meaning
+    for flag in ("recompute_method", "recompute_num_layers"):
+        _require(
+            getattr(args, flag) is None or args.recompute_granularity == "full",
+            f"--{flag.replace('_', '-')} needs --recompute-granularity full",
+        )
+    _require(
+        args.recompute_num_layers is None or args.recompute_num_layers >= 1,
+        f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
+    )
     _resolve_position_embedding(args)
     args.disabled_fusions = _disabled_fusions(args)
     if args.max_position_embeddings is None:
@@ -1070,6 +1087,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,

@@ -3,6 +3,7 @@ refused by name instead of being dropped."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -36,9 +37,35 @@ def test_a_json_record_of_this_version_round_trips():
         add_bias_linear=False,
         mtp_num_layers=1,
         recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=1,
         extra={"note": "kept"},
     )
     record = json.loads(json.dumps(config.to_dict()))  # what a checkpoint's model-config file holds
     assert record["params_dtype"] == "bfloat16" and record["activation_func"] == "silu"
     rebuilt = TransformerConfig.from_dict(record)
     assert rebuilt == config and rebuilt.params_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "recompute, message",
+    [
+        (
+            {"recompute_method": "uniform"},
+            "recompute_method must be None, or 'uniform' or 'block' with recompute_granularity 'full'; "
+            "got 'uniform' with None",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_method": "layer"},
+            "recompute_method must be None, or 'uniform' or 'block' with recompute_granularity 'full'; "
+            "got 'layer' with 'full'",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 0},
+            "recompute_num_layers must be None, or >= 1 with recompute_granularity 'full'; got 0 with 'full'",
+        ),
+    ],
+)
+def test_recompute_method_and_count_need_full_recompute(recompute, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        TransformerConfig(**SMALL, **recompute)

@@ -138,10 +138,10 @@ class StageLayerStack(nn.Module):
                 )
             hidden_states = self.input_tensor
         full_recompute = self.config.recompute_granularity == "full" and self.training and inference_context is None
-        for layer in self.layers:
-            if full_recompute:
-                hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb)
-            else:
+        if full_recompute:
+            hidden_states = self._recomputed_forward(hidden_states, attention_mask, rotary_pos_emb)
+        else:
+            for layer in self.layers:
                 hidden_states = layer(
                     hidden_states,
                     attention_mask=attention_mask,
@@ -151,6 +151,36 @@ class StageLayerStack(nn.Module):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+    def _recomputed_forward(self, hidden_states, attention_mask, rotary_pos_emb) -> torch.Tensor:
+        """Full recompute by ``config.recompute_method``: ``block`` checkpoints the first
+        ``recompute_num_layers`` layers one by one and runs the rest plainly; ``uniform`` (and
+        None) checkpoints each run of ``recompute_num_layers`` (default 1) layers as one unit,
+        keeping only its input."""
+        count = self.config.recompute_num_layers or 1
+        layers = list(self.layers)
+        if self.config.recompute_method == "block":
+            for index, layer in enumerate(layers):
+                if index < count:
+                    hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb)
+                else:
+                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            return hidden_states
+        for start in range(0, len(layers), count):
+            group = layers[start : start + count]
+            hidden_states = checkpoint(_run_layers(group), hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
+
+
+def _run_layers(layers: list[nn.Module]):
+    """A function running ``layers`` one after the other (one checkpointed unit)."""
+
+    def run(hidden_states, attention_mask, rotary_pos_emb):
+        for layer in layers:
+            hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return hidden_states
+
+    return run
 
 
 class TransformerBlock(StageLayerStack):

@@ -172,6 +172,15 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         ),
         (["--vocab-file", "v.json"], "--vocab-file v.json: no such file"),  # GPT2BPETokenizer, Megatron's default
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
+        (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
+        (
+            ["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+            "^--recompute-num-layers needs --recompute-granularity full$",
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-num-layers", "0"],
+            "^--recompute-num-layers must be >= 1, got 0$",
+        ),
         (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
         (["--data-path", "a", "--train-data-path", "b"], "--train-data-path and --data-path are mutually exclusive"),
         (["--valid-data-path", "b"], "--valid-data-path / --test-data-path need --train-data-path"),
@@ -414,3 +423,9 @@ def test_hybrid_override_pattern_is_the_older_name_of_the_pattern():
     assert (args.hybrid_layer_pattern, args.num_layers) == ("M*M-", 4)
     with pytest.raises(ArgumentError, match="^--hybrid-override-pattern is the older name of --hybrid-layer-pattern"):
         _args(*mamba, "--hybrid-override-pattern", "M*M-", "--hybrid-layer-pattern", "M*M-", family="hybrid")
+
+
+def test_megatrons_full_recompute_flags_reach_the_config():
+    args = _args("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
+    config = transformer_config_from_args(args)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)

@@ -5,7 +5,8 @@ import torch
 
 from megatron.core.config import TransformerConfig
 from megatron.core.models.gpt import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import init_rng_scope
+from megatron.core.tensor_parallel import checkpoint, init_rng_scope
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.spec import build_module
 from megatron.core.transformer.transformer_block import (
     PipelineLayoutError,
@@ -44,19 +45,49 @@ def test_layers_have_global_numbers_and_per_layer_init(pg):
     )
 
 
+# (granularity, method, num_layers) -> how often each of the 4 layers runs in a forward and
+# backward (twice when its activations are recomputed), and the checkpointed units.
+RECOMPUTE_RUNS = {
+    ("full", None, None): ([2, 2, 2, 2], 4),
+    ("full", "uniform", 2): ([2, 2, 2, 2], 2),
+    ("full", "uniform", 3): ([2, 2, 2, 2], 2),
+    ("full", "block", 1): ([2, 1, 1, 1], 1),
+    ("full", "block", 3): ([2, 2, 2, 1], 3),
+    ("selective", None, None): ([1, 1, 1, 1], 0),
+}
+
+
 @on_single_rank
 def test_full_recompute_gives_the_same_gradients(pg):
-    grads = []
+    """Every recompute setting gives the plain run's gradients; the layers it recomputes are
+    the ones Megatron's methods name (uniform: all, in units; block: the first N)."""
     x = torch.randn(6, 2, 16)
-    for granularity in (None, "full", "selective"):
-        block = TransformerBlock(
-            config(recompute_granularity=granularity), get_gpt_layer_local_spec(), pg_collection=pg
-        )
-        inp = x.clone().requires_grad_()
-        block(inp).square().sum().backward()
-        grads.append([inp.grad] + [p.grad for p in block.parameters()])
-    for other in grads[1:]:
-        for a, b in zip(grads[0], other, strict=True):
+
+    def run(**recompute):
+        block = TransformerBlock(config(**recompute), get_gpt_layer_local_spec(), pg_collection=pg)
+        runs = [0] * len(block.layers)
+        for index, layer in enumerate(block.layers):
+            layer.register_forward_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
+        units = []
+
+        def counted(function, *args):
+            units.append(function)
+            return checkpoint(function, *args)
+
+        transformer_block.checkpoint = counted
+        try:
+            inp = x.clone().requires_grad_()
+            block(inp).square().sum().backward()
+        finally:
+            transformer_block.checkpoint = checkpoint
+        return [inp.grad] + [p.grad for p in block.parameters()], (runs, len(units))
+
+    plain, plain_runs = run()
+    assert plain_runs == ([1, 1, 1, 1], 0)
+    for (granularity, method, count), expected in RECOMPUTE_RUNS.items():
+        grads, runs = run(recompute_granularity=granularity, recompute_method=method, recompute_num_layers=count)
+        assert runs == expected, (granularity, method, count)
+        for a, b in zip(plain, grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
