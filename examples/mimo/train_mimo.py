@@ -100,6 +100,7 @@ UNSUPPORTED_FLAGS = {
         (
             "--exit-interval",
             "--exit-duration-in-mins",
+            "--exit-signal-handler",
             "--manual-gc",
             "--manual-gc-interval",
             "--no-manual-gc-eval",

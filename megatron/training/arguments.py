@@ -508,6 +508,12 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit at a multiple of it")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after it")
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on --exit-signal (to any rank), save (with --save) and exit after the current iteration",
+    )
+    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM")
     g.add_argument("--manual-gc", action="store_true", help="disable automatic garbage collection; collect on cue")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
     g.add_argument(

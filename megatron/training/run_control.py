@@ -1,10 +1,12 @@
 """What the loop does around its steps: Megatron's exit rules (--exit-interval,
---exit-duration-in-mins), manual garbage collection (--manual-gc) and profiling (--profile)."""
+--exit-duration-in-mins, --exit-signal-handler), manual garbage collection (--manual-gc) and
+profiling (--profile)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import signal
 import time
 
 import torch
@@ -12,25 +14,46 @@ import torch.distributed as dist
 
 
 class ExitRule:
-    """When to stop early: at a multiple of ``interval`` iterations, or once ``duration_min``
-    minutes have passed since the rule was made (decided by the slowest clock: every rank
-    joins a MAX all-reduce each iteration, so all stop at the same iteration)."""
+    """When to stop early: at a multiple of ``interval`` iterations, once ``duration_min``
+    minutes have passed since the rule was made, or once any rank has received ``exit_signal``
+    (--exit-signal-handler; the rule handles that signal until :meth:`close`). Time and signal are
+    decided together: every rank joins one MAX all-reduce each iteration, so all stop at the
+    same iteration."""
 
-    def __init__(self, interval: int | None, duration_min: float | None, device):
+    def __init__(
+        self, interval: int | None, duration_min: float | None, device, exit_signal: signal.Signals | None = None
+    ):
         self.interval, self.duration_min, self.device = interval, duration_min, device
         self.start = time.monotonic()
+        self.exit_signal, self._signalled = exit_signal, False
+        self._previous_handler = None
+        if exit_signal is not None:
+            self._previous_handler = signal.signal(exit_signal, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signalled = True
 
     def reason(self, iteration: int) -> str | None:
         """Why the run stops after ``iteration`` (a phrase for the log line), or None."""
-        if self.duration_min is not None:
+        if self.duration_min is not None or self.exit_signal is not None:
             minutes = (time.monotonic() - self.start) / 60
-            over = torch.tensor(float(minutes > self.duration_min), device=self.device)
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-            if over.item():
+            over = self.duration_min is not None and minutes > self.duration_min
+            flags = torch.tensor([float(over), float(self._signalled)], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            over, signalled = flags.tolist()
+            if signalled:
+                return f"on {self.exit_signal.name} (--exit-signal-handler)"
+            if over:
                 return f"after {minutes:.2f} minutes (--exit-duration-in-mins {self.duration_min:g})"
         if self.interval is not None and iteration % self.interval == 0:
             return f"at iteration {iteration} (--exit-interval {self.interval})"
         return None
+
+    def close(self) -> None:
+        """Give the signal back to the handler it had before this rule."""
+        if self.exit_signal is not None:
+            signal.signal(self.exit_signal, self._previous_handler)
+            self.exit_signal = None
 
 
 class GarbageCollection:

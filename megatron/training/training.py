@@ -11,6 +11,7 @@ coordinate 0), which holds the loss averaged over the whole global batch.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass, fields
 from functools import partial
@@ -425,7 +426,8 @@ class Trainer:
             params_norm=self.optimizer.params_norm if args.log_params_norm else None,
         )
         gc_control = GarbageCollection(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
-        exit_rule = ExitRule(args.exit_interval, args.exit_duration_in_mins, self.device)
+        exit_signal = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
+        exit_rule = ExitRule(args.exit_interval, args.exit_duration_in_mins, self.device, exit_signal)
         profiler = IterationProfiler.from_args(args, self.device)
         exited = False
         while state.iteration < args.train_iters:
@@ -453,6 +455,7 @@ class Trainer:
                 exited = True
                 break
         profiler.close()
+        exit_rule.close()
         self.finish_param_sync()  # the last step's overlapped gathers
         if self.checkpoint_saver is not None:
             self.checkpoint_saver.close()  # the last checkpoint is complete before the run ends

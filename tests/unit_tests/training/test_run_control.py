@@ -1,8 +1,10 @@
-"""--exit-interval and --exit-duration-in-mins save, then stop cleanly (no end-of-run
-evaluation); --manual-gc turns automatic collection off for the run only; --profile with
+"""--exit-interval, --exit-duration-in-mins and --exit-signal-handler save, then stop cleanly
+(no end-of-run evaluation); --manual-gc turns automatic collection off for the run only; --profile with
 --use-pytorch-profiler writes a trace of the chosen iterations."""
 
 import gc
+import os
+import signal
 
 from megatron.core.dist_checkpointing import read_latest_iteration
 from megatron.training.arguments import parse_args
@@ -35,6 +37,35 @@ def test_exit_duration_saves_then_stops_after_the_first_iteration_past_it(tmp_pa
     (result,) = run_distributed(_train, 1, ["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path)])
     assert result[0] == 1 and read_latest_iteration(str(tmp_path)) == 1
     assert "(--exit-duration-in-mins 1e-09)" in capfd.readouterr().out
+
+
+def _signalled_at(iteration, rank_signalled, flags):
+    """Train on 2 ranks; rank ``rank_signalled`` gets SIGTERM during step ``iteration``."""
+    import torch.distributed as dist
+
+    from megatron.training import training
+
+    original = training.Trainer.train_step
+    steps = []
+
+    def step(self, iterator):
+        steps.append(None)
+        if len(steps) == iteration and dist.get_rank() == rank_signalled:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, iterator)
+
+    training.Trainer.train_step = step  # this rank is a forked process: the patch dies with it
+    state = pretrain(parse_args(FLAGS + ["--train-iters", "10", *flags], world_size=2))
+    return state.iteration, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_exit_signal_on_one_rank_saves_and_stops_every_rank_at_that_iteration(tmp_path, capfd):
+    flags = ["--exit-signal-handler", "--save", str(tmp_path)]
+    results = run_distributed(_signalled_at, 2, 3, 1, flags)
+    assert results == [(3, True), (3, True)]  # the handler is given back when the loop ends
+    assert read_latest_iteration(str(tmp_path)) == 3
+    out = capfd.readouterr().out
+    assert "exiting program on SIGTERM (--exit-signal-handler)" in out and "validation loss" not in out
 
 
 def _gc_during_training(flags):
