@@ -32,6 +32,7 @@ SIGNATURE = [
     ("pg_collection", None),
     ("vp_stage", None),
     ("logit_dtype", None),
+    ("make_vocab_size_divisible_by", 128),
 ]
 
 

@@ -38,6 +38,7 @@ EXPECTED_SIGNATURE = [
     ("pg_collection", None),
     ("vp_stage", None),
     ("logit_dtype", None),
+    ("make_vocab_size_divisible_by", 128),
 ]
 
 
