@@ -136,6 +136,30 @@ IMPLEMENTATION_FLAGS = {
         {"action": "store_true"},
         "--load reads the torch_dist checkpoints this framework writes (see --ckpt-format)",
     ),
+    "--dist-ckpt-optim-fully-reshardable": (
+        {"action": "store_true"},
+        "optimizer state is always saved in parameter shape: it loads under any layout",
+    ),
+    "--no-ckpt-fully-parallel-save": (
+        {"action": "store_true"},
+        "every rank always writes its own shards of a checkpoint, in parallel",
+    ),
+    "--accumulate-allreduce-grads-in-fp32": (
+        {"action": "store_true"},
+        "with --bf16 / --fp16 gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
+    ),
+    "--moe-router-dtype": (
+        {"choices": ["fp32"], "default": None},
+        "the router always computes its logits and probabilities in fp32",
+    ),
+    "--moe-permute-fusion": (
+        {"action": "store_true"},
+        "tokens are permuted to their experts by index ops; there is no separate kernel to choose",
+    ),
+    "--dataloader-type": (
+        {"choices": ["single"], "default": None},
+        "samples are read in order from the consumed-sample count (Megatron's single)",
+    ),
     "--dist-ckpt-strictness": (
         {
             "choices": [
@@ -287,12 +311,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE frequency scaling (GPT models)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as the MLP activation instead of GeLU")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head before RoPE")
+    g.add_argument("--add-qkv-bias", action="store_true", help="a bias on the QKV projection only (Qwen2-style)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -311,6 +338,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-num-groups", type=int, default=8)
+    g.add_argument(
+        "--mamba-num-heads", type=int, default=None, help="Mamba heads (default: 2 x hidden size / head dim)"
+    )
     g.add_argument("--mamba-chunk-size", type=int, default=128, help="SSD scan chunk (Megatron's 128)")
     g.add_argument("--mtp-num-layers", type=int, default=None)
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
@@ -801,6 +831,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     _require(not (args.swiglu and args.squared_relu), "--squared-relu and --swiglu are mutually exclusive")
     _require(
+        not args.use_rope_scaling or args.model_family == "gpt",
+        "--use-rope-scaling is for GPT models (hybrid models have no RoPE scaling)",
+    )
+    _require(
+        not (args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16),
+        "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are mutually exclusive",
+    )
+    _require(
         args.make_vocab_size_divisible_by >= 1,
         f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}",
     )
@@ -1084,11 +1122,13 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
         qk_layernorm=args.qk_layernorm,
+        add_qkv_bias=args.add_qkv_bias,
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         mamba_state_dim=args.mamba_state_dim,
         mamba_head_dim=args.mamba_head_dim,
         mamba_num_groups=args.mamba_num_groups,
+        mamba_num_heads=args.mamba_num_heads,
         mamba_chunk_size=args.mamba_chunk_size,
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
@@ -1166,5 +1206,7 @@ def model_record_from_args(args: argparse.Namespace, vocab_size: int) -> ModelRe
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         tokenizer=tokenizer_record_from_args(args),
     )

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from megatron.core.activations import squared_relu
 from megatron.core.dist_checkpointing import read_latest_iteration
 from megatron.core.models.model_record import (
     MODEL_RECORD_FILENAME,
@@ -59,6 +60,8 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
         "disable_bias_linear": not config.add_bias_linear,
         "untie_embeddings_and_output_weights": not record.share_embeddings_and_output_weights,
         "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
+        "add_qkv_bias": config.add_qkv_bias,
+        "squared_relu": config.activation_func is squared_relu and not config.gated_linear_unit,
         "mtp_num_layers": config.mtp_num_layers or None,
         "vocab_size": record.vocab_size,
     }
@@ -68,7 +71,10 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
             mamba_state_dim=config.mamba_state_dim,
             mamba_head_dim=config.mamba_head_dim,
             mamba_num_groups=config.mamba_num_groups,
+            mamba_num_heads=config.mamba_num_heads,
         )
+    else:
+        values.update(use_rope_scaling=record.rope_scaling, rope_scaling_factor=record.rope_scaling_factor)
     return values
 
 

@@ -23,7 +23,7 @@ MODEL = [
     *("--ffn-hidden-size", "64", "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu"),
     *("--position-embedding-type", "rope", "--rotary-base", "500", "--untie-embeddings-and-output-weights"),
     *("--disable-bias-linear", "--apply-layernorm-1p", "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
-    *("--vocab-size", "96"),
+    *("--vocab-size", "96", "--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor", "16"),
 ]
 
 
@@ -56,6 +56,10 @@ def test_the_record_gives_every_model_flag(checkpoint):
         "untie_embeddings_and_output_weights",
         "disable_bias_linear",
         "apply_layernorm_1p",
+        "add_qkv_bias",
+        "use_rope_scaling",
+        "rope_scaling_factor",
+        "squared_relu",
         "hidden_dropout",
         "attention_dropout",
         "vocab_size",

@@ -38,6 +38,10 @@ MEGATRON_DEFAULTS = {
     "log_params_norm": False,
     "log_num_zeros_in_grad": False,
     "make_vocab_size_divisible_by": 128,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "add_qkv_bias": False,
+    "mamba_num_heads": None,
     "log_interval": 100,
     "eval_iters": 100,
     "eval_interval": None,
@@ -122,6 +126,12 @@ def _args(*extra, family="gpt", world=1):
         ["--ckpt-assume-constant-structure"],
         ["--auto-detect-ckpt-format"],
         ["--dist-ckpt-strictness", "log_all"],
+        ["--dist-ckpt-optim-fully-reshardable"],
+        ["--no-ckpt-fully-parallel-save"],
+        ["--accumulate-allreduce-grads-in-fp32"],
+        ["--moe-router-dtype", "fp32"],
+        ["--moe-permute-fusion"],
+        ["--dataloader-type", "single"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
@@ -173,6 +183,10 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--vocab-file", "v.json"], "--vocab-file v.json: no such file"),  # GPT2BPETokenizer, Megatron's default
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
+        (
+            ["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"],
+            "^--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are mutually exclusive$",
+        ),
         (
             ["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
             "^--recompute-num-layers needs --recompute-granularity full$",
@@ -429,3 +443,15 @@ def test_megatrons_full_recompute_flags_reach_the_config():
     args = _args("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
     config = transformer_config_from_args(args)
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
+
+
+def test_model_flags_of_megatron_reach_the_model_record():
+    from megatron.training.arguments import model_record_from_args
+
+    gpt = model_record_from_args(_args("--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor", "32"), 64)
+    assert gpt.config.add_qkv_bias and (gpt.rope_scaling, gpt.rope_scaling_factor) == (True, 32.0)
+    mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
+    hybrid_args = _args(*mamba, "--hybrid-layer-pattern", "M*M*", "--mamba-num-heads", "6", family="hybrid")
+    assert model_record_from_args(hybrid_args, 64).config.mamba_num_heads == 6
+    with pytest.raises(ArgumentError, match="^--use-rope-scaling is for GPT models"):
+        _args(*mamba, "--hybrid-layer-pattern", "M*M*", "--use-rope-scaling", family="hybrid")
