@@ -101,6 +101,7 @@ UNSUPPORTED_FLAGS = {
             "--exit-interval",
             "--exit-duration-in-mins",
             "--exit-signal-handler",
+            "--use-tp-pp-dp-mapping",
             "--manual-gc",
             "--manual-gc-interval",
             "--no-manual-gc-eval",

@@ -243,6 +243,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)",
     )
+    g.add_argument(
+        "--use-tp-pp-dp-mapping",
+        action="store_true",
+        help="lay ranks out with pipeline stages before data-parallel replicas (order tp-gtp-cp-pp-dp; "
+        "default tp-gtp-cp-dp-pp)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument(

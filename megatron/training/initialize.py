@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.fusions import set_fusion_backend
 from megatron.core.parallel_state import initialize_distributed
-from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.process_groups import DEFAULT_ORDER, ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 
 
@@ -25,6 +25,9 @@ def set_random_seeds(seed: int, pg_collection: ProcessGroupCollection) -> None:
     np.random.seed(seed % 2**32)
     model_parallel_manual_seed(seed, pg_collection)
 
+
+# Megatron's --use-tp-pp-dp-mapping: pipeline stages of a replica on neighbouring ranks.
+TP_PP_DP_ORDER = "tp-gtp-cp-pp-dp"
 
 # What --deterministic-mode sets unless the environment already does (read by NCCL and cuBLAS
 # when they start, so before the process group exists).
@@ -56,6 +59,7 @@ def initialize_megatron(args) -> ProcessGroupCollection:
         generalized_tensor_parallel_size=args.generalized_tensor_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        order=TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER,
     )
     set_random_seeds(args.seed, pgc)
     return pgc

@@ -73,6 +73,15 @@ def test_gpt_layouts_reproduce_single_process_losses_and_statistics(gpt_referenc
         assert abs(row[3] - reference[3] - padding_zeros) <= 4
 
 
+def test_tp_pp_dp_mapping_reproduces_single_process_losses_and_statistics(gpt_reference, tmp_path, capfd):
+    """Megatron's --use-tp-pp-dp-mapping puts a replica's pipeline stages on neighbouring ranks
+    (PP2 x DP2: stages 0,1 and 2,3) and trains the same run."""
+    flags = ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
+    statistics = _statistics(flags, 4, tmp_path)
+    assert [row[:3] for row in statistics] == [pytest.approx(row[:3], rel=1e-4) for row in gpt_reference]
+    assert "DP 2 x PP 2 (order tp-gtp-cp-pp-dp)" in capfd.readouterr().out
+
+
 def test_hybrid_tp2_pp2_reproduces_single_process_losses(tmp_path):
     flags = [
         "--hybrid-layer-pattern",
