@@ -102,6 +102,7 @@ UNSUPPORTED_FLAGS = {
             "--exit-duration-in-mins",
             "--exit-signal-handler",
             "--use-tp-pp-dp-mapping",
+            "--check-weight-hash-across-dp-replicas-interval",
             "--manual-gc",
             "--manual-gc-interval",
             "--no-manual-gc-eval",

@@ -545,6 +545,12 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit at a multiple of it")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after it")
     g.add_argument(
+        "--check-weight-hash-across-dp-replicas-interval",
+        type=int,
+        default=None,
+        help="every N iterations, check that data-parallel replicas hold the same weights (fail if not)",
+    )
+    g.add_argument(
         "--exit-signal-handler",
         action="store_true",
         help="on --exit-signal (to any rank), save (with --save) and exit after the current iteration",
@@ -939,6 +945,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    _require(
+        interval is None or interval >= 1,
+        f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}",
+    )
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _require(args.eval_interval is None or args.eval_iters >= 1, "--eval-interval needs --eval-iters >= 1")
     _require(

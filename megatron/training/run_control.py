@@ -1,16 +1,21 @@
 """What the loop does around its steps: Megatron's exit rules (--exit-interval,
---exit-duration-in-mins, --exit-signal-handler), manual garbage collection (--manual-gc) and
-profiling (--profile)."""
+--exit-duration-in-mins, --exit-signal-handler), manual garbage collection (--manual-gc),
+profiling (--profile) and the weight check across data-parallel replicas
+(--check-weight-hash-across-dp-replicas-interval)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import signal
 import time
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.errors import MegatronRuntimeError
+from megatron.core.optimizer.clip_grads import stats_device
 
 
 class ExitRule:
@@ -147,3 +152,32 @@ class IterationProfiler:
             self._torch = None
         elif not self.use_torch:
             torch.cuda.cudart().cudaProfilerStop()
+
+
+class ReplicaDivergedError(MegatronRuntimeError):
+    """Data-parallel replicas that must hold the same weights do not."""
+
+
+def check_replica_weights(model_chunks, pgc, iteration: int) -> None:
+    """Megatron's weight-hash check: every data-parallel replica of this rank's weights holds the
+    same bytes. Dense weights are compared over ``dp_cp``, expert weights over the expert data
+    group; every rank sees every digest, so all raise together, naming the ranks that differ."""
+    params = [p for chunk in model_chunks for p in chunk.parameters()]
+    for is_expert, group in ((False, pgc.dp_cp), (True, pgc.expert_dp_group())):
+        if dist.get_world_size(group) == 1:
+            continue
+        digest = hashlib.sha256()
+        for param in params:
+            if getattr(param, "is_expert", False) == is_expert:
+                digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=stats_device(group))
+        digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(digests, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        differ = [rank for rank, other in zip(ranks, digests, strict=True) if not torch.equal(other, digests[0])]
+        if differ:
+            kind = "expert" if is_expert else "dense"
+            raise ReplicaDivergedError(
+                f"iteration {iteration}: the {kind} weights of data-parallel replicas differ: ranks {differ} "
+                f"disagree with rank {ranks[0]} (--check-weight-hash-across-dp-replicas-interval)"
+            )

@@ -35,7 +35,7 @@ from megatron.training.arguments import model_record_from_args, optimizer_config
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
-from megatron.training.run_control import ExitRule, GarbageCollection, IterationProfiler
+from megatron.training.run_control import ExitRule, GarbageCollection, IterationProfiler, check_replica_weights
 from megatron.training.startup_summary import parameter_counts_per_stage
 
 
@@ -443,6 +443,10 @@ class Trainer:
             gc_control.after_step(state.iteration)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
                 self._evaluate_and_log(self.valid_ds, "validation", gc_control)
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval and state.iteration % interval == 0:
+                self.finish_param_sync()  # overlapped gathers of the distributed optimizer land first
+                check_replica_weights(self.model_chunks, self.pgc, state.iteration)
             saved = save_due(args, state)
             if saved:
                 self.save()

@@ -1,15 +1,19 @@
 """--exit-interval, --exit-duration-in-mins and --exit-signal-handler save, then stop cleanly
-(no end-of-run evaluation); --manual-gc turns automatic collection off for the run only; --profile with
---use-pytorch-profiler writes a trace of the chosen iterations."""
+(no end-of-run evaluation); --check-weight-hash-across-dp-replicas-interval passes on agreeing
+replicas and stops every rank on a diverged one; --manual-gc turns automatic collection off for
+the run only; --profile with --use-pytorch-profiler writes a trace of the chosen iterations."""
 
 import gc
 import os
+import re
 import signal
+
+import pytest
 
 from megatron.core.dist_checkpointing import read_latest_iteration
 from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.dist_harness import DistributedTestFailure, run_distributed
 
 FLAGS = [
     *("--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8"),
@@ -66,6 +70,45 @@ def test_exit_signal_on_one_rank_saves_and_stops_every_rank_at_that_iteration(tm
     assert read_latest_iteration(str(tmp_path)) == 3
     out = capfd.readouterr().out
     assert "exiting program on SIGTERM (--exit-signal-handler)" in out and "validation loss" not in out
+
+
+def _diverge_at(iteration, flags):
+    """Train on 2 data-parallel ranks; with ``iteration``, rank 1 nudges one weight after that step."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.training import training
+
+    original = training.Trainer.train_step
+    steps = []
+
+    def step(self, iterator):
+        result = original(self, iterator)
+        steps.append(None)
+        if len(steps) == iteration and dist.get_rank() == 1:
+            with torch.no_grad():
+                next(self.model_chunks[0].module.parameters()).view(-1)[0] += 1e-3
+        return result
+
+    training.Trainer.train_step = step  # this rank is a forked process: the patch dies with it
+    return pretrain(parse_args(FLAGS + ["--train-iters", "4", *flags], world_size=2)).iteration
+
+
+CHECK = ["--check-weight-hash-across-dp-replicas-interval", "1", "--eval-iters", "0"]
+
+
+def test_weight_hash_check_passes_on_replicas_that_agree():
+    assert run_distributed(_diverge_at, 2, None, CHECK) == [4, 4]
+    overlapped = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+    assert run_distributed(_diverge_at, 2, None, CHECK + overlapped) == [4, 4]
+
+
+def test_weight_hash_check_stops_every_rank_on_a_diverged_replica():
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(_diverge_at, 2, 2, CHECK)
+    for rank in (0, 1):  # every rank stopped with the same error
+        assert re.search(f"rank {rank}: \\S*ReplicaDivergedError: iteration 2: the dense weights", str(failure.value))
+    assert "ranks [1] disagree with rank 0 (--check-weight-hash-across-dp-replicas-interval)" in str(failure.value)
 
 
 def _gc_during_training(flags):
