@@ -160,6 +160,14 @@ IMPLEMENTATION_FLAGS = {
         {"choices": ["single"], "default": None},
         "samples are read in order from the consumed-sample count (Megatron's single)",
     ),
+    "--verify-integrity": (
+        {"action": "store_true"},
+        "every save records each item's checksum and every load verifies the items it reads",
+    ),
+    "--async-strategy": (
+        {"choices": ["mcore", "nvrx"], "default": None},
+        "--async-save writes from a background thread of the training process",
+    ),
     "--dist-ckpt-strictness": (
         {
             "choices": [
@@ -464,6 +472,12 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--save-retain-interval",
+        type=int,
+        default=None,
+        help="after each save keep only the newest checkpoint and those at multiples of this iteration count",
+    )
     g.add_argument(
         "--async-save",
         action="store_true",
@@ -943,6 +957,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
+    _require(args.save_retain_interval is None or args.save is not None, "--save-retain-interval needs --save")
+    _require(
+        args.save_retain_interval is None or args.save_retain_interval >= 1,
+        f"--save-retain-interval must be >= 1, got {args.save_retain_interval}",
+    )
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
     interval = args.check_weight_hash_across_dp_replicas_interval

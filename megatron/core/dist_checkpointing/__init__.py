@@ -15,7 +15,12 @@ from megatron.core.dist_checkpointing.exchange_utils import AssignmentCache
 from megatron.core.dist_checkpointing.lazy_tensor import LazyTensor
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.metadata import CheckpointMetadata, read_metadata
-from megatron.core.dist_checkpointing.recovery import adopt_untracked, verify_checkpoint, verify_files
+from megatron.core.dist_checkpointing.recovery import (
+    adopt_untracked,
+    retire_iterations,
+    verify_checkpoint,
+    verify_files,
+)
 from megatron.core.dist_checkpointing.serialization import (
     PreparedSave,
     load,
@@ -47,6 +52,7 @@ __all__ = [
     "ShardedTensorFactory",
     "TRACKER_FILENAME",
     "adopt_untracked",
+    "retire_iterations",
     "gtp_row_range",
     "iteration_dir",
     "load",

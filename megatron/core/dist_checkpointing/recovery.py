@@ -1,4 +1,5 @@
-"""Checkpoint iterations the tracker does not name yet, and end-to-end verification.
+"""Checkpoint iterations the tracker does not name yet, end-to-end verification, and the
+retirement of old iterations (:func:`retire_iterations`).
 
 A save killed after its directory was published but before the tracker moved leaves an
 ``iter_*`` newer than the tracker (so did older versions of this code when killed before they
@@ -67,14 +68,31 @@ def verify_checkpoint(checkpoint_dir: str, required_files: tuple[str, ...] = ())
     return metadata
 
 
-def untracked_iterations(root: str) -> list[int]:
-    """Iterations of ``root`` newer than its tracker (all of them without one), ascending."""
+def _iterations(root: str) -> list[int]:
+    """Iterations of ``root`` that have an ``iter_*`` directory, ascending."""
     if not os.path.isdir(root):
         return []
-    latest = read_latest_iteration(root)
     found = (_ITERATION_DIR.fullmatch(name) for name in os.listdir(root))
-    iterations = sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
-    return [it for it in iterations if latest is None or it > latest]
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def untracked_iterations(root: str) -> list[int]:
+    """Iterations of ``root`` newer than its tracker (all of them without one), ascending."""
+    latest = read_latest_iteration(root)
+    return [it for it in _iterations(root) if latest is None or it > latest]
+
+
+def retire_iterations(root: str, retain_interval: int) -> list[int]:
+    """Delete the iterations of ``root`` older than the tracker's that are not multiples of
+    ``retain_interval`` (Megatron's --save-retain-interval: the latest checkpoint and every
+    ``retain_interval``-th stay); returns them. Run it on one rank, after the tracker moved."""
+    latest = read_latest_iteration(root)
+    if latest is None:
+        return []
+    retired = [it for it in _iterations(root) if it < latest and it % retain_interval]
+    for iteration in retired:
+        shutil.rmtree(iteration_dir(root, iteration))
+    return retired
 
 
 def _verified(path: str, required_files: tuple[str, ...]) -> str | None:

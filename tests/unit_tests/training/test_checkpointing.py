@@ -1,13 +1,20 @@
 """Checkpointed training through the real loop: 10 steps + save + resume + 10 steps equals 20
 straight steps exactly; --finetune / --no-load-optim; the config record rebuilds the model."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import ACTIVATIONS, gelu_tanh, squared_relu
 from megatron.core.config import ConfigError, TransformerConfig
-from megatron.core.dist_checkpointing import write_latest_iteration
+from megatron.core.dist_checkpointing import (
+    TRACKER_FILENAME,
+    iteration_dir,
+    retire_iterations,
+    write_latest_iteration,
+)
 from megatron.core.models.model_record import TokenizerRecord, load_model_weights, model_from_record, read_model_record
 from megatron.training.arguments import model_record_from_args
 from tests.unit_tests.dist_harness import run_distributed
@@ -85,6 +92,23 @@ def test_resume_with_another_vocabulary_padding_continues_the_run(straight_run, 
         write_latest_iteration(save, 20)
     resumed = losses_by_iteration(tmp_path / "unpadded.jsonl")
     assert [resumed[i] for i in range(11, 21)] == pytest.approx(straight[10:], rel=1e-5)
+
+
+def test_save_retain_interval_keeps_the_newest_and_every_nth_checkpoint(tmp_path):
+    root = tmp_path / "run"
+    flags = ["--train-iters", "5", "--save", str(root), "--save-interval", "1", "--save-retain-interval", "2"]
+    run_distributed(_train, 1, flags, 1)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "iter_0000005", TRACKER_FILENAME]
+    (resumed,) = run_distributed(_train, 1, ["--train-iters", "6", "--load", str(root)], 1)
+    assert resumed == (6, 48)  # the newest one is intact
+
+
+def test_retire_iterations_leaves_the_tracked_one_and_newer_untracked_ones(tmp_path):
+    for iteration in range(1, 8):
+        os.makedirs(iteration_dir(str(tmp_path), iteration))
+    write_latest_iteration(str(tmp_path), 5)  # 6 and 7: published, not tracked yet
+    assert retire_iterations(str(tmp_path), 3) == [1, 2, 4]
+    assert sorted(os.listdir(tmp_path)) == [*(f"iter_{i:07d}" for i in (3, 5, 6, 7)), TRACKER_FILENAME]
 
 
 def test_finetune_loads_weights_only_and_no_load_optim_keeps_the_position(straight_run, tmp_path, capfd):

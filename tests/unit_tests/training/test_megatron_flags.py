@@ -132,6 +132,8 @@ def _args(*extra, family="gpt", world=1):
         ["--moe-router-dtype", "fp32"],
         ["--moe-permute-fusion"],
         ["--dataloader-type", "single"],
+        ["--verify-integrity"],
+        ["--async-strategy", "mcore"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
@@ -183,6 +185,11 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--vocab-file", "v.json"], "--vocab-file v.json: no such file"),  # GPT2BPETokenizer, Megatron's default
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
+        (["--save-retain-interval", "2"], "^--save-retain-interval needs --save$"),
+        (
+            ["--check-weight-hash-across-dp-replicas-interval", "0"],
+            "^--check-weight-hash-across-dp-replicas-interval must be >= 1, got 0$",
+        ),
         (
             ["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"],
             "^--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are mutually exclusive$",
