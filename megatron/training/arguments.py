@@ -168,6 +168,14 @@ IMPLEMENTATION_FLAGS = {
         {"choices": ["mcore", "nvrx"], "default": None},
         "--async-save writes from a background thread of the training process",
     ),
+    "--rerun-mode": (
+        {"choices": ["disabled"], "default": None},
+        "steps are not re-run to validate their results (Megatron's disabled)",
+    ),
+    "--num-distributed-optimizer-instances": (
+        {"type": int, "choices": [1], "default": None},
+        "the distributed optimizer shards its state over the whole data-parallel group (one instance)",
+    ),
     "--dist-ckpt-strictness": (
         {
             "choices": [
@@ -465,6 +473,9 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--metrics-jsonl", type=str, default=None, metavar="PATH")
+    g.add_argument(
+        "--logging-level", type=int, default=None, help="level of Python's root logger (10 debug ... 50 critical)"
+    )
     g.add_argument("--log-params-norm", action="store_true", help="log the global L2 norm of the parameters")
     g.add_argument(
         "--log-num-zeros-in-grad", action="store_true", help="log the number of zero elements in the gradients"

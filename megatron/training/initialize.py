@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -36,7 +37,9 @@ DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 def configure_process(args) -> None:
     """What the flags set for the whole process before any process group exists:
-    --deterministic-mode and the fused ops that --no-*-fusion flags turn off."""
+    --logging-level, --deterministic-mode and the fused ops that --no-*-fusion flags turn off."""
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
     if args.deterministic_mode:
         for name, value in DETERMINISTIC_ENV.items():
             os.environ.setdefault(name, value)

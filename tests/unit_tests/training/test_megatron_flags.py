@@ -2,6 +2,7 @@
 select what is always used (accepted, noted once), the refused ones (named, with what to use
 instead), the sample-based schedule, and the flags with meaning (recompute, zero-centered norms)."""
 
+import logging
 import re
 
 import pytest
@@ -134,6 +135,8 @@ def _args(*extra, family="gpt", world=1):
         ["--dataloader-type", "single"],
         ["--verify-integrity"],
         ["--async-strategy", "mcore"],
+        ["--rerun-mode", "disabled"],
+        ["--num-distributed-optimizer-instances", "1"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
@@ -411,18 +414,18 @@ def _configure_and_report(argv):
 
     configure_process(parse_args(BASE + argv, model_family="gpt", world_size=1))
     env = {name: os.environ.get(name) for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
-    return torch.are_deterministic_algorithms_enabled(), env, sorted(disabled_ops())
+    return torch.are_deterministic_algorithms_enabled(), env, sorted(disabled_ops()), logging.getLogger().level
 
 
 def test_deterministic_mode_and_fusion_flags_configure_the_process():
     from tests.unit_tests.dist_harness import run_distributed
 
-    argv = ["--deterministic-mode", "--no-rope-fusion", "--no-bias-dropout-fusion"]
-    ((deterministic, env, disabled),) = run_distributed(_configure_and_report, 1, argv)
+    argv = ["--deterministic-mode", "--no-rope-fusion", "--no-bias-dropout-fusion", "--logging-level", "40"]
+    ((deterministic, env, disabled, level),) = run_distributed(_configure_and_report, 1, argv)
     assert deterministic and env == {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    assert disabled == ["bias_dropout_add", "rope"]
-    ((deterministic, _, disabled),) = run_distributed(_configure_and_report, 1, [])
-    assert not deterministic and disabled == []
+    assert disabled == ["bias_dropout_add", "rope"] and level == logging.ERROR
+    ((deterministic, _, disabled, level),) = run_distributed(_configure_and_report, 1, [])
+    assert not deterministic and disabled == [] and level != logging.ERROR
 
 
 def test_squared_relu_is_the_mlp_activation():
