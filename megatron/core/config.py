@@ -147,7 +147,7 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None
-    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss", "seq_aux_loss" or "none"
+    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss", "seq_aux_loss", "sinkhorn" or "none"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_score_function: str = "softmax"  # or "sigmoid"
@@ -252,9 +252,14 @@ class TransformerConfig(ModelParallelConfig):
                 f"moe_router_topk must be in [1, num_moe_experts ({experts})], got {topk!r}",
             ),
             (
-                self.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
-                "moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss' or 'none', "
+                self.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+                "moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss', 'sinkhorn' or 'none', "
                 f"got {self.moe_router_load_balancing_type!r}",
+            ),
+            (
+                self.moe_router_load_balancing_type != "sinkhorn" or not self.moe_aux_loss_coeff,
+                "sinkhorn load balancing balances the expert choice itself: it takes no moe_aux_loss_coeff "
+                f"(got {self.moe_aux_loss_coeff!r})",
             ),
             (
                 self.moe_router_score_function in ("softmax", "sigmoid"),

@@ -507,7 +507,9 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
+    g.add_argument(
+        "--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss"
+    )
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")

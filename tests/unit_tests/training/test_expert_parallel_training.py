@@ -31,6 +31,13 @@ def test_expert_parallel_loss_curve_equals_ep1(ep1_curve, tmp_path, world, flags
     assert curve[-1] < curve[0]
 
 
+def test_sinkhorn_routing_trains_to_the_same_curve_under_ep2(tmp_path):
+    sinkhorn = ["--moe-router-load-balancing-type", "sinkhorn"]
+    reference = _curve("gpt", MOE + sinkhorn, 1, tmp_path / "ep1")
+    curve = _curve("gpt", MOE + sinkhorn + ["--expert-model-parallel-size", "2"], 2, tmp_path / "ep2")
+    assert curve == pytest.approx(reference, abs=1e-5) and curve[-1] < curve[0]
+
+
 def _train(flags, world_size, metrics_jsonl):
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain

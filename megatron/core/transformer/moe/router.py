@@ -4,6 +4,8 @@ Megatron's semantics: ``softmax`` scores take the top-k of the logits and softma
 chosen (``pre_softmax``: softmax over all experts first, the k chosen probabilities unnormalized);
 ``sigmoid`` scores take the top-k of ``sigmoid(logits)`` and normalize the k chosen to sum to one.
 With an expert bias (aux-loss-free balancing) the bias shifts only the choice, never the weights.
+``sinkhorn`` load balancing chooses experts by Sinkhorn-balanced scores in training instead of
+adding a loss (see :meth:`TopKRouter._sinkhorn_scores`).
 
 The load-balancing loss and the z-loss join the training loss through
 :class:`MoEAuxLossAutoScaler`: the forward returns the routing weights untouched, the backward
@@ -63,6 +65,26 @@ def sequence_load_balancing_loss(
     return (fraction * scores.mean(0)).sum(-1).mean() * coeff
 
 
+def sinkhorn_balance(logits: torch.Tensor, tol: float = 1e-4, max_iterations: int = 1000) -> torch.Tensor:
+    """Sinkhorn-Knopp scaling of ``exp(logits)`` [T, E]: row factors and column factors are
+    updated in turn until the column factors change by at most ``tol`` (mean absolute change),
+    giving a matrix whose rows each sum to about ``1/T`` and whose columns each sum to ``1/E``.
+    The logits' maximum is subtracted first (the result does not depend on it, and ``exp``
+    cannot overflow)."""
+    kernel = torch.exp(logits.float() - logits.float().max())
+    tokens, experts = kernel.shape
+    eps = 1e-8
+    cols = kernel.new_ones(experts)
+    for _ in range(max_iterations):
+        rows = 1.0 / (tokens * ((kernel * cols).sum(1) + eps))
+        new_cols = 1.0 / (experts * ((rows.unsqueeze(1) * kernel).sum(0) + eps))
+        change = (new_cols - cols).abs().mean()
+        cols = new_cols
+        if not change > tol:  # converged (or not a number: nothing more to gain)
+            break
+    return rows.unsqueeze(1) * kernel * cols
+
+
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     """``coeff * mean(logsumexp(logits)^2)`` (ST-MoE), keeps router logits small."""
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
@@ -113,6 +135,8 @@ class TopKRouter(nn.Module):
         """``(probs [T, k], indices [T, k], normalized scores of every expert [T, E])`` for the
         expert choice and the load-balancing loss."""
         config, bias = self.config, self.expert_bias
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            return self._sinkhorn_scores(logits)
         if config.moe_router_score_function == "sigmoid":
             all_scores = torch.sigmoid(logits)
             indices = self._choose(all_scores if bias is None else all_scores + bias)
@@ -131,6 +155,17 @@ class TopKRouter(nn.Module):
         if config.moe_router_topk_scaling_factor is not None:
             probs = probs * config.moe_router_topk_scaling_factor
         return probs, indices, normalized
+
+    def _sinkhorn_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Megatron's ``sinkhorn`` balancing: the weights are ``sigmoid`` (top-1) or ``softmax``
+        (top-k) of the logits, taken at the chosen experts; a training pass chooses by the
+        Sinkhorn-balanced scores (:func:`sinkhorn_balance`: every expert gets an equal share of
+        the tokens' mass), an evaluation by the weights themselves."""
+        weights = torch.sigmoid(logits) if self.topk == 1 else torch.softmax(logits, dim=-1)
+        with torch.no_grad():
+            choice = sinkhorn_balance(logits) if self.training else weights
+            indices = choice.topk(self.topk, dim=-1).indices
+        return weights.gather(-1, indices), indices, weights
 
     def _choose(self, choice: torch.Tensor) -> torch.Tensor:
         """Top-k expert ids by ``choice [T, E]``; with groups, only experts of the

@@ -1,11 +1,12 @@
 """Top-k router: expert choice and weights of each score function, the auxiliary losses against
-hand-computed formulas, their gradient through the autograd scaler, capacity dropping."""
+hand-computed formulas, their gradient through the autograd scaler, capacity dropping, and
+Sinkhorn balancing (its scaling's sums, and the choice it makes in training only)."""
 
 import pytest
 import torch
 
 from megatron.core.config import ConfigError, TransformerConfig
-from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router import TopKRouter, sinkhorn_balance
 
 
 def _config(**moe):
@@ -122,3 +123,46 @@ def test_bad_moe_settings_name_the_field():
         _config(moe_router_score_function="relu")
     with pytest.raises(ConfigError, match="moe_token_dispatcher_type must be 'allgather' or 'alltoall'"):
         _config(moe_token_dispatcher_type="flex")
+    with pytest.raises(ConfigError, match="sinkhorn load balancing balances the expert choice itself"):
+        _config(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.01)
+
+
+def test_sinkhorn_scaling_gives_equal_expert_columns_and_equal_token_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(32, 4) * 3
+    balanced = sinkhorn_balance(logits)
+    torch.testing.assert_close(balanced.sum(0), torch.full((4,), 1 / 4))
+    torch.testing.assert_close(balanced.sum(1), torch.full((32,), 1 / 32), rtol=1e-2, atol=1e-5)
+    # a shift of every logit changes nothing (but fp32 rounding of the shifted logits), and
+    # large logits do not overflow exp()
+    shifted = sinkhorn_balance(logits + 1000.0)
+    assert shifted.isfinite().all()
+    torch.testing.assert_close(shifted, balanced, rtol=1e-3, atol=1e-7)
+
+
+def test_sinkhorn_router_balances_its_choice_in_training_only():
+    router, x = _router_and_tokens(moe_router_topk=2, moe_router_load_balancing_type="sinkhorn")
+    common = torch.ones(8) / 8**0.5
+    x = torch.randn(64, 8) * 0.5 + 2 * common
+    with torch.no_grad():
+        router.weight[0] = 3 * common  # expert 0 is every token's favourite
+    logits = x @ router.weight.t()
+    weights = torch.softmax(logits, dim=-1)
+    router.train()
+    probs, experts = router(x)
+    assert torch.equal(experts, sinkhorn_balance(logits).topk(2, dim=-1).indices)
+    torch.testing.assert_close(probs, weights.gather(-1, experts))
+    balanced_load = torch.bincount(experts.flatten(), minlength=4)
+    router.eval()
+    probs, experts = router(x)
+    assert torch.equal(experts, weights.topk(2, dim=-1).indices)
+    torch.testing.assert_close(probs, weights.gather(-1, experts))
+    greedy_load = torch.bincount(experts.flatten(), minlength=4)
+    assert greedy_load[0] == 64 and balanced_load.max() < 64 and balanced_load.min() > 0
+
+
+def test_sinkhorn_top1_router_weighs_by_the_sigmoid():
+    router, x = _router_and_tokens(moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")
+    router.train()
+    probs, experts = router(x)
+    torch.testing.assert_close(probs, torch.sigmoid(x @ router.weight.t()).gather(-1, experts))
