@@ -176,6 +176,26 @@ IMPLEMENTATION_FLAGS = {
         {"type": int, "choices": [1], "default": None},
         "the distributed optimizer shards its state over the whole data-parallel group (one instance)",
     ),
+    "--ddp-average-in-collective": (
+        {"action": "store_true"},
+        "gradients are averaged over the data-parallel ranks: each is scaled by 1/DP before the sum",
+    ),
+    "--defer-embedding-wgrad-compute": (
+        {"action": "store_true"},
+        "the embedding's weight gradient is computed in its own backward step",
+    ),
+    "--wgrad-deferral-limit": (
+        {"type": int, "default": None},
+        "the embedding's weight gradient is computed in its own backward step",
+    ),
+    "--overlap-p2p-communication": (
+        {"action": "store_true"},
+        "pipeline sends and receives are always posted together as one asynchronous batch",
+    ),
+    "--overlap-p2p-communication-warmup-flush": (
+        {"action": "store_true"},
+        "pipeline sends and receives are always posted together as one asynchronous batch",
+    ),
     "--dist-ckpt-strictness": (
         {
             "choices": [
@@ -216,6 +236,38 @@ REFUSED_FLAGS = {
         "a separate learning rate for the embedding and output layer is not supported; they train at --lr",
     ),
     "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
+    "--rotary-interleaved": (
+        {"action": "store_const", "const": True},
+        "interleaved RoPE (GPT-J's pairs) is not supported; RoPE here rotates the two halves of each head "
+        "(Llama, GPT-NeoX)",
+    ),
+    "--multi-latent-attention": (
+        {"action": "store_const", "const": True},
+        "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
+    ),
+    "--use-torch-fsdp2": (
+        {"action": "store_const", "const": True},
+        "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
+        "with --generalized-tensor-parallel-size",
+    ),
+    "--use-megatron-fsdp": (
+        {"action": "store_const", "const": True},
+        "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
+        "with --generalized-tensor-parallel-size",
+    ),
+    "--tp-comm-overlap": (
+        {"action": "store_const", "const": True},
+        "Transformer Engine's tensor-parallel communication overlap is not supported (no Transformer Engine here)",
+    ),
+    "--hierarchical-context-parallel-sizes": (
+        {"nargs": "+", "type": int},
+        "hierarchical context parallelism is not supported; use --context-parallel-size with --cp-comm-type "
+        "p2p or all_gather",
+    ),
+    "--use-legacy-models": (
+        {"action": "store_const", "const": True},
+        "the legacy models are not supported; models are always megatron-core style (GPTModel, HybridModel)",
+    ),
 }
 
 # Megatron's flags that turn a fusion off: (flag, dest, what it fuses); _disabled_fusions maps them
@@ -310,6 +362,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="model chunks (virtual stages) per pipeline rank for the interleaved schedule",
+    )
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="the interleaved schedule runs groups of --pipeline-model-parallel-size micro-batches per virtual "
+        "stage (Megatron's default, the only group size here)",
     )
     g.add_argument(
         "--num-virtual-stages-per-pipeline-rank",
@@ -977,6 +1036,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    _require(
+        group in (None, pp),
+        f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the interleaved schedule here groups "
+        f"--pipeline-model-parallel-size ({pp}) micro-batches per virtual stage",
+    )
     interval = args.check_weight_hash_across_dp_replicas_interval
     _require(
         interval is None or interval >= 1,

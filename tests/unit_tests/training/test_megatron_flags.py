@@ -137,6 +137,11 @@ def _args(*extra, family="gpt", world=1):
         ["--async-strategy", "mcore"],
         ["--rerun-mode", "disabled"],
         ["--num-distributed-optimizer-instances", "1"],
+        ["--ddp-average-in-collective"],
+        ["--defer-embedding-wgrad-compute"],
+        ["--wgrad-deferral-limit", "2"],
+        ["--overlap-p2p-communication"],
+        ["--overlap-p2p-communication-warmup-flush"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
@@ -189,6 +194,18 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
         (["--save-retain-interval", "2"], "^--save-retain-interval needs --save$"),
+        (["--rotary-interleaved"], "^--rotary-interleaved: interleaved RoPE .* is not supported"),
+        (["--multi-latent-attention"], "^--multi-latent-attention: multi-latent attention .* is not supported"),
+        (["--use-torch-fsdp2"], "^--use-torch-fsdp2: FSDP is not supported; .*--use-distributed-optimizer"),
+        (["--use-megatron-fsdp"], "^--use-megatron-fsdp: FSDP is not supported"),
+        (["--tp-comm-overlap"], "^--tp-comm-overlap: Transformer Engine's .* is not supported"),
+        (["--hierarchical-context-parallel-sizes", "2", "2"], "^--hierarchical-context-parallel-sizes: hierarchical"),
+        (["--use-legacy-models"], "^--use-legacy-models: the legacy models are not supported"),
+        (
+            ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+            r"^--microbatch-group-size-per-virtual-pipeline-stage 4: the interleaved schedule here groups "
+            r"--pipeline-model-parallel-size \(1\) micro-batches",
+        ),
         (
             ["--check-weight-hash-across-dp-replicas-interval", "0"],
             "^--check-weight-hash-across-dp-replicas-interval must be >= 1, got 0$",
@@ -465,3 +482,9 @@ def test_model_flags_of_megatron_reach_the_model_record():
     assert model_record_from_args(hybrid_args, 64).config.mamba_num_heads == 6
     with pytest.raises(ArgumentError, match="^--use-rope-scaling is for GPT models"):
         _args(*mamba, "--hybrid-layer-pattern", "M*M*", "--use-rope-scaling", family="hybrid")
+
+
+def test_the_micro_batch_group_size_of_the_interleaved_schedule_is_the_pipeline_size():
+    pipeline = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
+    extra = [*pipeline, "--global-batch-size", "4", "--microbatch-group-size-per-virtual-pipeline-stage", "2"]
+    assert _args(*extra, world=2).microbatch_group_size_per_virtual_pipeline_stage == 2
