@@ -31,78 +31,66 @@ class ArgumentError(MegatronConfigError):
     """A bad or contradictory flag combination; the message names the flags."""
 
 
+# argparse kwargs of a plain on/off flag, and of a refused one (present: True, absent: None).
+_SWITCH = {"action": "store_true"}
+_REFUSED_SWITCH = {"action": "store_const", "const": True}
+_NAN_NOTE = (
+    "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
+    "(number of nan iterations)"
+)
+_TIMING_NOTE = "only the iteration time is measured (Megatron's level 0)"
+_WANDB_NOTE = "Weights & Biases logging is not built in"
+_BACKGROUND_SAVE_NOTE = "--async-save writes from a background thread of the training process"
+_EMBEDDING_WGRAD_NOTE = "the embedding's weight gradient is computed in its own backward step"
+
 # Flags that select an implementation or a fusion this framework always uses: accepted, and
 # their note is printed once on rank 0 when given (argparse kwargs, note).
 IMPLEMENTATION_FLAGS = {
-    "--use-mcore-models": ({"action": "store_true"}, "models are always megatron-core style (GPTModel, HybridModel)"),
+    "--use-mcore-models": (_SWITCH, "models are always megatron-core style (GPTModel, HybridModel)"),
     "--transformer-impl": (
         {"choices": ["local", "transformer_engine"], "default": None},
         "layers are this framework's own torch modules (fused kernels where the backend switch has them)",
     ),
-    "--use-flash-attn": ({"action": "store_true"}, "attention already uses fused SDPA"),
+    "--use-flash-attn": (_SWITCH, "attention already uses fused SDPA"),
     "--no-masked-softmax-fusion": (
-        {"action": "store_true"},
+        _SWITCH,
         "attention uses SDPA, which has no separate masked-softmax kernel to turn off",
     ),
     "--cross-entropy-loss-fusion": (
-        {"action": "store_true"},
+        _SWITCH,
         "the loss is always fused where the backend switch has a kernel (see --cross-entropy-fusion-impl)",
     ),
     "--no-create-attention-mask-in-dataloader": (
-        {"action": "store_true"},
+        _SWITCH,
         "no attention mask is ever built: attention is causal inside the kernel",
     ),
-    "--use-checkpoint-args": (
-        {"action": "store_true"},
-        "with --load the model flags always come from the checkpoint's model record",
-    ),
-    "--log-throughput": ({"action": "store_true"}, "tokens/s and TFLOP/s are always in the log line"),
+    "--use-checkpoint-args": (_SWITCH, "with --load the model flags always come from the checkpoint's model record"),
+    "--log-throughput": (_SWITCH, "tokens/s and TFLOP/s are always in the log line"),
     "--num-workers": ({"type": int, "default": None}, "samples are read in the training process (no loader workers)"),
-    "--no-mmap-bin-files": ({"action": "store_true"}, ".bin files are always memory-mapped (read on access)"),
+    "--no-mmap-bin-files": (_SWITCH, ".bin files are always memory-mapped (read on access)"),
     "--ckpt-format": (
         {"choices": ["torch_dist"], "default": None},
         "checkpoints are always sharded torch.distributed.checkpoint directories (torch_dist)",
     ),
     "--tiktoken-pattern": ({"choices": ["v1", "v2"], "default": None}, "only TikTokenizer reads it (not supported)"),
-    "--attention-softmax-in-fp32": (
-        {"action": "store_true"},
-        "attention runs in SDPA, whose kernels keep the softmax in fp32",
-    ),
+    "--attention-softmax-in-fp32": (_SWITCH, "attention runs in SDPA, whose kernels keep the softmax in fp32"),
     "--apply-query-key-layer-scaling": (
-        {"action": "store_true"},
+        _SWITCH,
         "SDPA keeps the softmax in fp32, so fp16 needs no query-key scaling by the layer number",
     ),
-    "--no-persist-layer-norm": ({"action": "store_true"}, "each norm is one kernel: there is no persistent variant"),
-    "--check-for-nan-in-loss-and-grad": (
-        {"action": "store_true"},
-        "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
-        "(number of nan iterations)",
-    ),
-    "--no-check-for-nan-in-loss-and-grad": (
-        {"action": "store_true"},
-        "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
-        "(number of nan iterations)",
-    ),
-    "--timing-log-level": (
-        {"type": int, "choices": [0, 1, 2], "default": None},
-        "only the iteration time is measured (Megatron's level 0)",
-    ),
-    "--timing-log-option": (
-        {"choices": ["max", "minmax", "all"], "default": None},
-        "only the iteration time is measured (Megatron's level 0)",
-    ),
+    "--no-persist-layer-norm": (_SWITCH, "each norm is one kernel: there is no persistent variant"),
+    **dict.fromkeys(("--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"), (_SWITCH, _NAN_NOTE)),
+    "--timing-log-level": ({"type": int, "choices": [0, 1, 2], "default": None}, _TIMING_NOTE),
+    "--timing-log-option": ({"choices": ["max", "minmax", "all"], "default": None}, _TIMING_NOTE),
     "--log-timers-to-tensorboard": (
-        {"action": "store_true"},
+        _SWITCH,
         "the iteration time is always written to TensorBoard (iteration-time); no other timers are measured",
     ),
     "--log-validation-ppl-to-tensorboard": (
-        {"action": "store_true"},
+        _SWITCH,
         "evaluation perplexities are always written to TensorBoard (lm loss validation ppl)",
     ),
-    "--log-memory-to-tensorboard": (
-        {"action": "store_true"},
-        "memory is always written to TensorBoard (mem-* tags)",
-    ),
+    "--log-memory-to-tensorboard": (_SWITCH, "memory is always written to TensorBoard (mem-* tags)"),
     "--tensorboard-log-interval": (
         {"type": int, "default": None},
         "TensorBoard gets the record of every --log-interval iterations",
@@ -110,42 +98,37 @@ IMPLEMENTATION_FLAGS = {
     "--tensorboard-queue-size": ({"type": int, "default": None}, "TensorBoard events are flushed at every record"),
     "--wandb-project": (
         {"type": str, "default": None},
-        "Weights & Biases logging is not built in (nothing is sent over the network); the same scalars go "
-        "to --tensorboard-dir and --metrics-jsonl",
+        f"{_WANDB_NOTE} (nothing is sent over the network); the same scalars go to --tensorboard-dir and "
+        "--metrics-jsonl",
     ),
-    "--wandb-exp-name": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
-    "--wandb-save-dir": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
-    "--wandb-entity": ({"type": str, "default": None}, "Weights & Biases logging is not built in"),
-    "--ckpt-fully-parallel-save": (
-        {"action": "store_true"},
-        "every rank always writes its own shards of a checkpoint, in parallel",
+    **dict.fromkeys(
+        ("--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"), ({"type": str, "default": None}, _WANDB_NOTE)
     ),
-    "--ckpt-fully-parallel-load": (
-        {"action": "store_true"},
-        "every rank always reads only the shards it needs, in parallel",
+    **dict.fromkeys(
+        ("--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save"),
+        (_SWITCH, "every rank always writes its own shards of a checkpoint, in parallel"),
     ),
-    "--use-persistent-ckpt-worker": (
-        {"action": "store_true"},
-        "--async-save writes from a background thread of the training process",
-    ),
+    "--ckpt-fully-parallel-load": (_SWITCH, "every rank always reads only the shards it needs, in parallel"),
+    "--use-persistent-ckpt-worker": (_SWITCH, _BACKGROUND_SAVE_NOTE),
+    "--async-strategy": ({"choices": ["mcore", "nvrx"], "default": None}, _BACKGROUND_SAVE_NOTE),
     "--ckpt-assume-constant-structure": (
-        {"action": "store_true"},
+        _SWITCH,
         "a hint for Megatron's save planner cache; saves here plan from the model each time",
     ),
     "--auto-detect-ckpt-format": (
-        {"action": "store_true"},
+        _SWITCH,
         "--load reads the torch_dist checkpoints this framework writes (see --ckpt-format)",
     ),
     "--dist-ckpt-optim-fully-reshardable": (
-        {"action": "store_true"},
+        _SWITCH,
         "optimizer state is always saved in parameter shape: it loads under any layout",
     ),
-    "--no-ckpt-fully-parallel-save": (
-        {"action": "store_true"},
-        "every rank always writes its own shards of a checkpoint, in parallel",
+    "--verify-integrity": (
+        _SWITCH,
+        "every save records each item's checksum and every load verifies the items it reads",
     ),
     "--accumulate-allreduce-grads-in-fp32": (
-        {"action": "store_true"},
+        _SWITCH,
         "with --bf16 / --fp16 gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
     ),
     "--moe-router-dtype": (
@@ -153,20 +136,12 @@ IMPLEMENTATION_FLAGS = {
         "the router always computes its logits and probabilities in fp32",
     ),
     "--moe-permute-fusion": (
-        {"action": "store_true"},
+        _SWITCH,
         "tokens are permuted to their experts by index ops; there is no separate kernel to choose",
     ),
     "--dataloader-type": (
         {"choices": ["single"], "default": None},
         "samples are read in order from the consumed-sample count (Megatron's single)",
-    ),
-    "--verify-integrity": (
-        {"action": "store_true"},
-        "every save records each item's checksum and every load verifies the items it reads",
-    ),
-    "--async-strategy": (
-        {"choices": ["mcore", "nvrx"], "default": None},
-        "--async-save writes from a background thread of the training process",
     ),
     "--rerun-mode": (
         {"choices": ["disabled"], "default": None},
@@ -177,24 +152,14 @@ IMPLEMENTATION_FLAGS = {
         "the distributed optimizer shards its state over the whole data-parallel group (one instance)",
     ),
     "--ddp-average-in-collective": (
-        {"action": "store_true"},
+        _SWITCH,
         "gradients are averaged over the data-parallel ranks: each is scaled by 1/DP before the sum",
     ),
-    "--defer-embedding-wgrad-compute": (
-        {"action": "store_true"},
-        "the embedding's weight gradient is computed in its own backward step",
-    ),
-    "--wgrad-deferral-limit": (
-        {"type": int, "default": None},
-        "the embedding's weight gradient is computed in its own backward step",
-    ),
-    "--overlap-p2p-communication": (
-        {"action": "store_true"},
-        "pipeline sends and receives are always posted together as one asynchronous batch",
-    ),
-    "--overlap-p2p-communication-warmup-flush": (
-        {"action": "store_true"},
-        "pipeline sends and receives are always posted together as one asynchronous batch",
+    "--defer-embedding-wgrad-compute": (_SWITCH, _EMBEDDING_WGRAD_NOTE),
+    "--wgrad-deferral-limit": ({"type": int, "default": None}, _EMBEDDING_WGRAD_NOTE),
+    **dict.fromkeys(
+        ("--overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"),
+        (_SWITCH, "pipeline sends and receives are always posted together as one asynchronous batch"),
     ),
     "--dist-ckpt-strictness": (
         {
@@ -215,48 +180,40 @@ IMPLEMENTATION_FLAGS = {
     ),
 }
 
+_FP8_MESSAGE = "fp8 training is not supported; train in --bf16"
+_BATCH_SCHEDULE_MESSAGE = "batch-size {} not supported; train with a constant --global-batch-size"
+_FSDP_MESSAGE = (
+    "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
+    "with --generalized-tensor-parallel-size"
+)
+
 # Flags with a meaning this framework does not implement: refused before any process group
 # (argparse kwargs, what to do instead).
 REFUSED_FLAGS = {
-    "--fp8-format": ({"type": str}, "fp8 training is not supported; train in --bf16"),
-    "--fp8-recipe": ({"type": str}, "fp8 training is not supported; train in --bf16"),
-    "--fp8-amax-history-len": ({"type": int}, "fp8 training is not supported; train in --bf16"),
-    "--fp8-amax-compute-algo": ({"type": str}, "fp8 training is not supported; train in --bf16"),
-    "--fp8-param-gather": ({"action": "store_const", "const": True}, "fp8 training is not supported; train in --bf16"),
-    "--rampup-batch-size": (
-        {"nargs": "*"},
-        "batch-size ramp-up is not supported; train with a constant --global-batch-size",
-    ),
-    "--step-batch-size-schedule": (
-        {"type": str},
-        "batch-size schedules are not supported; train with a constant --global-batch-size",
-    ),
+    "--fp8-format": ({"type": str}, _FP8_MESSAGE),
+    "--fp8-recipe": ({"type": str}, _FP8_MESSAGE),
+    "--fp8-amax-history-len": ({"type": int}, _FP8_MESSAGE),
+    "--fp8-amax-compute-algo": ({"type": str}, _FP8_MESSAGE),
+    "--fp8-param-gather": (_REFUSED_SWITCH, _FP8_MESSAGE),
+    "--rampup-batch-size": ({"nargs": "*"}, _BATCH_SCHEDULE_MESSAGE.format("ramp-up is")),
+    "--step-batch-size-schedule": ({"type": str}, _BATCH_SCHEDULE_MESSAGE.format("schedules are")),
     "--decoupled-lr": (
         {"type": float},
         "a separate learning rate for the embedding and output layer is not supported; they train at --lr",
     ),
     "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
     "--rotary-interleaved": (
-        {"action": "store_const", "const": True},
+        _REFUSED_SWITCH,
         "interleaved RoPE (GPT-J's pairs) is not supported; RoPE here rotates the two halves of each head "
         "(Llama, GPT-NeoX)",
     ),
     "--multi-latent-attention": (
-        {"action": "store_const", "const": True},
+        _REFUSED_SWITCH,
         "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
     ),
-    "--use-torch-fsdp2": (
-        {"action": "store_const", "const": True},
-        "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
-        "with --generalized-tensor-parallel-size",
-    ),
-    "--use-megatron-fsdp": (
-        {"action": "store_const", "const": True},
-        "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
-        "with --generalized-tensor-parallel-size",
-    ),
+    **dict.fromkeys(("--use-torch-fsdp2", "--use-megatron-fsdp"), (_REFUSED_SWITCH, _FSDP_MESSAGE)),
     "--tp-comm-overlap": (
-        {"action": "store_const", "const": True},
+        _REFUSED_SWITCH,
         "Transformer Engine's tensor-parallel communication overlap is not supported (no Transformer Engine here)",
     ),
     "--hierarchical-context-parallel-sizes": (
@@ -265,7 +222,7 @@ REFUSED_FLAGS = {
         "p2p or all_gather",
     ),
     "--use-legacy-models": (
-        {"action": "store_const", "const": True},
+        _REFUSED_SWITCH,
         "the legacy models are not supported; models are always megatron-core style (GPTModel, HybridModel)",
     ),
 }
