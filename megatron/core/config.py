@@ -132,6 +132,10 @@ class TransformerConfig(ModelParallelConfig):
     mamba_expand: int = 2
     mamba_d_conv: int = 4
     mamba_chunk_size: int = 16
+    # Uneven pipeline stages (Megatron's names): layers of the first / last pipeline stage, the
+    # others sharing the rest evenly (None: an even split); not with virtual stages.
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
     # Multi-token prediction
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
@@ -217,6 +221,16 @@ class TransformerConfig(ModelParallelConfig):
             (
                 self.recompute_granularity in (None, "full", "selective"),
                 f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}",
+            ),
+            *(
+                (
+                    value is None or (isinstance(value, int) and value >= 0),
+                    f"{name} must be None or an integer >= 0, got {value!r}",
+                )
+                for name, value in (
+                    ("num_layers_in_first_pipeline_stage", self.num_layers_in_first_pipeline_stage),
+                    ("num_layers_in_last_pipeline_stage", self.num_layers_in_last_pipeline_stage),
+                )
             ),
             (
                 self.recompute_method is None

@@ -8,6 +8,7 @@ entry points turn that into a one-line message and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_patter
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
+from megatron.core.transformer.transformer_block import stage_layer_counts
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
 
 
@@ -319,6 +321,22 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="model chunks (virtual stages) per pipeline rank for the interleaved schedule",
+    )
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers", type=int, default=None, help="layers of the first pipeline stage"
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers", type=int, default=None, help="layers of the last pipeline stage"
+    )
+    g.add_argument(
+        "--account-for-embedding-in-pipeline-split",
+        action="store_true",
+        help="count the embedding as one layer of the first stage's even share",
+    )
+    g.add_argument(
+        "--account-for-loss-in-pipeline-split",
+        action="store_true",
+        help="count the output layer and loss as one layer of the last stage's even share",
     )
     g.add_argument(
         "--microbatch-group-size-per-virtual-pipeline-stage",
@@ -975,6 +993,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _require(args.hybrid_layer_pattern is not None, "--hybrid-layer-pattern is required for hybrid models")
     else:
         _require(args.hybrid_layer_pattern is None, "--hybrid-layer-pattern is only valid for hybrid models")
+    args.stage_ends = _pipeline_stage_ends(args)
+    if args.model_family == "gpt" and args.stage_ends == (None, None):
         _require(
             args.num_layers % pp == 0,
             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})",
@@ -1053,6 +1073,52 @@ def _resolve_position_embedding(args: argparse.Namespace) -> None:
     if chosen is None:
         chosen = "none" if args.model_family == "hybrid" else "learned_absolute"
     args.position_embedding_type = chosen
+
+
+def _pipeline_stage_ends(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The layers of the first and the last pipeline stage of Megatron's uneven split:
+    --decoder-first/last-pipeline-num-layers, or --account-for-embedding/loss-in-pipeline-split
+    (the embedding / the loss counts as one layer of its stage's even share); (None, None) for
+    an even split. Checked against the layer count here, before any process group."""
+    pp = args.pipeline_model_parallel_size
+    decoder = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    account = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+    if decoder == (None, None) and not any(account):
+        return None, None
+    _require(
+        args.model_family == "gpt",
+        "uneven pipeline stages are for GPT models; hybrid models place their stages with '|' in "
+        "--hybrid-layer-pattern",
+    )
+    _require(
+        pp > 1 and args.virtual_pipeline_model_parallel_size is None,
+        "--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split need "
+        "--pipeline-model-parallel-size > 1 and no virtual pipeline stages",
+    )
+    if any(account):
+        _require(
+            decoder == (None, None),
+            "--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers are "
+            "mutually exclusive",
+        )
+        total = args.num_layers + sum(account)
+        _require(
+            total % pp == 0,
+            f"--num-layers ({args.num_layers}) plus the {sum(account)} accounted for must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})",
+        )
+        share = total // pp
+        decoder = (share - 1 if account[0] else None, share - 1 if account[1] else None)
+    config = dataclasses.replace(
+        TransformerConfig(num_layers=args.num_layers, hidden_size=8, num_attention_heads=1),
+        num_layers_in_first_pipeline_stage=decoder[0],
+        num_layers_in_last_pipeline_stage=decoder[1],
+    )
+    try:
+        stage_layer_counts(config, pp)
+    except ValueError as error:
+        raise ArgumentError(f"invalid pipeline split: {error}") from error
+    return decoder
 
 
 def _disabled_fusions(args: argparse.Namespace) -> list[str]:

@@ -281,6 +281,7 @@ class Trainer:
             self.record,
             pgc,
             args.virtual_pipeline_model_parallel_size,
+            args.stage_ends,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         )
         chunks = [chunk.to(self.device) for chunk in chunks]

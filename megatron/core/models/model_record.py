@@ -221,7 +221,9 @@ class ModelRecord:
             generalized_tensor_parallel_size=pg_collection.size("gtp"),
             context_parallel_size=pg_collection.size("cp") if pg_collection.has("cp") else 1,
             sequence_parallel=self.config.sequence_parallel and tp > 1,
-            virtual_pipeline_model_parallel_size=None,  # a run's choice, like the sizes above
+            virtual_pipeline_model_parallel_size=None,  # a run's choices, like the sizes above
+            num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None,
         )
 
     def replace(self, **changes) -> ModelRecord:
@@ -299,29 +301,35 @@ def model_from_record(record: ModelRecord, pg_collection: ProcessGroupCollection
     ``pg_collection`` (None: the global one), built from the spec the record names. A hybrid
     pattern without ``|`` is split over PP > 1 stages by layer count (logged on rank 0).
     ``overrides`` replace constructor arguments (e.g. ``parallel_output=False``)."""
-    return _model_chunk(record, resolve_pg_collection(pg_collection), None, None, overrides)
+    return _model_chunk(record, resolve_pg_collection(pg_collection), {}, None, overrides)
 
 
 def model_chunks_from_record(
     record: ModelRecord,
     pg_collection: ProcessGroupCollection | None = None,
     virtual_pipeline_model_parallel_size: int | None = None,
+    stage_ends: tuple[int | None, int | None] = (None, None),
     **overrides,
 ) -> list[torch.nn.Module]:
     """This pipeline rank's model chunks: one (:func:`model_from_record`) without virtual
     stages, else ``virtual_pipeline_model_parallel_size`` of them, chunk v holding virtual stage
-    ``v * PP + pp_rank`` (the first stage builds the embedding, the last the output layer and MTP)."""
+    ``v * PP + pp_rank`` (the first stage builds the embedding, the last the output layer and MTP).
+    ``stage_ends``: the layers of the first and of the last pipeline stage for an uneven split
+    (None: even), a run's choice like the virtual stages (see ``stage_layer_counts``)."""
     pg = resolve_pg_collection(pg_collection)
     vp_size = virtual_pipeline_model_parallel_size
+    layout = {
+        "virtual_pipeline_model_parallel_size": vp_size,
+        "num_layers_in_first_pipeline_stage": stage_ends[0],
+        "num_layers_in_last_pipeline_stage": stage_ends[1],
+    }
     if vp_size is None:
-        return [_model_chunk(record, pg, None, None, overrides)]
-    return [_model_chunk(record, pg, vp_size, vp_stage, overrides) for vp_stage in range(vp_size)]
+        return [_model_chunk(record, pg, layout, None, overrides)]
+    return [_model_chunk(record, pg, layout, vp_stage, overrides) for vp_stage in range(vp_size)]
 
 
-def _model_chunk(
-    record: ModelRecord, pg: ProcessGroupCollection, vp_size: int | None, vp_stage: int | None, overrides: dict
-):
-    config = dataclasses.replace(record.config_for(pg), virtual_pipeline_model_parallel_size=vp_size)
+def _model_chunk(record: ModelRecord, pg: ProcessGroupCollection, layout: dict, vp_stage: int | None, overrides: dict):
+    config = dataclasses.replace(record.config_for(pg), **layout)
     pp_rank, pp_size = pg.rank("pp"), pg.size("pp")
     kwargs = {
         "vocab_size": record.vocab_size,

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     layer_offset,
     num_layers_per_stage,
+    stage_layer_counts,
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -50,6 +51,7 @@ __all__ = [
     "TransformerBlock",
     "layer_offset",
     "num_layers_per_stage",
+    "stage_layer_counts",
     "TransformerLayer",
     "TransformerLayerSubmodules",
 ]

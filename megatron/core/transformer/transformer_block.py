@@ -52,6 +52,34 @@ def is_last_virtual_stage(config: TransformerConfig, pp_rank: int, pp_size: int,
     return virtual_stage_index(config, pp_rank, pp_size, vp_stage) == pp_size * virtual_pipeline_size(config) - 1
 
 
+def stage_layer_counts(config: TransformerConfig, pp_size: int) -> list[int]:
+    """Layers of each (virtual) pipeline stage, in pipeline order: the even split of
+    :func:`num_layers_per_stage`, or with ``num_layers_in_first_pipeline_stage`` /
+    ``num_layers_in_last_pipeline_stage`` those ends and the rest shared evenly by the other
+    stages (Megatron's uneven split; no virtual stages)."""
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        return [num_layers_per_stage(config, pp_size)] * (pp_size * virtual_pipeline_size(config))
+    if config.virtual_pipeline_model_parallel_size is not None or pp_size < 2:
+        raise PipelineLayoutError(
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage need "
+            f"pipeline_model_parallel_size > 1 (got {pp_size}) and no virtual pipeline stages"
+        )
+    middle = pp_size - (first is not None) - (last is not None)
+    rest = config.num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest < middle)):
+        raise PipelineLayoutError(
+            f"num_layers ({config.num_layers}) less the first stage's ({first}) and the last stage's ({last}) "
+            f"layers must split evenly, at least one each, over the other {middle} pipeline stage(s)"
+        )
+    counts = [rest // middle if middle else 0] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
 def num_layers_per_stage(config: TransformerConfig, pp_size: int) -> int:
     """Layers on each (virtual) pipeline stage: ``num_layers / (pp_size x V)`` (it must divide,
     >= 1 each)."""
@@ -73,7 +101,7 @@ def num_layers_per_stage(config: TransformerConfig, pp_size: int) -> int:
 def layer_offset(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> int:
     """Number of layers before chunk ``vp_stage`` of stage ``pp_rank``; its first global layer
     number is ``offset + 1``."""
-    return virtual_stage_index(config, pp_rank, pp_size, vp_stage) * num_layers_per_stage(config, pp_size)
+    return sum(stage_layer_counts(config, pp_size)[: virtual_stage_index(config, pp_rank, pp_size, vp_stage)])
 
 
 class StageLayerStack(nn.Module):
@@ -184,9 +212,9 @@ def _run_layers(layers: list[nn.Module]):
 
 
 class TransformerBlock(StageLayerStack):
-    """This (virtual) stage's transformer layers (``num_layers / (pp x V)`` of them, numbered
-    globally; chunk ``vp_stage`` of rank p holds virtual stage ``vp_stage * pp + p``) and, on the
-    last stage, the final norm."""
+    """This (virtual) stage's transformer layers (``num_layers / (pp x V)`` of them, or the
+    uneven split of :func:`stage_layer_counts`, numbered globally; chunk ``vp_stage`` of rank p
+    holds virtual stage ``vp_stage * pp + p``) and, on the last stage, the final norm."""
 
     def __init__(
         self,
@@ -199,10 +227,12 @@ class TransformerBlock(StageLayerStack):
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
-        offset = layer_offset(config, pp_rank, pp_size, vp_stage)
+        counts = stage_layer_counts(config, pp_size)
+        index = virtual_stage_index(config, pp_rank, pp_size, vp_stage)
+        offset = sum(counts[:index])
         super().__init__(
             config,
-            list(range(offset + 1, offset + num_layers_per_stage(config, pp_size) + 1)),
+            list(range(offset + 1, offset + counts[index] + 1)),
             lambda number: build_module(spec, config=config, layer_number=number, pg_collection=pg_collection),
             pre_process,
             post_process,

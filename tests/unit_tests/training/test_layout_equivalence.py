@@ -43,6 +43,8 @@ def _statistics(flags, world_size, tmp_dir):
 GPT_LAYOUTS = {
     "TP2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "PP2": ["--pipeline-model-parallel-size", "2"],
+    # Megatron's uneven split: stage 0 holds only the embedding, stage 1 both layers
+    "PP2-uneven": ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "0"],
     "GTP2": ["--generalized-tensor-parallel-size", "2"],
     "DP2": [],
     "DP2-distopt": ["--use-distributed-optimizer"],

@@ -488,3 +488,42 @@ def test_the_micro_batch_group_size_of_the_interleaved_schedule_is_the_pipeline_
     pipeline = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
     extra = [*pipeline, "--global-batch-size", "4", "--microbatch-group-size-per-virtual-pipeline-stage", "2"]
     assert _args(*extra, world=2).microbatch_group_size_per_virtual_pipeline_stage == 2
+
+
+@pytest.mark.parametrize(
+    "extra, world, ends",
+    [
+        (["--decoder-first-pipeline-num-layers", "1"], 2, (1, None)),
+        (["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"], 3, (1, 1)),
+        (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], 2, (2, 2)),
+        (["--account-for-embedding-in-pipeline-split"], 2, None),
+    ],
+)
+def test_megatrons_uneven_pipeline_split(extra, world, ends):
+    """4 layers: the account-for flags count the embedding and the loss as layers of the ends'
+    even share ((4 + 2) / 2 = 3 each: 2 layers on each end)."""
+    flags = ["--pipeline-model-parallel-size", str(world), "--global-batch-size", "4", *extra]
+    if ends is None:
+        with pytest.raises(ArgumentError, match=r"^--num-layers \(4\) plus the 1 accounted for must be divisible"):
+            _args(*flags, world=world)
+        return
+    assert _args(*flags, world=world).stage_ends == ends
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--decoder-first-pipeline-num-layers", "4"], "^invalid pipeline split: num_layers \\(4\\) less the first"),
+        (
+            ["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
+            "^--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers are "
+            "mutually exclusive$",
+        ),
+    ],
+)
+def test_uneven_pipeline_splits_that_do_not_fit_are_refused(extra, message):
+    flags = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", *extra]
+    with pytest.raises(ArgumentError, match=message):
+        _args(*flags, world=2)
+    with pytest.raises(ArgumentError, match="need --pipeline-model-parallel-size > 1 and no virtual"):
+        _args("--decoder-first-pipeline-num-layers", "1")

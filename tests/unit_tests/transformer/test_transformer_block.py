@@ -13,12 +13,49 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     layer_offset,
     num_layers_per_stage,
+    stage_layer_counts,
 )
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 
 def config(**kw):
     return TransformerConfig(**{"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2, **kw})
+
+
+@pytest.mark.parametrize(
+    "num_layers, pp, first, last, counts",
+    [
+        (4, 2, None, None, [2, 2]),
+        (5, 2, 2, None, [2, 3]),
+        (5, 2, None, 1, [4, 1]),
+        (8, 4, 1, 1, [1, 3, 3, 1]),
+        (2, 2, 0, None, [0, 2]),  # a stage with the embedding only
+        (6, 3, 2, 4, None),  # nothing left for the middle stage
+    ],
+)
+def test_uneven_stages_put_the_rest_evenly_on_the_middle(num_layers, pp, first, last, counts):
+    uneven = config(
+        num_layers=num_layers, num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last
+    )
+    if counts is None:
+        with pytest.raises(PipelineLayoutError, match="must split evenly, at least one each, over the other 1"):
+            stage_layer_counts(uneven, pp)
+        return
+    assert stage_layer_counts(uneven, pp) == counts
+    assert [layer_offset(uneven, rank, pp) for rank in range(pp)] == [sum(counts[:rank]) for rank in range(pp)]
+
+
+def test_uneven_stages_need_a_pipeline_and_no_virtual_stages():
+    with pytest.raises(PipelineLayoutError, match="need pipeline_model_parallel_size > 1"):
+        stage_layer_counts(config(num_layers_in_first_pipeline_stage=1), 1)
+    virtual = config(
+        num_layers=8,
+        num_layers_in_first_pipeline_stage=1,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+    )
+    with pytest.raises(PipelineLayoutError, match="and no virtual pipeline stages"):
+        stage_layer_counts(virtual, 2)
 
 
 def test_layer_offsets_per_stage():
