@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.dist_utils import all_gather_object
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.model_state import CheckpointParam, describe_tensor
@@ -101,10 +102,18 @@ def _group_records(member, pg: ProcessGroupCollection) -> list[dict]:
             steps[i] = max(steps[i].item(), float(step))
     if _is_distributed(member) and pg.size("dp_cp") > 1:
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pg.dp_cp)
-    return [
+    records = [
         {**{k: v for k, v in group.items() if k != "params"}, "step": int(step)}
         for group, step in zip(groups, steps.tolist(), strict=True)
     ]
+    # One rank saves the records: they must name the groups of every stage and shard (a pipeline
+    # stage without norms or biases has no undecayed group, say).
+    by_mults = {}
+    for record in (r for records_of_rank in all_gather_object(records, pg.mp) for r in records_of_rank):
+        mults = (record.get("lr_mult", 1.0), record.get("wd_mult", 1.0))
+        if mults not in by_mults or record["step"] > by_mults[mults]["step"]:
+            by_mults[mults] = record
+    return [by_mults[mults] for mults in sorted(by_mults)]
 
 
 def _object(key: str, data, pg: ProcessGroupCollection) -> ShardedObject:

@@ -94,6 +94,20 @@ def test_resume_with_another_vocabulary_padding_continues_the_run(straight_run, 
     assert [resumed[i] for i in range(11, 21)] == pytest.approx(straight[10:], rel=1e-5)
 
 
+def test_a_checkpoint_of_an_uneven_pipeline_resumes_under_another_layout(tmp_path):
+    """Stage 0 with the embedding only, then DP2 from its checkpoint: the loss curve of a run
+    that stays uneven throughout (layer numbers are global, so the split is the run's choice)."""
+    uneven = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "0"]
+    no_dropout = ["--hidden-dropout", "0.0"]
+    straight = tmp_path / "straight.jsonl"
+    run_distributed(_train, 2, ["--train-iters", "6", *uneven, *no_dropout], 2, straight)
+    saved, resumed = tmp_path / "saved.jsonl", tmp_path / "resumed.jsonl"
+    run_distributed(_train, 2, ["--train-iters", "3", "--save", str(tmp_path / "ck"), *uneven, *no_dropout], 2, saved)
+    run_distributed(_train, 2, ["--train-iters", "6", "--load", str(tmp_path / "ck"), *no_dropout], 2, resumed)
+    curve = losses_by_iteration(saved) | losses_by_iteration(resumed)
+    assert [curve[i] for i in range(1, 7)] == pytest.approx(loss_curve(straight), rel=1e-5)
+
+
 def test_save_retain_interval_keeps_the_newest_and_every_nth_checkpoint(tmp_path):
     root = tmp_path / "run"
     flags = ["--train-iters", "5", "--save", str(root), "--save-interval", "1", "--save-retain-interval", "2"]
