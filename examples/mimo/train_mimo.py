@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core.config import TransformerConfig
 from megatron.core.datasets.synthetic_image_caption import SyntheticImageCaptionDataset
-from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, retire_iterations, save_iteration
+from megatron.core.dist_checkpointing import iteration_dir, load, load_latest, save_iteration
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.models.mimo import (
     LANGUAGE_MODEL,
@@ -414,11 +414,11 @@ class MimoTrainer:
             "scheduler": self.scheduler.state_dict(),
             "layouts": self.layouts(),
         }
-        path = save_iteration(state, self.args.save, self.state.iteration)
+        path = save_iteration(
+            state, self.args.save, self.state.iteration, retain_interval=self.args.save_retain_interval
+        )
         if dist.get_rank() == self.logging_rank:
             print(f"saved checkpoint {path} (iteration {self.state.iteration})", flush=True)
-            if self.args.save_retain_interval:
-                retire_iterations(self.args.save, self.args.save_retain_interval)
         return path
 
     def load(self) -> None:

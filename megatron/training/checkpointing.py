@@ -31,7 +31,6 @@ from megatron.core.dist_checkpointing import (
     iteration_dir,
     load,
     read_latest_iteration,
-    retire_iterations,
 )
 from megatron.core.dist_checkpointing.model_state import checkpoint_params, load_model_pieces, vocab_rows
 from megatron.core.dist_checkpointing.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
@@ -127,10 +126,16 @@ def save_checkpoint(trainer) -> str:
         if dist.get_rank() == 0:
             when = "" if saver is None else f", in the background; complete at iteration {trainer.state.iteration}"
             print(f"saved checkpoint {path} (iteration {iteration}{when})", flush=True)
-            if args.save_retain_interval:
-                retire_iterations(args.save, args.save_retain_interval)
 
-    save_model_checkpoint(state_dict, args.save, iteration, trainer.record, async_saver=saver, on_saved=report)
+    save_model_checkpoint(
+        state_dict,
+        args.save,
+        iteration,
+        trainer.record,
+        async_saver=saver,
+        on_saved=report,
+        retain_interval=args.save_retain_interval,
+    )
     return path
 
 

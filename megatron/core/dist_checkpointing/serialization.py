@@ -433,10 +433,13 @@ def save_iteration(
     required_files: tuple[str, ...] = (),
     async_saver: AsyncSaver | None = None,
     on_saved: Callable[[], None] | None = None,
+    retain_interval: int | None = None,
     **save_kwargs,
 ) -> str:
     """Save into ``<root>/iter_XXXXXXX`` and then point the ``latest`` tracker at it; returns
-    the directory. ``save_kwargs`` go to :func:`prepare_save` (e.g. ``files``).
+    the directory. ``save_kwargs`` go to :func:`prepare_save` (e.g. ``files``). With
+    ``retain_interval`` the older iterations that are not its multiples are deleted once the
+    tracker has moved (:func:`recovery.retire_iterations`).
 
     An ``iter_XXXXXXX`` of this iteration that a save interrupted before it moved the tracker
     (newer than the tracker) is verified first: adopted when complete (the tracker moves to it,
@@ -462,6 +465,8 @@ def save_iteration(
             return
         prepared.run(group)
         dist_utils.on_coordinator(lambda: write_latest_iteration(root, iteration), group)
+        if retain_interval:
+            dist_utils.on_coordinator(lambda: recovery.retire_iterations(root, retain_interval), group)
 
     if async_saver is None:
         job(process_group)

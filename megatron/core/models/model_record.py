@@ -419,6 +419,7 @@ def save_model_checkpoint(
     *,
     async_saver: AsyncSaver | None = None,
     on_saved: Callable[[], None] | None = None,
+    retain_interval: int | None = None,
 ) -> str:
     """Collectively save ``sharded_state_dict`` as iteration ``iteration`` of ``root`` with the
     model ``record``: the record in the common state and as ``model_config.json``, the
@@ -426,7 +427,7 @@ def save_model_checkpoint(
     tracker (so it only ever names directories that are complete). An earlier save of this
     iteration interrupted before the tracker moved is adopted or replaced (see
     :func:`megatron.core.dist_checkpointing.save_iteration`, which also explains
-    ``async_saver`` and ``on_saved``). Returns the iteration directory."""
+    ``async_saver``, ``on_saved`` and ``retain_interval``). Returns the iteration directory."""
     tokenizer_files = record.tokenizer.files() if record.tokenizer is not None else []  # every rank: fail alike
     stored = _stored_record(record)
     files = {MODEL_RECORD_FILENAME: json.dumps(stored.to_dict(), indent=1).encode()}
@@ -441,6 +442,7 @@ def save_model_checkpoint(
         required_files=(MODEL_RECORD_FILENAME,),
         async_saver=async_saver,
         on_saved=on_saved,
+        retain_interval=retain_interval,
     )
 
 
