@@ -98,10 +98,18 @@ def num_layers_per_stage(config: TransformerConfig, pp_size: int) -> int:
     return config.num_layers // stages
 
 
+def stage_layer_numbers(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> range:
+    """Global layer numbers (from 1) of chunk ``vp_stage`` of stage ``pp_rank`` (may be empty)."""
+    counts = stage_layer_counts(config, pp_size)
+    index = virtual_stage_index(config, pp_rank, pp_size, vp_stage)
+    offset = sum(counts[:index])
+    return range(offset + 1, offset + counts[index] + 1)
+
+
 def layer_offset(config: TransformerConfig, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> int:
     """Number of layers before chunk ``vp_stage`` of stage ``pp_rank``; its first global layer
     number is ``offset + 1``."""
-    return sum(stage_layer_counts(config, pp_size)[: virtual_stage_index(config, pp_rank, pp_size, vp_stage)])
+    return stage_layer_numbers(config, pp_rank, pp_size, vp_stage).start - 1
 
 
 class StageLayerStack(nn.Module):
@@ -188,12 +196,9 @@ class StageLayerStack(nn.Module):
         count = self.config.recompute_num_layers or 1
         layers = list(self.layers)
         if self.config.recompute_method == "block":
-            for index, layer in enumerate(layers):
-                if index < count:
-                    hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb)
-                else:
-                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
-            return hidden_states
+            for layer in layers[:count]:
+                hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb)
+            return _run_layers(layers[count:])(hidden_states, attention_mask, rotary_pos_emb)
         for start in range(0, len(layers), count):
             group = layers[start : start + count]
             hidden_states = checkpoint(_run_layers(group), hidden_states, attention_mask, rotary_pos_emb)
@@ -227,12 +232,9 @@ class TransformerBlock(StageLayerStack):
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
-        counts = stage_layer_counts(config, pp_size)
-        index = virtual_stage_index(config, pp_rank, pp_size, vp_stage)
-        offset = sum(counts[:index])
         super().__init__(
             config,
-            list(range(offset + 1, offset + counts[index] + 1)),
+            list(stage_layer_numbers(config, pp_rank, pp_size, vp_stage)),
             lambda number: build_module(spec, config=config, layer_number=number, pg_collection=pg_collection),
             pre_process,
             post_process,
