@@ -1049,6 +1049,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                 config.num_moe_experts,
             )
             select_stage_layers(pattern, pp, 0, args.virtual_pipeline_model_parallel_size or 1)
+        else:
+            first, last = args.stage_ends
+            stage = {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last}
+            stage_layer_counts(dataclasses.replace(config, **stage), pp)
     except ValueError as error:
         raise ArgumentError(f"invalid model flags: {error}") from error
     return args
@@ -1079,7 +1083,7 @@ def _pipeline_stage_ends(args: argparse.Namespace) -> tuple[int | None, int | No
     """The layers of the first and the last pipeline stage of Megatron's uneven split:
     --decoder-first/last-pipeline-num-layers, or --account-for-embedding/loss-in-pipeline-split
     (the embedding / the loss counts as one layer of its stage's even share); (None, None) for
-    an even split. Checked against the layer count here, before any process group."""
+    an even split. The split itself is checked with the model flags (validate_args)."""
     pp = args.pipeline_model_parallel_size
     decoder = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     account = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
@@ -1109,15 +1113,6 @@ def _pipeline_stage_ends(args: argparse.Namespace) -> tuple[int | None, int | No
         )
         share = total // pp
         decoder = (share - 1 if account[0] else None, share - 1 if account[1] else None)
-    config = dataclasses.replace(
-        TransformerConfig(num_layers=args.num_layers, hidden_size=8, num_attention_heads=1),
-        num_layers_in_first_pipeline_stage=decoder[0],
-        num_layers_in_last_pipeline_stage=decoder[1],
-    )
-    try:
-        stage_layer_counts(config, pp)
-    except ValueError as error:
-        raise ArgumentError(f"invalid pipeline split: {error}") from error
     return decoder
 
 

@@ -513,7 +513,7 @@ def test_megatrons_uneven_pipeline_split(extra, world, ends):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--decoder-first-pipeline-num-layers", "4"], "^invalid pipeline split: num_layers \\(4\\) less the first"),
+        (["--decoder-first-pipeline-num-layers", "4"], "^invalid model flags: num_layers \\(4\\) less the first"),
         (
             ["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
             "^--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers are "
