@@ -24,6 +24,7 @@ from megatron.core.errors import MegatronConfigError
 from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
+from megatron.core.pipeline_parallel.schedules import microbatch_group_error
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.core.transformer.transformer_block import stage_layer_counts
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
@@ -342,8 +343,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--microbatch-group-size-per-virtual-pipeline-stage",
         type=int,
         default=None,
-        help="the interleaved schedule runs groups of --pipeline-model-parallel-size micro-batches per virtual "
-        "stage (Megatron's default, the only group size here)",
+        help="the interleaved schedule runs micro-batches through each virtual stage in groups of this size "
+        "(default: --pipeline-model-parallel-size)",
     )
     g.add_argument(
         "--num-virtual-stages-per-pipeline-rank",
@@ -428,6 +429,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument(
+        "--eval-global-batch-size", type=int, default=None, help="samples per evaluation step (default: training's)"
+    )
+    g.add_argument(
+        "--eval-micro-batch-size", type=int, default=None, help="micro-batch size of evaluation (default: training's)"
+    )
     g.add_argument("--train-iters", type=int, default=None, help="or --train-samples")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -930,6 +937,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"{args.data_parallel_size} x GTP {gtp}; CP peers share micro-batches)",
     )
     args.num_microbatches = args.global_batch_size // per_step
+    _check_eval_batches(args)
     _check_schedule(args)
     _validate_virtual_pipeline(args)
     _require(
@@ -1013,12 +1021,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
-    group = args.microbatch_group_size_per_virtual_pipeline_stage
-    _require(
-        group in (None, pp),
-        f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the interleaved schedule here groups "
-        f"--pipeline-model-parallel-size ({pp}) micro-batches per virtual stage",
-    )
     interval = args.check_weight_hash_across_dp_replicas_interval
     _require(
         interval is None or interval >= 1,
@@ -1125,6 +1127,23 @@ def _disabled_fusions(args: argparse.Namespace) -> list[str]:
     return [op for op, disabled in off.items() if disabled]
 
 
+def _check_eval_batches(args: argparse.Namespace) -> None:
+    """--eval-global-batch-size / --eval-micro-batch-size (default: training's): sets
+    ``args.eval_num_microbatches``."""
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    _require(args.eval_micro_batch_size >= 1, f"--eval-micro-batch-size must be >= 1, got {args.eval_micro_batch_size}")
+    per_step = args.eval_micro_batch_size * args.data_parallel_width
+    _require(
+        args.eval_global_batch_size >= 1 and args.eval_global_batch_size % per_step == 0,
+        f"--eval-global-batch-size ({args.eval_global_batch_size}) must be a positive multiple of "
+        f"--eval-micro-batch-size ({args.eval_micro_batch_size}) x data-parallel width ({args.data_parallel_width})",
+    )
+    args.eval_num_microbatches = args.eval_global_batch_size // per_step
+
+
 def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
     """Megatron's virtual-pipeline flags: ``--num-layers-per-virtual-pipeline-stage N`` gives
     ``V = num_layers / PP / N``; ``--virtual-pipeline-model-parallel-size V`` (or
@@ -1165,11 +1184,15 @@ def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
             f"virtual pipeline size ({vp}) = {pp * vp}",
         )
-    _require(
-        args.num_microbatches % pp == 0,
-        f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches} = --global-batch-size "
-        f"/ (--micro-batch-size x data-parallel width)) to be a multiple of --pipeline-model-parallel-size ({pp})",
-    )
+    group = args.microbatch_group_size_per_virtual_pipeline_stage or pp
+    for name, count in (("", args.num_microbatches), ("evaluation ", args.eval_num_microbatches)):
+        error = microbatch_group_error(pp, count, group)
+        _require(
+            error is None,
+            f"{name}micro-batches per step: {count}; {error} (set by --microbatch-group-size-per-virtual-pipeline-"
+            "stage, default --pipeline-model-parallel-size)",
+        )
+    args.microbatch_group_size_per_virtual_pipeline_stage = group
     args.virtual_pipeline_model_parallel_size = vp
 
 

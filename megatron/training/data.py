@@ -40,8 +40,8 @@ def build_datasets(args, tokenizer, vocab_size: int):
     evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1  # Megatron's sizes
     num_samples = [
         args.train_iters * args.global_batch_size,
-        evals * args.eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
+        evals * args.eval_iters * args.eval_global_batch_size,
+        args.eval_iters * args.eval_global_batch_size,
     ]
     if args.mock_data:
         return build_mock_gpt_datasets(num_samples, args.seq_length, vocab_size, args.seed)

@@ -45,6 +45,11 @@ def run_lines(args, pgc: ProcessGroupCollection) -> list[str]:
         f"({args.num_microbatches} micro-batches of {args.micro_batch_size} per data rank); "
         f"{args.train_iters} iterations = {args.train_iters * args.global_batch_size} samples"
     )
+    if (args.eval_global_batch_size, args.eval_micro_batch_size) != (args.global_batch_size, args.micro_batch_size):
+        lines.append(
+            f"> evaluation step: global batch {args.eval_global_batch_size} ({args.eval_num_microbatches} "
+            f"micro-batches of {args.eval_micro_batch_size} per data rank)"
+        )
     return lines
 
 

@@ -308,16 +308,14 @@ class Trainer:
         self.logger = MetricsLogger(self.is_logging_rank, args.metrics_jsonl, args.tensorboard_dir)
         self.flops_per_token = count_flops_per_token(chunks, pgc, args.seq_length, args.hidden_size, self.device)
         self.cp_group = pgc.cp if args.context_parallel_size > 1 else None
-        seq = args.seq_length // args.context_parallel_size
-        seq //= args.tensor_model_parallel_size if args.sequence_parallel else 1
-        self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.forward_backward = get_forward_backward_func(
             args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
         )
         self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
 
-    def data_iterator(self, dataset, start_sample: int):
-        """The micro-batches from ``start_sample`` on (under CP, this rank's load-balanced chunks of
+    def data_iterator(self, dataset, start_sample: int, micro_batch_size: int | None = None):
+        """The micro-batches (of ``micro_batch_size``, default --micro-batch-size) from
+        ``start_sample`` on (under CP, this rank's load-balanced chunks of
         each sequence); with virtual stages, a list of one such iterator per model chunk (each chunk
         reads every micro-batch, as Megatron's do)."""
 
@@ -325,7 +323,7 @@ class Trainer:
             batches = microbatches(
                 dataset,
                 start_sample=start_sample,
-                micro_batch_size=self.args.micro_batch_size,
+                micro_batch_size=micro_batch_size or self.args.micro_batch_size,
                 data_rank=data_shard_rank(self.pgc),
                 data_width=self.args.data_parallel_width,
                 device=self.device,
@@ -335,18 +333,25 @@ class Trainer:
         iterators = [rank_batches() for _ in self.model_chunks]
         return iterators[0] if len(iterators) == 1 else iterators
 
-    def _run_schedule(self, data_iterator, forward_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward (and backward) over one global batch. Returns the loss over it on every rank
-        of the last stage (the mean of the data group's micro-batch means; with per-token loss
-        the global token mean), zero elsewhere, and with per-token loss this stage's token
-        count (None otherwise)."""
-        per_token = self.args.calculate_per_token_loss
+    def _run_schedule(
+        self, data_iterator, forward_only: bool, num_microbatches: int, micro_batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward (and backward) over one global batch of ``num_microbatches`` micro-batches of
+        ``micro_batch_size`` per data rank. Returns the loss over it on every rank of the last
+        stage (the mean of the data group's micro-batch means; with per-token loss the global
+        token mean), zero elsewhere, and with per-token loss this stage's token count (None
+        otherwise)."""
+        args = self.args
+        per_token = args.calculate_per_token_loss
+        seq = args.seq_length // args.context_parallel_size
+        seq //= args.tensor_model_parallel_size if args.sequence_parallel else 1
         metrics, num_tokens = self.forward_backward(
             forward_step_func=partial(forward_step, per_token=per_token, cp_group=self.cp_group),
             data_iterator=data_iterator,
             model=self.model_chunks,
-            num_microbatches=self.args.num_microbatches,
-            tensor_shape=self.tensor_shape,
+            num_microbatches=num_microbatches,
+            microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
+            tensor_shape=(seq, micro_batch_size, args.hidden_size),
             dtype=self.config.params_dtype,
             device=self.device,
             forward_only=forward_only,
@@ -385,7 +390,7 @@ class Trainer:
         self.optimizer.zero_grad()
         args = self.args
         set_aux_loss_scale(self.optimizer.get_loss_scale(), args.num_microbatches, args.calculate_per_token_loss)
-        loss, num_tokens = self._run_schedule(data_iterator, forward_only=False)
+        loss, num_tokens = self._run_schedule(data_iterator, False, args.num_microbatches, args.micro_batch_size)
         finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_expert_biases(self.model_chunks, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
         update_successful, grad_norm, num_zeros = self.optimizer.step()
@@ -395,15 +400,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> float:
-        """Mean loss over --eval-iters global batches of ``dataset`` (default: the validation
-        split), always from its first sample."""
+        """Mean loss over --eval-iters batches of --eval-global-batch-size samples of ``dataset``
+        (default: the validation split), always from its first sample."""
+        args = self.args
         for chunk in self.model_chunks:
             chunk.eval()
-        iterator = self.data_iterator(self.valid_ds if dataset is None else dataset, 0)
-        losses = [self._run_schedule(iterator, forward_only=True)[0].item() for _ in range(self.args.eval_iters)]
+        iterator = self.data_iterator(self.valid_ds if dataset is None else dataset, 0, args.eval_micro_batch_size)
+        losses = [
+            self._run_schedule(iterator, True, args.eval_num_microbatches, args.eval_micro_batch_size)[0].item()
+            for _ in range(args.eval_iters)
+        ]
         for chunk in self.model_chunks:
             chunk.train()
-        if self.args.empty_unused_memory_level >= 2 and self.device.type == "cuda":
+        if args.empty_unused_memory_level >= 2 and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return sum(losses) / len(losses)
 

@@ -296,30 +296,59 @@ def _run_1f1b(runner: _MicrobatchRunner, comm: P2PCommunicator, num_microbatches
 FORWARD, BACKWARD = "forward", "backward"
 
 
+def microbatch_group_error(pp_size: int, num_microbatches: int, group_size: int) -> str | None:
+    """Why the interleaved schedule cannot run ``num_microbatches`` in groups of ``group_size``
+    per virtual stage (Megatron's rules: ``pp_size <= group_size <= num_microbatches``, and a
+    last, partial group of at least ``pp_size``); None when it can."""
+    if not pp_size <= group_size <= num_microbatches:
+        return (
+            f"the interleaved schedule runs groups of G micro-batches through each virtual stage with "
+            f"pipeline_model_parallel_size ({pp_size}) <= G <= num_microbatches ({num_microbatches}); got G = "
+            f"{group_size}"
+        )
+    if 0 < num_microbatches % group_size < pp_size:
+        return (
+            f"the interleaved schedule's last group of micro-batches ({num_microbatches} % {group_size} = "
+            f"{num_microbatches % group_size}) must be empty or hold at least pipeline_model_parallel_size "
+            f"({pp_size}) micro-batches"
+        )
+    return None
+
+
 def interleaved_order(
-    pp_size: int, pp_rank: int, vp_size: int, num_microbatches: int, forward_only: bool = False
+    pp_size: int,
+    pp_rank: int,
+    vp_size: int,
+    num_microbatches: int,
+    forward_only: bool = False,
+    group_size: int | None = None,
 ) -> list[tuple[str, int, int]]:
     """The passes of pipeline rank ``pp_rank`` under the interleaved schedule, in the order it
     runs them: ``(FORWARD or BACKWARD, model chunk, micro-batch)``.
 
-    Forwards go through the chunks in groups of ``pp_size`` micro-batches (chunk 0 on
-    micro-batches 0..p-1, chunk 1 on the same, ..., then chunk 0 on p..2p-1), backwards the
-    same way from the last chunk. A warm-up of ``2 (pp_size - pp_rank - 1) + (vp_size - 1) pp_size``
-    forwards fills the pipeline, then forwards and backwards alternate (steady state), then
-    the remaining backwards drain it (cool-down).
+    Forwards go through the chunks in groups of ``group_size`` micro-batches (default
+    ``pp_size``; Megatron's ``microbatch_group_size_per_vp_stage``): chunk 0 on micro-batches
+    0..G-1, chunk 1 on the same, ..., then chunk 0 on G..2G-1; the last group holds what is
+    left. Backwards go the same way from the last chunk. A warm-up of
+    ``2 (pp_size - pp_rank - 1) + (vp_size - 1) G`` forwards fills the pipeline, then forwards
+    and backwards alternate (steady state), then the remaining backwards drain it (cool-down).
     """
-    total = num_microbatches * vp_size
-    group = pp_size * vp_size
+    group_size = pp_size if group_size is None else group_size
+    table = [
+        (chunk, microbatch)
+        for start in range(0, num_microbatches, group_size)
+        for chunk in range(vp_size)
+        for microbatch in range(start, min(start + group_size, num_microbatches))
+    ]
+    total = len(table)
 
     def pass_(kind: str, k: int) -> tuple[str, int, int]:
-        chunk = (k % group) // pp_size
-        if kind == BACKWARD:
-            chunk = vp_size - 1 - chunk
-        return kind, chunk, (k // group) * pp_size + k % pp_size
+        chunk, microbatch = table[k]
+        return kind, vp_size - 1 - chunk if kind == BACKWARD else chunk, microbatch
 
     if forward_only:
         return [pass_(FORWARD, k) for k in range(total)]
-    warmup = min(total, 2 * (pp_size - pp_rank - 1) + (vp_size - 1) * pp_size)
+    warmup = min(total, 2 * (pp_size - pp_rank - 1) + (vp_size - 1) * group_size)
     order = [pass_(FORWARD, k) for k in range(warmup)]
     for k in range(total - warmup):
         order += [pass_(FORWARD, warmup + k), pass_(BACKWARD, k)]
@@ -349,6 +378,7 @@ class _Inbox:
         vp_size: int,
         num_microbatches: int,
         forward_only: bool,
+        group_size: int,
         wait: WaitTimer,
     ):
         self.comm, self.wait = comm, wait
@@ -356,7 +386,7 @@ class _Inbox:
         self.expected: dict[int, deque] = {}
         for peer in {comm.ring_prev_rank, comm.ring_next_rank}:
             peer_rank = ranks.index(peer)
-            order = interleaved_order(pp_size, peer_rank, vp_size, num_microbatches, forward_only)
+            order = interleaved_order(pp_size, peer_rank, vp_size, num_microbatches, forward_only, group_size)
             sent = [_destination(p, peer_rank, pp_size, vp_size) for p in order]
             self.expected[peer] = deque(dest[1] for dest in sent if dest is not None and dest[0] == comm.stage)
         self.arrived: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -382,13 +412,15 @@ def forward_backward_pipelining_with_interleaving(
     no_sync_func: list[Callable] | None = None,
     grad_scale_func: Callable | None = None,
     timeline: PipelineTimeline | None = None,
+    microbatch_group_size_per_vp_stage: int | None = None,
     **_unused,
 ) -> tuple[list[dict], int]:
     """Interleaved 1F1B over V model chunks per rank (chunk v of rank p is virtual stage
     ``v * PP + p``), in the order of :func:`interleaved_order`; shrinks the bubble V-fold.
 
-    ``data_iterator`` is a list with one iterator per chunk, ``num_microbatches`` a multiple of
-    the pipeline size (as Megatron requires), ``no_sync_func`` None (each chunk's own
+    ``data_iterator`` is a list with one iterator per chunk; micro-batches go through each
+    chunk in groups of ``microbatch_group_size_per_vp_stage`` (default: the pipeline size;
+    :func:`microbatch_group_error` says which sizes run), ``no_sync_func`` None (each chunk's own
     ``no_sync``) or one callable per chunk. Results are sent as soon as they exist and inputs
     received when a pass needs them. Returns (per-micro-batch metrics, token count) of the
     last virtual stage; empty/zero on other ranks.
@@ -397,11 +429,10 @@ def forward_backward_pipelining_with_interleaving(
     vp_size = len(chunks)
     pgc = resolve_pg_collection(pg_collection)
     pp_size = pgc.size("pp")
-    if num_microbatches < 1 or num_microbatches % pp_size:
-        raise ScheduleError(
-            f"the interleaved schedule needs num_microbatches ({num_microbatches}) to be a positive multiple of "
-            f"pipeline_model_parallel_size ({pp_size})"
-        )
+    group_size = pp_size if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    error = microbatch_group_error(pp_size, num_microbatches, group_size)
+    if error is not None:
+        raise ScheduleError(error)
     if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != vp_size:
         raise ScheduleError(f"the interleaved schedule takes a list of one data iterator per model chunk ({vp_size})")
     no_sync_funcs = [None] * vp_size if no_sync_func is None else list(no_sync_func)
@@ -433,11 +464,11 @@ def forward_backward_pipelining_with_interleaving(
             )
         stack.enter_context(_timeline_span(timeline, pgc.pp))
         wait = WaitTimer(timeline)
-        inbox = _Inbox(comm, pp_size, vp_size, num_microbatches, forward_only, wait)
+        inbox = _Inbox(comm, pp_size, vp_size, num_microbatches, forward_only, group_size, wait)
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         sends = []
-        for pass_ in interleaved_order(pp_size, pp_rank, vp_size, num_microbatches, forward_only):
+        for pass_ in interleaved_order(pp_size, pp_rank, vp_size, num_microbatches, forward_only, group_size):
             kind, chunk, microbatch = pass_
             stage = chunk * pp_size + pp_rank
             if kind == FORWARD:

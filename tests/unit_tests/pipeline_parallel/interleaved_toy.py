@@ -40,8 +40,9 @@ def plain_loop(num_layers, num_microbatches):
     return losses, [[p.grad.clone() for p in layer.parameters()] for layer in layers]
 
 
-def pipelined(pp, vp, num_layers, num_microbatches, forward_only=False, sleep_s=0.0):
-    """Run the toy on this rank (interleaved when ``vp`` > 1, else 1F1B); returns
+def pipelined(pp, vp, num_layers, num_microbatches, forward_only=False, sleep_s=0.0, group_size=None):
+    """Run the toy on this rank (interleaved when ``vp`` > 1, in micro-batch groups of
+    ``group_size``, else 1F1B); returns
     (pp rank, losses, {global layer index: grads}, idle fraction of the timeline)."""
     pgc = parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     rank = pgc.rank("pp")
@@ -64,7 +65,11 @@ def pipelined(pp, vp, num_layers, num_microbatches, forward_only=False, sleep_s=
     )
     if vp > 1:
         schedule = forward_backward_pipelining_with_interleaving
-        kwargs.update(model=chunks, data_iterator=[iter(batches) for _ in chunks])
+        kwargs.update(
+            model=chunks,
+            data_iterator=[iter(batches) for _ in chunks],
+            microbatch_group_size_per_vp_stage=group_size,
+        )
     else:
         schedule = forward_backward_pipelining_without_interleaving
         kwargs.update(model=chunks, data_iterator=iter(batches))

@@ -12,6 +12,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
     get_forward_backward_func,
     interleaved_order,
+    microbatch_group_error,
 )
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.pipeline_parallel.interleaved_toy import pipelined, plain_loop
@@ -59,10 +60,10 @@ def test_pass_order_warms_up_alternates_and_cools_down():
                 assert passes.index((FORWARD, chunk, microbatch)) < passes.index((BACKWARD, chunk, microbatch))
 
 
-def _simulated_idle_fractions(pp, vp, num_microbatches, forward_s=1.0, backward_s=2.0):
+def _simulated_idle_fractions(pp, vp, num_microbatches, forward_s=1.0, backward_s=2.0, group_size=None):
     """Replay every rank's pass order with free communication: a pass starts when its rank is
     free and its input (previous virtual stage's forward, next one's backward) is done."""
-    orders = {rank: interleaved_order(pp, rank, vp, num_microbatches) for rank in range(pp)}
+    orders = {rank: interleaved_order(pp, rank, vp, num_microbatches, group_size=group_size) for rank in range(pp)}
     finished, clock, busy, position = {}, [0.0] * pp, [0.0] * pp, [0] * pp
     last_stage = pp * vp - 1
     while any(position[rank] < len(orders[rank]) for rank in range(pp)):
@@ -97,6 +98,49 @@ def test_pass_order_has_exactly_the_interleaved_bubble(pp, vp, num_microbatches)
     assert _simulated_idle_fractions(pp, vp, num_microbatches) == pytest.approx([expected] * pp, abs=1e-9)
 
 
+def test_micro_batch_groups_follow_megatrons_table():
+    # PP2 x V2, five micro-batches in groups of three: chunk 0 on 0-2, chunk 1 on 0-2, then the
+    # last group (3, 4) through chunk 0 and chunk 1; backwards from the last chunk
+    forwards = [(c, m) for kind, c, m in interleaved_order(2, 0, 2, 5, forward_only=True, group_size=3)]
+    assert forwards == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (0, 3), (0, 4), (1, 3), (1, 4)]
+    order = interleaved_order(2, 0, 2, 5, group_size=3)
+    # warm-up 2 (2 - 0 - 1) + (2 - 1) 3 = 5 forwards, then the first backward is chunk 1's micro-batch 0
+    assert [kind for kind, _, _ in order[:7]] == [FORWARD] * 6 + [BACKWARD] and order[6] == (BACKWARD, 1, 0)
+    assert interleaved_order(2, 1, 2, 4, group_size=2) == interleaved_order(2, 1, 2, 4)
+
+
+def test_every_valid_micro_batch_group_runs_without_deadlock():
+    """Every group size Megatron accepts, for PP 2-4, V 2-3 and up to 12 micro-batches: the pass
+    orders of all ranks complete (the replay asserts progress) and every rank works."""
+    valid = 0
+    for pp in (2, 3, 4):
+        for vp in (2, 3):
+            for num_microbatches in range(pp, 13):
+                for group_size in range(pp, num_microbatches + 1):
+                    if microbatch_group_error(pp, num_microbatches, group_size) is None:
+                        idle = _simulated_idle_fractions(pp, vp, num_microbatches, group_size=group_size)
+                        assert all(0 <= fraction < 1 for fraction in idle)
+                        valid += 1
+    assert valid > 100
+
+
+@pytest.mark.parametrize(
+    "pp,num_microbatches,group_size,message",
+    [
+        (2, 3, 1, "pipeline_model_parallel_size (2) <= G <= num_microbatches (3); got G = 1"),
+        (2, 3, 4, "pipeline_model_parallel_size (2) <= G <= num_microbatches (3); got G = 4"),
+        (4, 10, 4, "last group of micro-batches (10 % 4 = 2) must be empty or hold at least"),
+    ],
+)
+def test_micro_batch_groups_megatron_refuses(pp, num_microbatches, group_size, message):
+    assert message in microbatch_group_error(pp, num_microbatches, group_size)
+
+
+def test_three_micro_batches_in_one_group_match_the_single_process_loop():
+    results = run_distributed(pipelined, 2, 2, 2, 8, 3, False, 0.0, 3)
+    check_against_plain_loop(results, 8, 3, 2)
+
+
 def test_measured_bubble_matches_the_formula():
     """Sleep-padded layers (forward 0.2 s, backward 0.4 s) make compute dominate; the idle
     share the ranks measure from their timelines is (p - 1) / (v m + p - 1)."""
@@ -127,6 +171,6 @@ def test_bad_arguments_are_typed_errors():
     with pytest.raises(ScheduleError, match="needs pipeline_model_parallel_size > 1"):
         get_forward_backward_func(1, 2)
     messages = run_distributed(_bad_calls, 2)[0]
-    assert "num_microbatches (3) to be a positive multiple of pipeline_model_parallel_size (2)" in messages[0]
+    assert "last group of micro-batches (3 % 2 = 1) must be empty" in messages[0]
     assert "a list of one data iterator per model chunk (2)" in messages[1]
     assert "one callable per model chunk (2)" in messages[2]

@@ -202,11 +202,6 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--hierarchical-context-parallel-sizes", "2", "2"], "^--hierarchical-context-parallel-sizes: hierarchical"),
         (["--use-legacy-models"], "^--use-legacy-models: the legacy models are not supported"),
         (
-            ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
-            r"^--microbatch-group-size-per-virtual-pipeline-stage 4: the interleaved schedule here groups "
-            r"--pipeline-model-parallel-size \(1\) micro-batches",
-        ),
-        (
             ["--check-weight-hash-across-dp-replicas-interval", "0"],
             "^--check-weight-hash-across-dp-replicas-interval must be >= 1, got 0$",
         ),
@@ -484,10 +479,11 @@ def test_model_flags_of_megatron_reach_the_model_record():
         _args(*mamba, "--hybrid-layer-pattern", "M*M*", "--use-rope-scaling", family="hybrid")
 
 
-def test_the_micro_batch_group_size_of_the_interleaved_schedule_is_the_pipeline_size():
+def test_the_micro_batch_group_size_of_the_interleaved_schedule_defaults_to_the_pipeline_size():
     pipeline = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
-    extra = [*pipeline, "--global-batch-size", "4", "--microbatch-group-size-per-virtual-pipeline-stage", "2"]
-    assert _args(*extra, world=2).microbatch_group_size_per_virtual_pipeline_stage == 2
+    assert _args(*pipeline, "--global-batch-size", "4", world=2).microbatch_group_size_per_virtual_pipeline_stage == 2
+    extra = [*pipeline, "--global-batch-size", "6", "--microbatch-group-size-per-virtual-pipeline-stage", "3"]
+    assert _args(*extra, world=2).microbatch_group_size_per_virtual_pipeline_stage == 3
 
 
 @pytest.mark.parametrize(

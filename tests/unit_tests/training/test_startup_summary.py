@@ -48,3 +48,11 @@ def test_model_and_dataset_lines():
         "> parameters: stage 0: 1.50K, stage 1: 2.50M; total 2.50M (2,501,500)"
     ]
     assert dataset_lines({"train": None}) == ["> datasets:", "    train: none"]
+
+
+def test_an_evaluation_batch_of_its_own_size_gets_a_line():
+    flags = FLAGS + ["--eval-global-batch-size", "12", "--eval-micro-batch-size", "3"]
+    ((_, lines, _),) = run_distributed(_counts, 1, flags, 1)
+    assert lines[-1] == "> evaluation step: global batch 12 (4 micro-batches of 3 per data rank)"
+    ((_, default_lines, _),) = run_distributed(_counts, 1, FLAGS, 1)
+    assert default_lines[-1].startswith("> tokens per step:")

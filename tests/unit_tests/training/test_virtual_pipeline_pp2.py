@@ -1,6 +1,8 @@
 """Training with virtual pipeline stages on two ranks (PP2 x V2) through the real loop: the
 single-process loss curve for GPT and hybrid models, and resuming across VPP <-> plain PP."""
 
+import json
+
 import pytest
 
 from megatron.training.arguments import ArgumentError
@@ -44,6 +46,34 @@ def test_gpt_pp2_vp2_reproduces_the_single_process_curve(gpt_reference, tmp_path
     flags = GPT + ["--train-iters", "6"] + PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
     assert _curve("gpt", flags, 2, tmp_path / "vpp.jsonl") == pytest.approx(gpt_reference, rel=1e-5)
     assert gpt_reference[-1] < gpt_reference[0]
+
+
+def _evaluations(jsonl_path) -> dict[str, float]:
+    with open(jsonl_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return {r["type"]: r["lm loss"] for r in records if r["type"] != "train"}
+
+
+def test_micro_batch_groups_and_evaluation_batches_of_their_own_size(tmp_path):
+    """Three micro-batches per step through PP2 x V2 in one group of three (Megatron's
+    --microbatch-group-size-per-virtual-pipeline-stage; the default group of two cannot split
+    three), and evaluation in 4 steps of 3 single-sample micro-batches: the single-process run's
+    losses, and its evaluation over the same 12 samples (2 steps of 3 two-sample micro-batches)."""
+    flags = GPT + ["--train-iters", "4", "--global-batch-size", "6", "--eval-iters", "2"]
+    reference_path, path = tmp_path / "pp1.jsonl", tmp_path / "vpp.jsonl"
+    reference = _curve("gpt", flags, 1, reference_path)
+    grouped = [*PP2, "--virtual-pipeline-model-parallel-size", "2"]
+    grouped += ["--microbatch-group-size-per-virtual-pipeline-stage"]
+    evaluation = ["--eval-iters", "4", "--eval-global-batch-size", "3", "--eval-micro-batch-size", "1"]
+    assert _curve("gpt", flags + grouped + ["3"] + evaluation, 2, path) == pytest.approx(reference, rel=1e-5)
+    want = _evaluations(reference_path)
+    assert want.keys() == {"validation", "test"}
+    assert _evaluations(path) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ArgumentError, match="micro-batches per step: 3; the interleaved schedule runs groups of G"):
+        tiny_args(flags + grouped + ["4"], world_size=2)
+    with pytest.raises(ArgumentError, match=r"^evaluation micro-batches per step: 5; .* \(5 % 4 = 1\) must be empty"):
+        eight = flags[:-4] + ["--global-batch-size", "8"]
+        tiny_args(eight + grouped + ["4", "--eval-global-batch-size", "10"], world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +125,7 @@ def test_resume_across_virtual_and_plain_pipeline_is_exact(first, then, tmp_path
         (PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], r"--num-layers \(4\) must be divisible by"),
         (
             PP2 + ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "6"],
-            r"micro-batches \(3 = .*\) to be a multiple of --pipeline-model-parallel-size \(2\)",
+            r"^micro-batches per step: 3; .* \(3 % 2 = 1\) must be empty .* \(set by --microbatch-group-size-per-",
         ),
         (["--virtual-pipeline-model-parallel-size", "2"], "need --pipeline-model-parallel-size > 1"),
     ],
