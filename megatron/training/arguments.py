@@ -113,6 +113,14 @@ IMPLEMENTATION_FLAGS = {
     ),
     "--ckpt-fully-parallel-load": (_SWITCH, "every rank always reads only the shards it needs, in parallel"),
     "--use-persistent-ckpt-worker": (_SWITCH, _BACKGROUND_SAVE_NOTE),
+    "--async-ckpt-use-cpu-shm": (
+        _SWITCH,
+        f"{_BACKGROUND_SAVE_NOTE}, from copies in its own host memory (no shared-memory worker)",
+    ),
+    "--disable-gloo-process-groups": (
+        _SWITCH,
+        "no gloo groups are made beside the main backend's (checkpoints and the distributed optimizer use it)",
+    ),
     "--async-strategy": ({"choices": ["mcore", "nvrx"], "default": None}, _BACKGROUND_SAVE_NOTE),
     "--ckpt-assume-constant-structure": (
         _SWITCH,
@@ -617,6 +625,11 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="every N iterations, check that data-parallel replicas hold the same weights (fail if not)",
+    )
+    g.add_argument(
+        "--test-mode",
+        action="store_true",
+        help="after every iteration, check that data- and tensor-parallel replicas hold the same weights",
     )
     g.add_argument(
         "--exit-signal-handler",

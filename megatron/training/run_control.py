@@ -155,20 +155,28 @@ class IterationProfiler:
 
 
 class ReplicaDivergedError(MegatronRuntimeError):
-    """Data-parallel replicas that must hold the same weights do not."""
+    """Replicas that must hold the same weights (data-parallel, or tensor-parallel copies of the
+    weights TP does not shard) do not."""
 
 
-def check_replica_weights(model_chunks, pgc, iteration: int) -> None:
+def check_replica_weights(model_chunks, pgc, iteration: int, flag: str, tensor_parallel: bool = False) -> None:
     """Megatron's weight-hash check: every data-parallel replica of this rank's weights holds the
     same bytes. Dense weights are compared over ``dp_cp``, expert weights over the expert data
-    group; every rank sees every digest, so all raise together, naming the ranks that differ."""
+    group; with ``tensor_parallel`` (Megatron's --test-mode) also the weights TP does not shard
+    over ``tp`` (experts' over ``expt_tp``). Every rank sees every digest, so all raise together,
+    naming the ranks that differ and ``flag``, the option that asked for the check."""
     params = [p for chunk in model_chunks for p in chunk.parameters()]
-    for is_expert, group in ((False, pgc.dp_cp), (True, pgc.expert_dp_group())):
+    checks = [("dense", "data-parallel", False, pgc.dp_cp), ("expert", "data-parallel", True, pgc.expert_dp_group())]
+    if tensor_parallel:
+        expert_tp = pgc.expt_tp if pgc.has("expt_tp") else pgc.tp
+        checks += [("dense", "tensor-parallel", False, pgc.tp), ("expert", "expert tensor-parallel", True, expert_tp)]
+    for kind, replicas, is_expert, group in checks:
         if dist.get_world_size(group) == 1:
             continue
         digest = hashlib.sha256()
         for param in params:
-            if getattr(param, "is_expert", False) == is_expert:
+            shared = replicas == "data-parallel" or not getattr(param, "tensor_model_parallel", False)
+            if getattr(param, "is_expert", False) == is_expert and shared:
                 digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         mine = torch.tensor(list(digest.digest()), dtype=torch.uint8, device=stats_device(group))
         digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -176,8 +184,7 @@ def check_replica_weights(model_chunks, pgc, iteration: int) -> None:
         ranks = dist.get_process_group_ranks(group)
         differ = [rank for rank, other in zip(ranks, digests, strict=True) if not torch.equal(other, digests[0])]
         if differ:
-            kind = "expert" if is_expert else "dense"
             raise ReplicaDivergedError(
-                f"iteration {iteration}: the {kind} weights of data-parallel replicas differ: ranks {differ} "
-                f"disagree with rank {ranks[0]} (--check-weight-hash-across-dp-replicas-interval)"
+                f"iteration {iteration}: the {kind} weights of {replicas} replicas differ: ranks {differ} "
+                f"disagree with rank {ranks[0]} ({flag})"
             )

@@ -454,9 +454,10 @@ class Trainer:
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
                 self._evaluate_and_log(self.valid_ds, "validation", gc_control)
             interval = args.check_weight_hash_across_dp_replicas_interval
-            if interval and state.iteration % interval == 0:
+            if args.test_mode or (interval and state.iteration % interval == 0):
                 self.finish_param_sync()  # overlapped gathers of the distributed optimizer land first
-                check_replica_weights(self.model_chunks, self.pgc, state.iteration)
+                flag = "--test-mode" if args.test_mode else "--check-weight-hash-across-dp-replicas-interval"
+                check_replica_weights(self.model_chunks, self.pgc, state.iteration, flag, args.test_mode)
             saved = save_due(args, state)
             if saved:
                 self.save()

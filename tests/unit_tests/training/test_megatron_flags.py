@@ -142,6 +142,8 @@ def _args(*extra, family="gpt", world=1):
         ["--wgrad-deferral-limit", "2"],
         ["--overlap-p2p-communication"],
         ["--overlap-p2p-communication-warmup-flush"],
+        ["--async-ckpt-use-cpu-shm"],
+        ["--disable-gloo-process-groups"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):

@@ -72,8 +72,9 @@ def test_exit_signal_on_one_rank_saves_and_stops_every_rank_at_that_iteration(tm
     assert "exiting program on SIGTERM (--exit-signal-handler)" in out and "validation loss" not in out
 
 
-def _diverge_at(iteration, flags):
-    """Train on 2 data-parallel ranks; with ``iteration``, rank 1 nudges one weight after that step."""
+def _diverge_at(iteration, flags, name_part=""):
+    """Train on 2 ranks; with ``iteration``, rank 1 nudges one weight after that step: the first
+    whose name contains ``name_part``."""
     import torch
     import torch.distributed as dist
 
@@ -87,7 +88,8 @@ def _diverge_at(iteration, flags):
         steps.append(None)
         if len(steps) == iteration and dist.get_rank() == 1:
             with torch.no_grad():
-                next(self.model_chunks[0].module.parameters()).view(-1)[0] += 1e-3
+                named = self.model_chunks[0].module.named_parameters()
+                next(p for name, p in named if name_part in name).view(-1)[0] += 1e-3
         return result
 
     training.Trainer.train_step = step  # this rank is a forked process: the patch dies with it
@@ -109,6 +111,26 @@ def test_weight_hash_check_stops_every_rank_on_a_diverged_replica():
     for rank in (0, 1):  # every rank stopped with the same error
         assert re.search(f"rank {rank}: \\S*ReplicaDivergedError: iteration 2: the dense weights", str(failure.value))
     assert "ranks [1] disagree with rank 0 (--check-weight-hash-across-dp-replicas-interval)" in str(failure.value)
+
+
+TEST_MODE = ["--test-mode", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--eval-iters", "0"]
+
+
+def test_test_mode_passes_on_tensor_parallel_replicas_that_agree():
+    # sequence parallelism all-reduces the norms' gradients over TP: their copies stay equal
+    assert run_distributed(_diverge_at, 2, None, TEST_MODE) == [4, 4]
+    # a weight TP shards differs between the ranks anyway: nudging it is no divergence
+    assert run_distributed(_diverge_at, 2, 2, TEST_MODE, "linear_qkv.weight") == [4, 4]
+
+
+def test_test_mode_stops_every_rank_on_a_diverged_tensor_parallel_copy():
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(_diverge_at, 2, 2, TEST_MODE, "layernorm.weight")
+    message = str(failure.value)
+    for rank in (0, 1):
+        assert f"rank {rank}: " in message
+    diverged = "iteration 2: the dense weights of tensor-parallel replicas differ: ranks [1] disagree with rank 0"
+    assert f"{diverged} (--test-mode)" in message
 
 
 def _gc_during_training(flags):
