@@ -116,6 +116,8 @@ class TransformerConfig(ModelParallelConfig):
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Megatron's --qk-layernorm)
+    # RoPE turns channel pairs (2i, 2i + 1) (GPT-J's layout) instead of (i, i + d/2) (Llama's).
+    rotary_interleaved: bool = False
     init_method_std: float = 0.02
     # Scale output-projection init by 1/sqrt(2 * num_layers) (GPT-2 style).
     apply_scaled_init_to_output_layers: bool = True

@@ -213,11 +213,6 @@ REFUSED_FLAGS = {
         "a separate learning rate for the embedding and output layer is not supported; they train at --lr",
     ),
     "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
-    "--rotary-interleaved": (
-        _REFUSED_SWITCH,
-        "interleaved RoPE (GPT-J's pairs) is not supported; RoPE here rotates the two halves of each head "
-        "(Llama, GPT-NeoX)",
-    ),
     "--multi-latent-attention": (
         _REFUSED_SWITCH,
         "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
@@ -385,6 +380,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head before RoPE")
     g.add_argument("--add-qkv-bias", action="store_true", help="a bias on the QKV projection only (Qwen2-style)")
+    g.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        help="RoPE turns channel pairs (2i, 2i+1) (GPT-J) instead of the two halves of each head (Llama)",
+    )
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -1002,6 +1002,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
     )
     _resolve_position_embedding(args)
+    _require(
+        not args.rotary_interleaved or args.position_embedding_type == "rope",
+        f"--rotary-interleaved needs --position-embedding-type rope (got {args.position_embedding_type})",
+    )
     args.disabled_fusions = _disabled_fusions(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
@@ -1291,6 +1295,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         qk_layernorm=args.qk_layernorm,
         add_qkv_bias=args.add_qkv_bias,
+        rotary_interleaved=args.rotary_interleaved,
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         mamba_state_dim=args.mamba_state_dim,

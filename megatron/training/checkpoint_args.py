@@ -61,6 +61,8 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
         "untie_embeddings_and_output_weights": not record.share_embeddings_and_output_weights,
         "apply_layernorm_1p": config.layernorm_zero_centered_gamma,
         "add_qkv_bias": config.add_qkv_bias,
+        "qk_layernorm": config.qk_layernorm,
+        "rotary_interleaved": config.rotary_interleaved,
         "squared_relu": config.activation_func is squared_relu and not config.gated_linear_unit,
         "mtp_num_layers": config.mtp_num_layers or None,
         "vocab_size": record.vocab_size,

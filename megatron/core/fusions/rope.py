@@ -28,12 +28,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` [s, b, heads, d]; the rest pass."""
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` [s, b, heads, d]; the rest pass.
+
+    Channel ``i`` of the first half pairs with channel ``i + rot / 2`` ("rotate half"), or with
+    ``interleaved`` (GPT-J's layout, Megatron's --rotary-interleaved) channel ``2i`` with ``2i + 1``,
+    both pairs turned by the angle ``freqs[..., i]``."""
     rot_dim = freqs.shape[-1]
     rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    rotated = rotated * cos + rotate_half(rotated) * sin
+    if interleaved:
+        half = rot_dim // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+        even, odd = rotated[..., 0::2], rotated[..., 1::2]
+        rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    else:
+        rotated = rotated * cos + rotate_half(rotated) * sin
     return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
 
 

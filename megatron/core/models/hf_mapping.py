@@ -354,6 +354,7 @@ def llama_config_to_hf(record) -> dict:
             ),
             (record.position_embedding_type != "rope", f"position embeddings {record.position_embedding_type!r}"),
             (record.rotary_percent != 1.0, f"rotary_percent {record.rotary_percent} (Llama rotates whole heads)"),
+            (config.rotary_interleaved, "interleaved RoPE (Llama rotates the two halves of each head)"),
             (
                 config.add_qkv_bias and not config.add_bias_linear,
                 "a QKV bias without other linear biases (Llama's attention_bias covers all attention linears)",

@@ -170,6 +170,7 @@ def record_fields_from_args(args: argparse.Namespace) -> tuple[TransformerConfig
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
+        rotary_interleaved=bool(_arg(args, "rotary_interleaved", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1),
         attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),

@@ -223,13 +223,17 @@ class SelfAttention(nn.Module):
     ):
         qkv, _ = self.linear_qkv(hidden_states)
         s, b, _ = qkv.shape
-        if self.q_layernorm is None:
-            q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim, rotary_pos_emb)
-        else:
-            q, k, v = split_qkv(qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim)
+        interleaved = self.config.rotary_interleaved
+        # RoPE is fused into the split unless the query/key norms come first or it is interleaved
+        fused_rope = self.q_layernorm is None and not interleaved
+        q, k, v = split_qkv(
+            qkv, self.heads_per_rank, self.groups_per_rank, self.head_dim, rotary_pos_emb if fused_rope else None
+        )
+        if self.q_layernorm is not None:
             q, k = self.q_layernorm(q.contiguous()), self.k_layernorm(k.contiguous())
-            if rotary_pos_emb is not None:
-                q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
+        if rotary_pos_emb is not None and not fused_rope:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, interleaved)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, interleaved)
         if inference_context is not None:
             context = inference_context.store_kv_and_attend(self.layer_number, q, k, v).reshape(s, b, -1)
         elif self.config.recompute_granularity == "selective" and self.training:

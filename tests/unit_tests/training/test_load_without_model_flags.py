@@ -24,6 +24,7 @@ MODEL = [
     *("--position-embedding-type", "rope", "--rotary-base", "500", "--untie-embeddings-and-output-weights"),
     *("--disable-bias-linear", "--apply-layernorm-1p", "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
     *("--vocab-size", "96", "--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor", "16"),
+    *("--rotary-interleaved", "--qk-layernorm"),
 ]
 
 
@@ -57,6 +58,8 @@ def test_the_record_gives_every_model_flag(checkpoint):
         "disable_bias_linear",
         "apply_layernorm_1p",
         "add_qkv_bias",
+        "rotary_interleaved",
+        "qk_layernorm",
         "use_rope_scaling",
         "rope_scaling_factor",
         "squared_relu",

@@ -196,7 +196,6 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
         (["--save-retain-interval", "2"], "^--save-retain-interval needs --save$"),
-        (["--rotary-interleaved"], "^--rotary-interleaved: interleaved RoPE .* is not supported"),
         (["--multi-latent-attention"], "^--multi-latent-attention: multi-latent attention .* is not supported"),
         (["--use-torch-fsdp2"], "^--use-torch-fsdp2: FSDP is not supported; .*--use-distributed-optimizer"),
         (["--use-megatron-fsdp"], "^--use-megatron-fsdp: FSDP is not supported"),
@@ -474,6 +473,11 @@ def test_model_flags_of_megatron_reach_the_model_record():
 
     gpt = model_record_from_args(_args("--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor", "32"), 64)
     assert gpt.config.add_qkv_bias and (gpt.rope_scaling, gpt.rope_scaling_factor) == (True, 32.0)
+    assert not gpt.config.rotary_interleaved
+    rope = ["--position-embedding-type", "rope"]
+    assert model_record_from_args(_args(*rope, "--rotary-interleaved"), 64).config.rotary_interleaved
+    with pytest.raises(ArgumentError, match=r"^--rotary-interleaved needs --position-embedding-type rope \(got "):
+        _args("--rotary-interleaved")
     mamba = ["--mamba-head-dim", "8", "--mamba-state-dim", "8", "--mamba-num-groups", "1"]
     hybrid_args = _args(*mamba, "--hybrid-layer-pattern", "M*M*", "--mamba-num-heads", "6", family="hybrid")
     assert model_record_from_args(hybrid_args, 64).config.mamba_num_heads == 6

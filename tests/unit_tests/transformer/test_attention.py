@@ -50,6 +50,35 @@ def test_gqa_causal_attention_with_rope_matches_hand_computation(pg):
 
 
 @on_single_rank
+def test_interleaved_rope_is_the_halves_rope_of_queries_and_keys_with_permuted_channels(pg):
+    """A query/key head's channels (0, 2, 4, ... | 1, 3, 5, ...) under the halves layout turn as
+    (0, 1), (2, 3), ... do under the interleaved one: permuting the rows of Q and K that way in
+    the projection gives the same attention output (the permutation of checkpoint converters)."""
+    x = torch.randn(S, B, H, requires_grad=True)
+    rotary = RotaryEmbedding(D)(torch.arange(S)[None].expand(B, S))
+    interleaved = SelfAttention(config(rotary_interleaved=True), SelfAttentionSubmodules(), 1, pg_collection=pg)
+    halves = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
+    per_head = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+    qk_rows = torch.cat([head * D + per_head for head in range(HEADS + GROUPS)])
+    rows = torch.cat([qk_rows, torch.arange((HEADS + GROUPS) * D, (HEADS + 2 * GROUPS) * D)])
+    with torch.no_grad():
+        halves.linear_qkv.weight.copy_(interleaved.linear_qkv.weight[rows])
+        halves.linear_qkv.bias.copy_(interleaved.linear_qkv.bias[rows])
+        halves.linear_proj.weight.copy_(interleaved.linear_proj.weight)
+        halves.linear_proj.bias.copy_(interleaved.linear_proj.bias)
+    out, _ = interleaved(x, rotary_pos_emb=rotary)
+    want, _ = halves(x, rotary_pos_emb=rotary)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    same_weights_halves = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
+    same_weights_halves.load_state_dict(interleaved.state_dict())
+    other, _ = same_weights_halves(x, rotary_pos_emb=rotary)
+    assert (out - other).abs().max() > 1e-3 * out.abs().max()  # the layouts are different models
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+@on_single_rank
 def test_explicit_mask_replaces_the_causal_mask(pg):
     attn = SelfAttention(config(), SelfAttentionSubmodules(), layer_number=1, pg_collection=pg)
     x = torch.randn(S, B, H)

@@ -31,6 +31,18 @@ def test_rotation_matches_hand_computation_and_partial_rotation_passes_the_rest(
     assert torch.equal(out[..., 4:], t[..., 4:])
 
 
+def test_interleaved_rotation_turns_neighbouring_channels_by_hand():
+    """GPT-J's layout (Megatron's --rotary-interleaved): pair (2i, 2i + 1) turns by pos * theta_i."""
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=0.5, rotary_base=100)
+    positions = [0, 3, 7]
+    t = torch.randn(3, 1, 2, 8)
+    out = apply_rotary_pos_emb(t, rope(torch.tensor([positions])), interleaved=True)
+    # the same turns as the halves layout, applied to the channels taken as [0, 2 | 1, 3]
+    by_hand = rotate_by_hand(t[..., [0, 2, 1, 3]], positions, 4, 100)
+    torch.testing.assert_close(out[..., [0, 2, 1, 3]].double(), by_hand)
+    assert torch.equal(out[..., 4:], t[..., 4:])
+
+
 def test_interpolation_factor_divides_positions():
     plain, interpolated = RotaryEmbedding(8), RotaryEmbedding(8, seq_len_interpolation_factor=4.0)
     torch.testing.assert_close(interpolated(torch.tensor([[8]])), plain(torch.tensor([[2]])))

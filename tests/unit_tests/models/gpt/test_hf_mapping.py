@@ -1,6 +1,8 @@
 """Our GPTModel equals HuggingFace Llama / Mixtral / Qwen3-MoE / GPT-2 (random weights) after
 mapping, and the mapping round-trips bit-identically in both directions."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
@@ -160,6 +162,9 @@ def test_moe_config_export_round_trips(hf_config, config_from_hf, config_to_hf):
     record = ModelRecord(family="gpt", config=config, **kwargs)
     again, again_kwargs = config_from_hf(hf_config(**config_to_hf(record)))
     assert (again, again_kwargs) == (config, kwargs)
+    interleaved = record.replace(config=dataclasses.replace(config, rotary_interleaved=True))
+    with pytest.raises(hf_mapping.HFMappingError, match=r"interleaved RoPE \(Llama rotates the two halves"):
+        config_to_hf(interleaved)
 
 
 def test_moe_models_refuse_the_other_architecture():
