@@ -23,7 +23,14 @@ from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
 from megatron.core.models.hybrid.hybrid_layer_pattern import parse_hybrid_pattern
 from megatron.core.models.model_record import ModelRecord, TokenizerRecord
-from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
+from megatron.core.optimizer.optimizer_config import (
+    MUON_COEFFICIENT_TYPES,
+    MUON_MATMUL_PRECISIONS,
+    MUON_SCALE_MODES,
+    MUON_TP_MODES,
+    OptimizerConfig,
+    OptimizerConfigError,
+)
 from megatron.core.pipeline_parallel.schedules import microbatch_group_error
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.core.transformer.transformer_block import stage_layer_counts
@@ -171,6 +178,11 @@ IMPLEMENTATION_FLAGS = {
     **dict.fromkeys(
         ("--overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"),
         (_SWITCH, "pipeline sends and receives are always posted together as one asynchronous batch"),
+    ),
+    "--no-use-layer-wise-param-layout": (
+        _SWITCH,
+        "the distributed optimizer keeps its flat bucket shards under Muon; each matrix's pieces are summed over "
+        "the replicas before it is orthogonalized",
     ),
     "--dist-ckpt-strictness": (
         {
@@ -468,8 +480,39 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd", "muon", "dist_muon"],
+        default="adam",
+        help="muon: Muon for the weight matrices, AdamW for the rest (dist_muon: muon with "
+        "--use-distributed-optimizer)",
+    )
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--muon-momentum", type=float, default=0.9, help="Muon's EMA momentum")
+    g.add_argument(
+        "--muon-no-split-qkv",
+        action="store_false",
+        dest="muon_split_qkv",
+        help="orthogonalize the QKV weight as one matrix (default: Q, K and V apart)",
+    )
+    g.add_argument("--muon-nesterov", action="store_true", help="Nesterov momentum in Muon")
+    g.add_argument("--muon-scale-mode", choices=list(MUON_SCALE_MODES), default="spectral")
+    g.add_argument(
+        "--muon-fp32-matmul-prec",
+        choices=list(MUON_MATMUL_PRECISIONS),
+        default="medium",
+        help="Newton-Schulz iterations in bf16 (low, medium) or fp32 (high)",
+    )
+    g.add_argument("--muon-coefficient-type", choices=list(MUON_COEFFICIENT_TYPES), default="quintic")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations per update")
+    g.add_argument(
+        "--muon-tp-mode",
+        choices=list(MUON_TP_MODES),
+        default="duplicated",
+        help="duplicated / distributed: orthogonalize whole matrices (the same under every TP size); blockwise: "
+        "each tensor-parallel shard alone",
+    )
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="multiplies every Muon update")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -868,6 +911,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     Raises ArgumentError naming the flags at fault. Runs before any process group exists.
     """
+    if args.optimizer == "dist_muon":  # Megatron's older spelling
+        args.optimizer, args.use_distributed_optimizer = "muon", True
     _refuse_unsupported(args)
     for flag in (
         "tensor_model_parallel_size",
@@ -934,6 +979,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(
         args.make_vocab_size_divisible_by >= 1,
         f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}",
+    )
+    _require(
+        args.optimizer != "muon" or args.generalized_tensor_parallel_size == 1,
+        "--optimizer muon does not support --generalized-tensor-parallel-size > 1 (Muon orthogonalizes whole "
+        "matrices); shard the weights with --tensor-model-parallel-size",
     )
     try:
         optimizer_config_from_args(args)
@@ -1343,6 +1393,15 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
     """The optimizer settings the training flags describe."""
     return OptimizerConfig(
         optimizer=args.optimizer,
+        muon_momentum=args.muon_momentum,
+        muon_nesterov=args.muon_nesterov,
+        muon_split_qkv=args.muon_split_qkv,
+        muon_scale_mode=args.muon_scale_mode,
+        muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_num_ns_steps=args.muon_num_ns_steps,
+        muon_coefficient_type=args.muon_coefficient_type,
+        muon_tp_mode=args.muon_tp_mode,
+        muon_fp32_matmul_prec=args.muon_fp32_matmul_prec,
         sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,

@@ -40,6 +40,8 @@ def _state_names(member) -> tuple[str, ...]:
     config = member.config
     if config.optimizer == "adam":
         return ("exp_avg", "exp_avg_sq")
+    if config.optimizer == "muon":
+        return ("momentum_buffer",)
     return ("momentum_buffer",) if config.sgd_momentum else ()
 
 
@@ -50,7 +52,7 @@ def _is_distributed(member) -> bool:
 def _params(member) -> list[torch.nn.Parameter]:
     """Every model parameter the member stands for, in an order all dp_cp replicas share."""
     if _is_distributed(member):
-        return [param for buffer in member.buffers for param in buffer.params]
+        return member.params
     return [entry.model_param for entry in member.master_params]
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.muon import Muon, MuonMatrix
 from megatron.core.optimizer.optimizer import MasterParam, MegatronOptimizer, step_optimizers
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, OptimizerConfigError
 from megatron.core.parallel_state import resolve_pg_collection
@@ -77,10 +80,55 @@ def get_megatron_optimizer(
             )
     groups = get_param_groups(chunks, no_weight_decay_cond)
     scaler = build_grad_scaler(config)
-    if config.use_distributed_optimizer:
-        buffers = [buffer for chunk in chunks for buffer in chunk.param_and_grad_buffers]
-        return DistributedOptimizer(config, groups, pg, scaler, buffers)
-    return MegatronOptimizer(config, groups, pg, scaler)
+
+    def build(member_config, member_groups, matrices=None):
+        if config.use_distributed_optimizer:
+            buffers = [buffer for chunk in chunks for buffer in chunk.param_and_grad_buffers]
+            return DistributedOptimizer(member_config, member_groups, pg, scaler, buffers, matrices)
+        return MegatronOptimizer(member_config, member_groups, pg, scaler, matrices)
+
+    if config.optimizer != "muon":
+        return build(config, groups)
+    matrices = muon_matrices(chunks, pg, config.muon_split_qkv)
+    muon_groups = [{**g, "params": [p for p in g["params"] if id(p) in matrices]} for g in groups]
+    adam_groups = [{**g, "params": [p for p in g["params"] if id(p) not in matrices]} for g in groups]
+    members = [build(config, [g for g in muon_groups if g["params"]], matrices)]
+    if any(g["params"] for g in adam_groups):
+        members.append(build(dataclasses.replace(config, optimizer="adam"), [g for g in adam_groups if g["params"]]))
+    for member in members[:-1]:  # the last member's gather brings every member's shards (shared buffers)
+        if isinstance(member, DistributedOptimizer):
+            member.gathers_params = False
+    return ChainedOptimizer(members)
+
+
+def muon_matrices(chunks: list[torch.nn.Module], pg, split_qkv: bool) -> dict:
+    """``{id(param): MuonMatrix}`` of the weights Muon steps (Megatron's choice): every 2-D
+    weight but the embeddings and the output layer, and each expert of the grouped expert
+    weights; the QKV weight split into Q, K and V with ``split_qkv``. Generalized tensor
+    parallelism is refused (its shards would have to be gathered too)."""
+    matrices = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            expert = getattr(param, "is_expert", False)
+            if id(param) in matrices or not param.requires_grad or param.dim() != (3 if expert else 2):
+                continue
+            if "embedding" in name or "output_layer" in name:
+                continue
+            if getattr(param, "gtp_sharded", False):
+                raise OptimizerConfigError(
+                    "--optimizer muon does not support generalized tensor parallelism (weights sharded over GTP); "
+                    "use --tensor-model-parallel-size or --use-distributed-optimizer"
+                )
+            sharded = getattr(param, "tensor_model_parallel", False)
+            group = (pg.expt_tp if pg.has("expt_tp") else pg.tp) if expert else pg.tp
+            split = None
+            if split_qkv and name.endswith("linear_qkv.weight") and getattr(param, "partition_sizes", None):
+                width = dist.get_world_size(group) if sharded else 1
+                split = [size // width for size in param.partition_sizes]
+            matrices[id(param)] = MuonMatrix(
+                param, split, group if sharded else None, getattr(param, "partition_dim", None)
+            )
+    return matrices
 
 
 __all__ = [
@@ -90,11 +138,14 @@ __all__ = [
     "DynamicGradScaler",
     "MasterParam",
     "MegatronOptimizer",
+    "Muon",
+    "MuonMatrix",
     "OptimizerConfig",
     "OptimizerConfigError",
     "build_grad_scaler",
     "default_no_weight_decay",
     "get_megatron_optimizer",
     "get_param_groups",
+    "muon_matrices",
     "step_optimizers",
 ]

@@ -26,10 +26,29 @@ class DistributedOptimizer(MegatronOptimizer):
             parameter in ``param_groups`` must live in one of them.
     """
 
-    def __init__(self, config, param_groups, pg_collection, grad_scaler, buffers):
+    def __init__(self, config, param_groups, pg_collection, grad_scaler, buffers, matrices=None):
         self.buffers = list(buffers)
         self._buffer_of = {param: buffer for buffer in self.buffers for param in buffer.params}
-        super().__init__(config, param_groups, pg_collection, grad_scaler)
+        self._stepped = {id(param) for group in param_groups for param in group["params"]}
+        # Chained members share the buffers: only the last one to step gathers them (see get_megatron_optimizer).
+        self.gathers_params = True
+        super().__init__(config, param_groups, pg_collection, grad_scaler, matrices)
+
+    @property
+    def params(self) -> list:
+        """The parameters this optimizer steps, in buffer order (the same on every replica)."""
+        return [param for buffer in self.buffers for param in buffer.params if id(param) in self._stepped]
+
+    def _replica_groups(self, matrices: dict) -> list:
+        """Muon's matrices by the group their pieces are sharded over: ``dp_cp`` (experts:
+        ``expt_dp``)."""
+        pgc = self.pg_collection
+        ordered = [matrices[id(param)] for param in self.params if id(param) in matrices]
+        expert_group = pgc.expert_dp_group()
+        if expert_group is pgc.dp_cp:
+            return [(pgc.dp_cp, ordered)]
+        dense = [m for m in ordered if not getattr(m.param, "is_expert", False)]
+        return [(pgc.dp_cp, dense), (expert_group, [m for m in ordered if getattr(m.param, "is_expert", False)])]
 
     def _master_entries(self, param) -> list[MasterParam]:
         """The piece of ``param`` inside this replica's shard of its bucket (possibly none)."""
@@ -52,6 +71,8 @@ class DistributedOptimizer(MegatronOptimizer):
         super().step_with_ready_grads()
 
     def _gather_params(self) -> None:
+        if not self.gathers_params:
+            return
         for buffer in self.buffers:
             buffer.start_param_sync()
         for buffer in self.buffers:

@@ -39,6 +39,7 @@ from megatron.core.optimizer.clip_grads import (
     unscale_and_find_nonfinite,
 )
 from megatron.core.optimizer.flat_adamw import MAX_LAUNCHES, FlatAdamW, flat_launch_count
+from megatron.core.optimizer.muon import Muon
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
@@ -68,13 +69,17 @@ def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _build_torch_optimizer(
-    config: OptimizerConfig, groups: list[dict], entries: list[MasterParam]
+    config: OptimizerConfig, groups: list[dict], entries: list[MasterParam], muon: tuple | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD over the masters. AdamW is :class:`FlatAdamW` (one kernel per flat buffer,
+    """AdamW, SGD or Muon over the masters. AdamW is :class:`FlatAdamW` (one kernel per flat buffer,
     writing the parameters' copies too) where the fused ``adamw`` op runs on Triton and the
     masters' gradients and parameters lie in DDP's flat buffers; else torch's fused (one-kernel)
     implementation when every master is on CUDA; torch's default (bit-stable reference)
-    implementation on CPU."""
+    implementation on CPU. Muon takes ``muon``: ``({id(param): MuonMatrix}, replica groups)``."""
+    if config.optimizer == "muon":
+        matrices, replica_groups = muon
+        places = {id(e.master): (matrices[id(e.model_param)], e.start, e.end) for e in entries}
+        return Muon(groups, places, replica_groups, config)
     if config.optimizer == "adam":
         masters = [tensor for group in groups for tensor in group["params"]]
         betas = (config.adam_beta1, config.adam_beta2)
@@ -108,9 +113,13 @@ class MegatronOptimizer:
             ``weight_decay = config.weight_decay * wd_mult`` (what the LR scheduler keeps up).
         pg_collection: groups of this rank (``tp``, ``gtp``, ``pp`` ranks; ``mp``, ``dp_cp``).
         grad_scaler: a loss scaler or None (scale 1); chained members may share one.
+        matrices: with ``config.optimizer == "muon"``, the :class:`MuonMatrix` of every
+            parameter by ``id``.
     """
 
-    def __init__(self, config: OptimizerConfig, param_groups: list[dict], pg_collection, grad_scaler=None):
+    def __init__(
+        self, config: OptimizerConfig, param_groups: list[dict], pg_collection, grad_scaler=None, matrices=None
+    ):
         self.config = config
         self.pg_collection = pg_collection
         self.grad_scaler = grad_scaler
@@ -129,11 +138,17 @@ class MegatronOptimizer:
                     "weight_decay": config.weight_decay * group["wd_mult"],
                 }
             )
-        self.optimizer = _build_torch_optimizer(config, torch_groups, self.master_params)
+        muon = None if matrices is None else (matrices, self._replica_groups(matrices))
+        self.optimizer = _build_torch_optimizer(config, torch_groups, self.master_params, muon)
 
     def _master_entries(self, param: torch.nn.Parameter) -> list[MasterParam]:
         """Masters standing for ``param`` on this rank (the whole parameter here)."""
         return [self._make_master(param, None, None)]
+
+    def _replica_groups(self, matrices: dict) -> list:
+        """Muon's ``(group, matrices)`` whose members hold the other pieces of those matrices:
+        none, a rank steps whole parameters here."""
+        return []
 
     def _make_master(self, param, start, end) -> MasterParam:
         """fp32 params are stepped in place (the master is a view); others get an fp32 copy."""

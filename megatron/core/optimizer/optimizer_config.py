@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 from megatron.core.errors import MegatronConfigError
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "aol")
+MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
 
 
 class OptimizerConfigError(MegatronConfigError):
@@ -17,7 +21,9 @@ class OptimizerConfigError(MegatronConfigError):
 class OptimizerConfig:
     """Settings of :func:`megatron.core.optimizer.get_megatron_optimizer`.
 
-    ``adam`` is AdamW (decoupled weight decay), as in Megatron. Parameters whose dtype is not
+    ``adam`` is AdamW (decoupled weight decay), as in Megatron. ``muon`` steps the weight
+    matrices with Muon (:mod:`megatron.core.optimizer.muon`, the ``muon_*`` fields) and every
+    other parameter (embeddings, output layer, norms, biases) with AdamW. Parameters whose dtype is not
     fp32 get fp32 master copies that the optimizer steps; ``bf16``/``fp16`` describe the model
     and ``fp16`` turns on dynamic loss scaling unless ``loss_scale`` fixes the scale.
     ``min_lr`` is read by the LR scheduler. ``clip_grad`` 0 disables clipping (the global
@@ -42,6 +48,15 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     log_num_zeros_in_grad: bool = False
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
+    muon_num_ns_steps: int = 5
+    muon_coefficient_type: str = "quintic"
+    muon_tp_mode: str = "duplicated"
+    muon_fp32_matmul_prec: str = "medium"
 
     def __post_init__(self):
         checks = [
@@ -69,7 +84,33 @@ class OptimizerConfig:
                 isinstance(self.hysteresis, int) and self.hysteresis >= 1,
                 f"hysteresis must be an integer >= 1, got {self.hysteresis!r}",
             ),
+            (0 <= self.muon_momentum < 1, f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}"),
+            (
+                self.muon_scale_mode in MUON_SCALE_MODES,
+                f"muon_scale_mode must be one of {', '.join(MUON_SCALE_MODES)}, got {self.muon_scale_mode!r}",
+            ),
+            (
+                self.muon_coefficient_type in MUON_COEFFICIENT_TYPES,
+                f"muon_coefficient_type must be one of {', '.join(MUON_COEFFICIENT_TYPES)}, "
+                f"got {self.muon_coefficient_type!r}",
+            ),
+            (
+                self.muon_tp_mode in MUON_TP_MODES,
+                f"muon_tp_mode must be one of {', '.join(MUON_TP_MODES)}, got {self.muon_tp_mode!r}",
+            ),
+            (
+                self.muon_fp32_matmul_prec in MUON_MATMUL_PRECISIONS,
+                f"muon_fp32_matmul_prec must be one of {', '.join(MUON_MATMUL_PRECISIONS)}, "
+                f"got {self.muon_fp32_matmul_prec!r}",
+            ),
         ]
+        if self.optimizer == "muon":
+            from megatron.core.optimizer.muon import ns_coefficients  # the step-count rules live there
+
+            try:
+                ns_coefficients(self.muon_coefficient_type, self.muon_num_ns_steps)
+            except ValueError as error:
+                checks.append((False, str(error)))
         errors = [message for ok, message in checks if not ok]
         if errors:
             raise OptimizerConfigError("; ".join(errors))

@@ -250,7 +250,7 @@ def test_state_dict_round_trip_continues_identically(backend):
 def test_config_errors_name_the_field():
     with pytest.raises(OptimizerConfigError, match=r"lr must be set to a number >= 0, got None"):
         OptimizerConfig()
-    with pytest.raises(OptimizerConfigError, match=r"optimizer must be one of adam, sgd, got 'lamb'"):
+    with pytest.raises(OptimizerConfigError, match=r"optimizer must be one of adam, sgd, muon, got 'lamb'"):
         OptimizerConfig(optimizer="lamb", lr=1.0)
     with pytest.raises(OptimizerConfigError, match=r"hysteresis must be an integer >= 1, got 0"):
         OptimizerConfig(lr=1.0, hysteresis=0)
