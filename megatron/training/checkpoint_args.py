@@ -37,6 +37,13 @@ BEHAVIOUR_ARGS = {
     "mamba_chunk_size": "mamba_chunk_size",
     "bf16": "bf16",
     "fp16": "fp16",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff",
+    "moe_router_bias_update_rate": "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor": "moe_expert_capacity_factor",
+    "moe_token_dispatcher_type": "moe_token_dispatcher_type",
+    "moe_grouped_gemm": "moe_grouped_gemm",
 }
 
 
@@ -66,6 +73,16 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
         "squared_relu": config.activation_func is squared_relu and not config.gated_linear_unit,
         "mtp_num_layers": config.mtp_num_layers or None,
         "vocab_size": record.vocab_size,
+        "num_experts": config.num_moe_experts,
+        "moe_router_topk": config.moe_router_topk,
+        "moe_ffn_hidden_size": config.moe_ffn_hidden_size if config.num_moe_experts else None,
+        "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": config.moe_router_score_function,
+        "moe_router_pre_softmax": config.moe_router_pre_softmax,
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_router_num_groups": config.moe_router_num_groups,
+        "moe_router_group_topk": config.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
     }
     if record.family == "hybrid":
         values.update(

@@ -103,3 +103,32 @@ def test_a_load_directory_without_a_checkpoint_trains_from_scratch(tmp_path, cap
     assert f"--load {tmp_path}: no checkpoint there yet; training from scratch" in capfd.readouterr().out
     with pytest.raises(ArgumentError, match="--finetune --load .*: there is no checkpoint there"):
         parse_args(TRAINING + MODEL + ["--train-iters", "1", "--load", str(tmp_path / "x"), "--finetune"])
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid"]
+
+
+def test_moe_flags_come_from_the_record_and_training_behaviour_from_the_flags(tmp_path):
+    save = str(tmp_path / "moe")
+    flags = TRAINING + MODEL + MOE + ["--moe-aux-loss-coeff", "0.01", "--train-iters", "1", "--save", save]
+    run_distributed(_train, 1, flags, 1)
+    args = parse_args(TRAINING + ["--train-iters", "2", "--load", save], world_size=1)
+    assert (args.num_experts, args.moe_router_topk, args.moe_router_score_function) == (4, 2, "sigmoid")
+    assert args.moe_aux_loss_coeff == 0.01  # the run's behaviour, from the record when not given
+    changed = parse_args(TRAINING + ["--train-iters", "2", "--load", save, "--moe-aux-loss-coeff", "0.1"], world_size=1)
+    assert changed.moe_aux_loss_coeff == 0.1
+    from megatron.training.arguments import tokenizer_record_from_args
+    from megatron.training.checkpoint_args import record_for_run
+
+    record = record_for_run(changed, changed.checkpoint_record, tokenizer_record_from_args(changed))
+    assert record.config.moe_aux_loss_coeff == 0.1 and record.config.num_moe_experts == 4
+    with pytest.raises(ArgumentError, match=r"--num-experts 8 \(checkpoint: 4\)"):
+        parse_args(TRAINING + ["--train-iters", "2", "--load", save, "--num-experts", "8"], world_size=1)
+    with pytest.raises(ArgumentError, match=r"--num-experts 8 \(checkpoint: None\)"):
+        parse_args(TRAINING + ["--train-iters", "2", "--num-experts", "8"] + ["--load", _dense(tmp_path)], world_size=1)
+
+
+def _dense(tmp_path) -> str:
+    save = str(tmp_path / "dense")
+    run_distributed(_train, 1, TRAINING + MODEL + ["--train-iters", "1", "--save", save], 1)
+    return save
