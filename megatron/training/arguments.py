@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel.schedules import microbatch_group_error
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.core.transformer.transformer_block import stage_layer_counts
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
+from megatron.training.result_validation import ERROR_TYPES
 
 
 class ArgumentError(MegatronConfigError):
@@ -44,10 +45,6 @@ class ArgumentError(MegatronConfigError):
 # argparse kwargs of a plain on/off flag, and of a refused one (present: True, absent: None).
 _SWITCH = {"action": "store_true"}
 _REFUSED_SWITCH = {"action": "store_const", "const": True}
-_NAN_NOTE = (
-    "a non-finite gradient never reaches the weights: the step is skipped everywhere and counted "
-    "(number of nan iterations)"
-)
 _TIMING_NOTE = "only the iteration time is measured (Megatron's level 0)"
 _WANDB_NOTE = "Weights & Biases logging is not built in"
 _BACKGROUND_SAVE_NOTE = "--async-save writes from a background thread of the training process"
@@ -89,7 +86,6 @@ IMPLEMENTATION_FLAGS = {
         "SDPA keeps the softmax in fp32, so fp16 needs no query-key scaling by the layer number",
     ),
     "--no-persist-layer-norm": (_SWITCH, "each norm is one kernel: there is no persistent variant"),
-    **dict.fromkeys(("--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"), (_SWITCH, _NAN_NOTE)),
     "--timing-log-level": ({"type": int, "choices": [0, 1, 2], "default": None}, _TIMING_NOTE),
     "--timing-log-option": ({"choices": ["max", "minmax", "all"], "default": None}, _TIMING_NOTE),
     "--log-timers-to-tensorboard": (
@@ -160,10 +156,6 @@ IMPLEMENTATION_FLAGS = {
     "--dataloader-type": (
         {"choices": ["single"], "default": None},
         "samples are read in order from the consumed-sample count (Megatron's single)",
-    ),
-    "--rerun-mode": (
-        {"choices": ["disabled"], "default": None},
-        "steps are not re-run to validate their results (Megatron's disabled)",
     ),
     "--num-distributed-optimizer-instances": (
         {"type": int, "choices": [1], "default": None},
@@ -670,6 +662,37 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         help="every N iterations, check that data-parallel replicas hold the same weights (fail if not)",
     )
     g.add_argument(
+        "--rerun-mode",
+        choices=["disabled", "validate_results", "report_stats"],
+        default="validate_results",
+        help="validate_results: re-run a step whose loss fails a check to tell transient, persistent and "
+        "correct results apart (exit code 16: resume on another device; 17: diagnosed); report_stats: run "
+        "every step twice and log the loss difference",
+    )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action="store_true",
+        default=True,
+        help="a non-finite loss fails the result check (default; non-finite gradients always skip the step)",
+    )
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad")
+    g.add_argument(
+        "--check-for-spiky-loss", action="store_true", help="a loss 10x the largest of the first 100 fails a check"
+    )
+    g.add_argument(
+        "--error-injection-rate",
+        type=int,
+        default=0,
+        help="make a result check fail once in N steps per rank (testing --rerun-mode)",
+    )
+    g.add_argument("--error-injection-type", choices=list(ERROR_TYPES), default="transient_error")
+    g.add_argument(
+        "--result-rejected-tracker-filename",
+        type=str,
+        default=None,
+        help="append one JSON line per failed result check and re-run outcome",
+    )
+    g.add_argument(
         "--test-mode",
         action="store_true",
         help="after every iteration, check that data- and tensor-parallel replicas hold the same weights",
@@ -1088,6 +1111,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
+    _require(args.error_injection_rate >= 0, f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
     interval = args.check_weight_hash_across_dp_replicas_interval
     _require(
         interval is None or interval >= 1,

@@ -16,8 +16,14 @@ def run(model_family: str, argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from megatron.core.parallel_state import destroy_distributed
+    from megatron.training.result_validation import ResultValidationExit
     from megatron.training.training import pretrain
 
-    pretrain(args)
+    try:
+        pretrain(args)
+    except ResultValidationExit as stop:  # every rank stops together, with Megatron's exit code
+        print(f"error: {stop}", file=sys.stderr, flush=True)
+        destroy_distributed()
+        return stop.exit_code
     destroy_distributed()
     return 0

@@ -32,9 +32,11 @@ from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.moe.router import aux_loss_metrics, set_aux_loss_scale, update_expert_biases
 from megatron.training import startup_summary as summary
 from megatron.training.arguments import model_record_from_args, optimizer_config_from_args, tokenizer_record_from_args
+from megatron.training.checkpointing import rng_states, set_rng_states
 from megatron.training.data import build_datasets, microbatches
 from megatron.training.initialize import device_for, initialize_megatron
 from megatron.training.metrics import MetricsLogger, SSDShape, training_flops_per_token
+from megatron.training.result_validation import ResultValidator
 from megatron.training.run_control import ExitRule, GarbageCollection, IterationProfiler, check_replica_weights
 from megatron.training.startup_summary import parameter_counts_per_stage
 
@@ -312,6 +314,8 @@ class Trainer:
             args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
         )
         self.checkpoint_saver = AsyncSaver() if args.async_save and args.save else None
+        holds_loss = pgc.rank("pp") == pgc.size("pp") - 1
+        self.validator = ResultValidator(args, holds_loss, self.device)
 
     def data_iterator(self, dataset, start_sample: int, micro_batch_size: int | None = None):
         """The micro-batches (of ``micro_batch_size``, default --micro-batch-size) from
@@ -384,13 +388,28 @@ class Trainer:
 
     def train_step(self, data_iterator) -> tuple[float, bool, float | None, int | None]:
         """One iteration; returns (loss, update_successful, grad_norm, num_zeros_in_grad), the
-        last None unless --log-num-zeros-in-grad."""
-        for chunk in self.model_chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        last None unless --log-num-zeros-in-grad. The forward and backward passes run as
+        --rerun-mode says (:mod:`megatron.training.result_validation`)."""
         args = self.args
-        set_aux_loss_scale(self.optimizer.get_loss_scale(), args.num_microbatches, args.calculate_per_token_loss)
-        loss, num_tokens = self._run_schedule(data_iterator, False, args.num_microbatches, args.micro_batch_size)
+        start_sample = self.state.consumed_samples
+        start_rng = rng_states() if self.validator.mode != "disabled" else None  # what a re-run restores
+
+        def forward_backward(again: bool):
+            iterator = data_iterator
+            if again:  # the same step once more: its RNG states and samples
+                set_rng_states(start_rng)
+                iterator = self.data_iterator(self.train_ds, start_sample)
+            for chunk in self.model_chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            set_aux_loss_scale(self.optimizer.get_loss_scale(), args.num_microbatches, args.calculate_per_token_loss)
+            return self._run_schedule(iterator, False, args.num_microbatches, args.micro_batch_size)
+
+        def save_before_step():
+            set_rng_states(start_rng)
+            self.save_unless_saved()
+
+        loss, num_tokens = self.validator.run_step(self.state.iteration + 1, forward_backward, save_before_step)
         finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_expert_biases(self.model_chunks, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
         update_successful, grad_norm, num_zeros = self.optimizer.step()
@@ -450,6 +469,10 @@ class Trainer:
                 torch.cuda.empty_cache()
             lr, loss_scale = self.scheduler.get_lr(), self.optimizer.get_loss_scale()
             log.record(state, loss, ok, grad_norm, lr, loss_scale, num_zeros)
+            if state.iteration % args.log_interval == 0:
+                report = self.validator.take_determinism_report()
+                if report is not None and self.is_logging_rank:
+                    print(f" iteration {state.iteration}: {report} (--rerun-mode report_stats)", flush=True)
             gc_control.after_step(state.iteration)
             if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
                 self._evaluate_and_log(self.valid_ds, "validation", gc_control)
@@ -491,6 +514,16 @@ class Trainer:
         self.finish_param_sync()
         save_checkpoint(self)
 
+    def save_unless_saved(self) -> None:
+        """Save the current iteration unless --save already holds it (published checkpoints are
+        never rewritten); the save is complete when this returns."""
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.wait()  # a save in flight may be of this iteration
+        if read_latest_iteration(self.args.save) != self.state.iteration:
+            self.save()
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.wait()
+
     def load(self) -> None:
         from megatron.training.checkpointing import load_checkpoint
 
@@ -507,6 +540,7 @@ def pretrain(args) -> TrainState:
         adopt_untracked_checkpoints(args.save)
     if args.load and read_latest_iteration(args.load) is not None:
         trainer.load()
+        trainer.validator.load_pending(args.load, trainer.state.iteration)
     elif args.load and dist.get_rank() == 0:
         print(f"--load {args.load}: no checkpoint there yet; training from scratch", flush=True)
     state = trainer.train()
