@@ -157,10 +157,6 @@ IMPLEMENTATION_FLAGS = {
         {"choices": ["single"], "default": None},
         "samples are read in order from the consumed-sample count (Megatron's single)",
     ),
-    "--num-distributed-optimizer-instances": (
-        {"type": int, "choices": [1], "default": None},
-        "the distributed optimizer shards its state over the whole data-parallel group (one instance)",
-    ),
     "--ddp-average-in-collective": (
         _SWITCH,
         "gradients are averaged over the data-parallel ranks: each is scaled by 1/DP before the sum",
@@ -286,6 +282,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="split the data-parallel group into this many instances of consecutive ranks: optimizer state is "
+        "sharded within an instance and gradients all-reduced across instances",
+    )
     g.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
@@ -962,6 +965,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     _validate_expert_parallel(args)
+    _validate_optimizer_instances(args)
     # GTP peers read different micro-batches: they are part of the data-parallel width. CP peers
     # share each micro-batch (each keeps its chunks of the sequences).
     args.data_parallel_width = args.data_parallel_size * gtp
@@ -1337,6 +1341,22 @@ def _validate_expert_parallel(args: argparse.Namespace) -> None:
         args.generalized_tensor_parallel_size == 1 or (ep == 1 and etp == args.tensor_model_parallel_size),
         "--expert-model-parallel-size / --expert-tensor-parallel-size need --generalized-tensor-parallel-size 1",
     )
+
+
+def _validate_optimizer_instances(args: argparse.Namespace) -> None:
+    """--num-distributed-optimizer-instances: with the distributed optimizer, dividing the dense
+    (DP x CP) and, with experts, the expert data-parallel replicas."""
+    instances, flag = args.num_distributed_optimizer_instances, "--num-distributed-optimizer-instances"
+    _require(instances >= 1, f"{flag} must be >= 1, got {instances}")
+    if instances == 1:
+        return
+    _require(args.use_distributed_optimizer, f"{flag} {instances} needs --use-distributed-optimizer")
+    replicas = {"data-parallel (DP x CP)": args.data_parallel_size * args.context_parallel_size}
+    if args.num_experts:
+        stage = args.tensor_model_parallel_size * args.context_parallel_size * args.data_parallel_size
+        replicas["expert data-parallel"] = stage // (args.expert_model_parallel_size * args.expert_tensor_parallel_size)
+    for what, size in replicas.items():
+        _require(size % instances == 0, f"{flag} ({instances}) must divide the {size} {what} replicas")
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:

@@ -251,6 +251,7 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
 
 

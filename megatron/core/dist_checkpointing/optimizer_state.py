@@ -5,7 +5,8 @@ fp32 masters and the torch optimizer's tensor state (Adam ``exp_avg`` / ``exp_av
 unless the caller picks another, e.g. one per module of a job with several optimizers), described by
 :func:`model_state.describe_tensor` exactly like the parameter, so they reshard to any
 TP/PP/DP/GTP layout. The distributed optimizer holds flat element ranges of its parameters:
-it sums its ranges over ``dp_cp`` (``expt_dp`` for expert parameters) into parameter-shaped
+it sums its ranges over its shard group (``dp_cp``, ``expt_dp`` for expert parameters, or one
+distributed-optimizer instance of them) into parameter-shaped
 tensors before saving (only replica 0's copy is main) and takes its ranges back after loading.
 
 Everything else is a singleton :class:`ShardedObject` with the replica id of every replicating
@@ -46,7 +47,7 @@ def _state_names(member) -> tuple[str, ...]:
 
 
 def _is_distributed(member) -> bool:
-    return hasattr(member, "buffers") and hasattr(member, "shard_ranges")
+    return hasattr(member, "buffers") and hasattr(member, "shard_group")
 
 
 def _params(member) -> list[torch.nn.Parameter]:
@@ -76,11 +77,12 @@ def _param_shaped_states(member, pg: ProcessGroupCollection) -> dict[str, dict[i
                 )
     if not _is_distributed(member):
         return full
-    # Expert parameters are sharded over their own replicas (expt_dp), dense ones over dp_cp.
-    expert_group = pg.expert_dp_group()
+    # Expert parameters are sharded over their own replicas (expt_dp), dense ones over dp_cp (or
+    # over this rank's distributed-optimizer instance of them).
+    dense_group, expert_group = member.shard_group(), member.shard_group(expert=True)
     expert = [p for p in params if getattr(p, "is_expert", False)]
     dense = [p for p in params if not getattr(p, "is_expert", False)]
-    domains = [(pg.dp_cp, params)] if expert_group is pg.dp_cp else [(pg.dp_cp, dense), (expert_group, expert)]
+    domains = [(dense_group, params)] if expert_group is dense_group else [(dense_group, dense), (expert_group, expert)]
     for group, domain in domains:
         if dist.get_world_size(group) == 1:
             continue

@@ -45,7 +45,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     default_bucket_size,
 )
 from megatron.core.distributed.main_grad import is_main_grad_placeholder
-from megatron.core.distributed.param_and_grad_buffer import GradBucket, ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import GradBucket, ParamAndGradBuffer, split_into_instances
 from megatron.core.parallel_state import resolve_pg_collection
 
 
@@ -84,8 +84,13 @@ class DistributedDataParallel(torch.nn.Module):
             by_kind.setdefault(kind, []).append(param)
         self.param_and_grad_buffers = []
         self._reducing_in_backward: set[ParamAndGradBuffer] = set()
+        instances = ddp_config.num_distributed_optimizer_instances
+        split = {
+            kind: split_into_instances(group, instances)
+            for kind, group in ((False, self.dp_cp_group), (True, self.expert_dp_group))
+        }
         for (is_expert, _, grad_dtype), members in by_kind.items():
-            group = self.expert_dp_group if is_expert else self.dp_cp_group
+            group, instance_group = split[is_expert]
             replicas = dist.get_world_size(group)
             buffer = ParamAndGradBuffer(
                 members,
@@ -95,6 +100,7 @@ class DistributedDataParallel(torch.nn.Module):
                 ddp_config.bucket_size or default_bucket_size(replicas),
                 ddp_config.use_distributed_optimizer,
                 overlap_param_gather=ddp_config.overlap_param_gather and replicas > 1,
+                instance_group=instance_group,
             )
             self.param_and_grad_buffers.append(buffer)
             if ddp_config.overlap_grad_reduce and replicas > 1:

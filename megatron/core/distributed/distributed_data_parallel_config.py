@@ -33,6 +33,11 @@ class DistributedDataParallelConfig:
     bucket_size: elements per bucket (a bucket closes after the param that reaches it); None
         takes :func:`default_bucket_size`. The layout does not depend on the overlap settings,
         so overlapped and non-overlapped runs shard and reduce identically.
+    num_distributed_optimizer_instances: with the distributed optimizer, split each replica
+        group into this many instances of consecutive ranks: the optimizer state is sharded
+        within an instance, gradients are reduce-scattered within it and then all-reduced
+        across the instances, parameters gathered within it (less traffic over the slow links
+        between instances, more memory per rank).
     """
 
     grad_reduce_in_fp32: bool = False
@@ -41,6 +46,7 @@ class DistributedDataParallelConfig:
     overlap_param_gather: bool = False
     use_distributed_optimizer: bool = False
     bucket_size: int | None = None
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self):
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
@@ -49,6 +55,16 @@ class DistributedDataParallelConfig:
             )
         if self.grad_reduce_in_fp32 and self.grad_reduce_in_bf16:
             raise DistributedConfigError("grad_reduce_in_fp32 and grad_reduce_in_bf16 are both set; choose one")
+        instances = self.num_distributed_optimizer_instances
+        if not isinstance(instances, int) or instances < 1:
+            raise DistributedConfigError(
+                f"num_distributed_optimizer_instances must be an integer >= 1, got {instances!r}"
+            )
+        if instances > 1 and not self.use_distributed_optimizer:
+            raise DistributedConfigError(
+                f"num_distributed_optimizer_instances {instances} needs use_distributed_optimizer (instances shard the "
+                "optimizer state)"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise DistributedConfigError(
                 "overlap_param_gather needs use_distributed_optimizer (only the distributed optimizer "

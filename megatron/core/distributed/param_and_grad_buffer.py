@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import MegatronRuntimeError
+from megatron.core.process_groups import new_group_cached
 
 # With the distributed optimizer each bucket is padded to a multiple of (replicas x this many)
 # elements, so every shard starts and ends on a 16-byte boundary of bf16 (and fp32) data: the
@@ -48,7 +49,9 @@ class GradBucket:
     waits (and is a no-op when nothing is in flight).
     """
 
-    def __init__(self, index, params, offset, grad_data, param_data, group, scaling_factor, sharded):
+    def __init__(
+        self, index, params, offset, grad_data, param_data, group, scaling_factor, sharded, instance_group=None
+    ):
         self.index = index
         self.params = list(params)
         self.offset = offset
@@ -57,6 +60,7 @@ class GradBucket:
         self.group = group
         self.scaling_factor = scaling_factor
         self.sharded = sharded
+        self.instance_group = instance_group
         self._world = dist.get_world_size(group)
         self._pending = set(self.params)
         self._launched = False
@@ -100,10 +104,14 @@ class GradBucket:
             self._grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
-        """Wait for the reduction (launching it first if nothing did), then re-arm the bucket."""
+        """Wait for the reduction (launching it first if nothing did), then re-arm the bucket.
+        With distributed-optimizer instances the owned shard is then summed across them."""
         self.start_grad_sync()
         if self._grad_handle is not None:
             self._grad_handle.wait()
+        if self.instance_group is not None and dist.get_world_size(self.instance_group) > 1:
+            start, end = self.shard_range()
+            dist.all_reduce(self.grad_data.narrow(0, start - self.offset, end - start), group=self.instance_group)
         self.reset()
 
     def reset(self) -> None:
@@ -133,6 +141,23 @@ class GradBucket:
             self._param_handle = None
 
 
+def split_into_instances(group, instances: int):
+    """``(this rank's instance, the ranks owning the same shards in the other instances)`` of a
+    replica ``group`` split into ``instances`` runs of consecutive group ranks; ``(group, None)``
+    for one instance."""
+    if instances == 1:
+        return group, None
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) % instances:
+        raise MegatronRuntimeError(
+            f"num_distributed_optimizer_instances ({instances}) must divide the {len(ranks)} replicas of the "
+            "data-parallel group"
+        )
+    size, me = len(ranks) // instances, ranks.index(dist.get_rank())
+    first = me - me % size
+    return new_group_cached(ranks[first : first + size]), new_group_cached(ranks[me % size :: size])
+
+
 class ParamAndGradBuffer:
     """One flat gradient buffer (and, for the distributed optimizer, parameter buffer) for
     parameters of one dtype, cut into buckets.
@@ -140,7 +165,10 @@ class ParamAndGradBuffer:
     Args:
         params: parameters in the order their gradients are expected (reverse of creation).
         grad_dtype: dtype of ``param.main_grad`` and of the reduction.
-        group: the replica group the gradients are reduced over (``dp_cp``).
+        group: the replica group the gradients are reduced over (``dp_cp``); with
+            distributed-optimizer instances, this rank's instance of it.
+        instance_group: the ranks of the other instances that own the same shards (None: one
+            instance); each owned shard is all-reduced over it after the reduce-scatter.
         scaling_factor: gradients are multiplied by this just before the (sum) reduction.
         bucket_size: elements per bucket, or None for one bucket.
         for_distributed_optimizer: pad buckets for even sharding and reduce-scatter.
@@ -157,6 +185,7 @@ class ParamAndGradBuffer:
         bucket_size,
         for_distributed_optimizer,
         overlap_param_gather=False,
+        instance_group=None,
     ):
         params = list(params)
         self.overlap_param_gather = overlap_param_gather
@@ -195,6 +224,7 @@ class ParamAndGradBuffer:
                 group,
                 scaling_factor,
                 for_distributed_optimizer,
+                instance_group,
             )
             for index, (start, end, members) in enumerate(bucket_layout)
         ]

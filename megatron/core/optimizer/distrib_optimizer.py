@@ -1,5 +1,6 @@
 """Distributed optimizer: fp32 masters and optimizer state sharded over the ``dp_cp`` replicas
-(expert parameters: over the ``expt_dp`` replicas, the group of their DDP buffers).
+(expert parameters: over the ``expt_dp`` replicas), or over this rank's instance of them with
+several distributed-optimizer instances: the group of their DDP buffers.
 
 It works on the flat buffers of :class:`~megatron.core.distributed.DistributedDataParallel`
 built with ``use_distributed_optimizer=True``: DDP reduce-scatters each bucket's gradients so
@@ -40,15 +41,13 @@ class DistributedOptimizer(MegatronOptimizer):
         return [param for buffer in self.buffers for param in buffer.params if id(param) in self._stepped]
 
     def _replica_groups(self, matrices: dict) -> list:
-        """Muon's matrices by the group their pieces are sharded over: ``dp_cp`` (experts:
-        ``expt_dp``)."""
-        pgc = self.pg_collection
+        """Muon's matrices by the group their pieces are sharded over (:meth:`shard_group`)."""
         ordered = [matrices[id(param)] for param in self.params if id(param) in matrices]
-        expert_group = pgc.expert_dp_group()
-        if expert_group is pgc.dp_cp:
-            return [(pgc.dp_cp, ordered)]
+        dense_group, expert_group = self.shard_group(), self.shard_group(expert=True)
+        if expert_group is dense_group:
+            return [(dense_group, ordered)]
         dense = [m for m in ordered if not getattr(m.param, "is_expert", False)]
-        return [(pgc.dp_cp, dense), (expert_group, [m for m in ordered if getattr(m.param, "is_expert", False)])]
+        return [(dense_group, dense), (expert_group, [m for m in ordered if getattr(m.param, "is_expert", False)])]
 
     def _master_entries(self, param) -> list[MasterParam]:
         """The piece of ``param`` inside this replica's shard of its bucket (possibly none)."""
@@ -60,9 +59,18 @@ class DistributedOptimizer(MegatronOptimizer):
             return []
         return [self._make_master(param, start - param_start, end - param_start)]
 
+    def shard_group(self, expert: bool = False):
+        """The group whose members hold the disjoint shards of the (expert) parameters: the
+        buffers' replica group, ``dp_cp`` / ``expt_dp`` or, with several distributed-optimizer
+        instances, this rank's instance of it."""
+        for buffer in self.buffers:
+            if bool(getattr(buffer.params[0], "is_expert", False)) == expert:
+                return buffer.group
+        return self.pg_collection.expert_dp_group() if expert else self.pg_collection.dp_cp
+
     def _sum_groups(self, expert: bool = False) -> list:
         pgc = self.pg_collection
-        return [pgc.expert_mp_group(), pgc.expert_dp_group()] if expert else [pgc.mp, pgc.dp_cp]
+        return [pgc.expert_mp_group() if expert else pgc.mp, self.shard_group(expert)]
 
     def step_with_ready_grads(self) -> None:
         # A gather no forward pass waited for (a bucket of unused parameters) must not run
