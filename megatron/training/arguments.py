@@ -76,8 +76,9 @@ IMPLEMENTATION_FLAGS = {
     "--num-workers": ({"type": int, "default": None}, "samples are read in the training process (no loader workers)"),
     "--no-mmap-bin-files": (_SWITCH, ".bin files are always memory-mapped (read on access)"),
     "--ckpt-format": (
-        {"choices": ["torch_dist"], "default": None},
-        "checkpoints are always sharded torch.distributed.checkpoint directories (torch_dist)",
+        {"choices": ["torch_dist", "torch", "torch_dcp", "fsdp_dtensor"], "default": None},
+        "checkpoints are always written and read as sharded torch.distributed.checkpoint directories (torch_dist); "
+        "pickled per-rank files (torch) are never written nor loaded",
     ),
     "--tiktoken-pattern": ({"choices": ["v1", "v2"], "default": None}, "only TikTokenizer reads it (not supported)"),
     "--attention-softmax-in-fp32": (_SWITCH, "attention runs in SDPA, whose kernels keep the softmax in fp32"),
@@ -1122,7 +1123,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}",
     )
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
-    _require(args.eval_interval is None or args.eval_iters >= 1, "--eval-interval needs --eval-iters >= 1")
+    _require(
+        args.eval_interval is None or args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}"
+    )
     _require(
         args.mtp_num_layers is None or args.mtp_num_layers >= 1,
         f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}",

@@ -475,7 +475,8 @@ class Trainer:
                 if report is not None and self.is_logging_rank:
                     print(f" iteration {state.iteration}: {report} (--rerun-mode report_stats)", flush=True)
             gc_control.after_step(state.iteration)
-            if args.eval_interval and state.iteration % args.eval_interval == 0 and self.valid_ds is not None:
+            evaluate = args.eval_interval and args.eval_iters and state.iteration % args.eval_interval == 0
+            if evaluate and self.valid_ds is not None:
                 self._evaluate_and_log(self.valid_ds, "validation", gc_control)
             interval = args.check_weight_hash_across_dp_replicas_interval
             if args.test_mode or (interval and state.iteration % interval == 0):

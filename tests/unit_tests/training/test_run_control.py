@@ -158,3 +158,26 @@ def test_pytorch_profiler_traces_the_chosen_iterations(tmp_path):
     run_distributed(_train, 1, flags + ["--tensorboard-dir", str(tmp_path)])
     traces = [p for p in tmp_path.iterdir() if p.name.endswith(".pt.trace.json")]
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
+
+
+def _evaluations_logged(flags):
+    from megatron.training import training
+
+    logged = []
+    original = training.MetricsLogger.log_evaluation
+
+    def spy(self, **kwargs):
+        logged.append(kwargs["label"])
+        return original(self, **kwargs)
+
+    training.MetricsLogger.log_evaluation = spy  # this rank is a forked process: the patch dies with it
+    state = pretrain(parse_args(FLAGS + flags, world_size=1))
+    return state.iteration, logged
+
+
+def test_an_eval_interval_with_no_eval_iters_evaluates_nothing():
+    """Megatron accepts --eval-interval with --eval-iters 0 (its reruns tests do): no evaluation."""
+    ((iteration, logged),) = run_distributed(_evaluations_logged, 1, ["--eval-interval", "1", "--eval-iters", "0"])
+    assert (iteration, logged) == (5, [])
+    ((_, evaluated),) = run_distributed(_evaluations_logged, 1, ["--eval-interval", "1", "--eval-iters", "1"])
+    assert evaluated.count("validation") == 5 + 1  # every iteration, and after training
