@@ -209,11 +209,6 @@ REFUSED_FLAGS = {
     "--fp8-param-gather": (_REFUSED_SWITCH, _FP8_MESSAGE),
     "--rampup-batch-size": ({"nargs": "*"}, _BATCH_SCHEDULE_MESSAGE.format("ramp-up is")),
     "--step-batch-size-schedule": ({"type": str}, _BATCH_SCHEDULE_MESSAGE.format("schedules are")),
-    "--decoupled-lr": (
-        {"type": float},
-        "a separate learning rate for the embedding and output layer is not supported; they train at --lr",
-    ),
-    "--decoupled-min-lr": ({"type": float}, "--decoupled-lr is not supported; the embedding follows --min-lr"),
     "--multi-latent-attention": (
         _REFUSED_SWITCH,
         "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
@@ -454,6 +449,18 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None, help="or --train-samples")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="peak learning rate of the embeddings and the output layer (default: --lr)",
+    )
+    g.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="minimum learning rate of the embeddings and the output layer (default: --min-lr)",
+    )
     g.add_argument(
         "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear"
     )
@@ -1103,6 +1110,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})",
         )
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    _require(args.decoupled_min_lr is None or args.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None:
+        decoupled_min = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        _require(
+            0 <= decoupled_min <= args.decoupled_lr,
+            f"the decoupled minimum LR ({decoupled_min}) must be in [0, --decoupled-lr ({args.decoupled_lr})]",
+        )
     _require(
         not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
         "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive",
@@ -1466,6 +1480,8 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
 
 

@@ -266,6 +266,8 @@ def scheduler_from_args(optimizer, args) -> OptimizerParamScheduler:
         lr_decay_iters=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         weight_decay=args.weight_decay,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
 
 

@@ -114,10 +114,16 @@ def _group_records(member, pg: ProcessGroupCollection) -> list[dict]:
     # stage without norms or biases has no undecayed group, say).
     by_mults = {}
     for record in (r for records_of_rank in all_gather_object(records, pg.mp) for r in records_of_rank):
-        mults = (record.get("lr_mult", 1.0), record.get("wd_mult", 1.0))
+        mults = _group_key_of(record)
         if mults not in by_mults or record["step"] > by_mults[mults]["step"]:
             by_mults[mults] = record
     return [by_mults[mults] for mults in sorted(by_mults)]
+
+
+def _group_key_of(group: dict) -> tuple:
+    """What matches a saved param group to a local one: ``(lr_mult, wd_mult, is_decoupled_lr)``
+    (older checkpoints have no decoupled groups)."""
+    return (group.get("lr_mult", 1.0), group.get("wd_mult", 1.0), bool(group.get("is_decoupled_lr", False)))
 
 
 def _object(key: str, data, pg: ProcessGroupCollection) -> ShardedObject:
@@ -199,18 +205,19 @@ def load_optimizer_state(optimizer, loaded: dict, params: list[CheckpointParam])
 
 def _restore_groups(member, saved_groups: list[dict]) -> list[int]:
     """Copy the saved hyperparameters into the matching local groups; return their steps."""
-    by_mults = {(g.get("lr_mult", 1.0), g.get("wd_mult", 1.0)): g for g in saved_groups}
+    by_mults = {_group_key_of(g): g for g in saved_groups}
     steps = []
     for group in member.optimizer.param_groups:
-        mults = (group.get("lr_mult", 1.0), group.get("wd_mult", 1.0))
-        saved = by_mults.get(mults)
+        mults = _group_key_of(group)
+        # a run that (un)sets --decoupled-lr resumes its embeddings' groups from their old ones
+        saved = by_mults.get(mults, by_mults.get((*mults[:2], not mults[2])))
         if saved is None:
             raise CheckpointingError(
-                f"no saved optimizer param group has (lr_mult, wd_mult) = {mults}; the checkpoint has "
-                f"{sorted(by_mults)}"
+                f"no saved optimizer param group has (lr_mult, wd_mult, is_decoupled_lr) = {mults}; the checkpoint "
+                f"has {sorted(by_mults)}"
             )
         for key, value in saved.items():
-            if key in group and key != "params":
+            if key in group and key not in ("params", "is_decoupled_lr"):
                 group[key] = value
         steps.append(saved["step"])
     return steps

@@ -37,23 +37,33 @@ def build_grad_scaler(config: OptimizerConfig):
     return None
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """The word embeddings and the output layer's weight (Megatron's ``is_embedding_or_output_parameter``)."""
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
+
+
 def get_param_groups(
-    model_chunks: list[torch.nn.Module], no_weight_decay_cond: Callable = default_no_weight_decay
+    model_chunks: list[torch.nn.Module],
+    no_weight_decay_cond: Callable = default_no_weight_decay,
+    decoupled_lr: bool = False,
 ) -> list[dict]:
     """Trainable parameters (each once) split into a decayed (``wd_mult`` 1) and a
-    non-decayed (``wd_mult`` 0) group; empty groups are left out."""
-    decay, no_decay, seen = [], [], set()
+    non-decayed (``wd_mult`` 0) group, and with ``decoupled_lr`` the embeddings and output
+    layer into groups of their own (``is_decoupled_lr``, scheduled from ``--decoupled-lr``);
+    empty groups are left out."""
+    groups: dict[tuple[bool, bool], list] = {}
+    seen = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            (no_decay if no_weight_decay_cond(name, param) else decay).append(param)
-    groups = [
-        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
-        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
+            key = (no_weight_decay_cond(name, param), decoupled_lr and is_embedding_or_output(name))
+            groups.setdefault(key, []).append(param)
+    return [
+        {"params": groups[key], "wd_mult": 0.0 if key[0] else 1.0, "lr_mult": 1.0, "is_decoupled_lr": key[1]}
+        for key in sorted(groups)
     ]
-    return [group for group in groups if group["params"]]
 
 
 def get_megatron_optimizer(
@@ -78,7 +88,7 @@ def get_megatron_optimizer(
                 + ("a DistributedDataParallel with" if ddp_sharded else "not a DistributedDataParallel with")
                 + " ddp_config.use_distributed_optimizer=True; the two settings must match"
             )
-    groups = get_param_groups(chunks, no_weight_decay_cond)
+    groups = get_param_groups(chunks, no_weight_decay_cond, config.decoupled_lr is not None)
     scaler = build_grad_scaler(config)
 
     def build(member_config, member_groups, matrices=None):
@@ -103,7 +113,7 @@ def get_megatron_optimizer(
 
 def muon_matrices(chunks: list[torch.nn.Module], pg, split_qkv: bool) -> dict:
     """``{id(param): MuonMatrix}`` of the weights Muon steps (Megatron's choice): every 2-D
-    weight but the embeddings and the output layer, and each expert of the grouped expert
+    weight but the word embeddings and the output layer, and each expert of the grouped expert
     weights; the QKV weight split into Q, K and V with ``split_qkv``. Generalized tensor
     parallelism is refused (its shards would have to be gathered too)."""
     matrices = {}
@@ -112,7 +122,7 @@ def muon_matrices(chunks: list[torch.nn.Module], pg, split_qkv: bool) -> dict:
             expert = getattr(param, "is_expert", False)
             if id(param) in matrices or not param.requires_grad or param.dim() != (3 if expert else 2):
                 continue
-            if "embedding" in name or "output_layer" in name:
+            if is_embedding_or_output(name):
                 continue
             if getattr(param, "gtp_sharded", False):
                 raise OptimizerConfigError(

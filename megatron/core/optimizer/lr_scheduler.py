@@ -3,7 +3,10 @@
 Linear warm-up from ``init_lr`` to ``max_lr`` over ``lr_warmup_iters``, then ``constant``,
 ``linear``, ``cosine`` or ``inverse-square-root`` decay towards ``min_lr``, reached at
 ``lr_decay_iters``; ``min_lr`` after that. Weight decay is constant. A param group may carry
-``lr_mult`` / ``wd_mult`` (default 1.0), e.g. ``wd_mult=0.0`` for biases and norms.
+``lr_mult`` / ``wd_mult`` (default 1.0), e.g. ``wd_mult=0.0`` for biases and norms, and
+``is_decoupled_lr`` (the embeddings and the output layer): with ``decoupled_lr`` such groups
+follow the same schedule between ``decoupled_lr`` and ``decoupled_min_lr`` (default ``min_lr``),
+as Megatron's ``--decoupled-lr`` / ``--decoupled-min-lr``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ FLAGS = {
     "lr_decay_iters": "--lr-decay-iters",
     "lr_decay_style": "--lr-decay-style",
     "weight_decay": "--weight-decay",
+    "decoupled_lr": "--decoupled-lr",
+    "decoupled_min_lr": "--decoupled-min-lr",
 }
+# Settings older checkpoints do not hold, with the value they ran with.
+OPTIONAL_SETTINGS = {"decoupled_lr": None, "decoupled_min_lr": None}
 
 
 class LRSchedulerConfigError(MegatronConfigError):
@@ -57,6 +64,8 @@ class OptimizerParamScheduler:
         lr_warmup_iters: float = 0,
         lr_decay_style: str = "linear",
         weight_decay: float = 0.0,
+        decoupled_lr: float | None = None,
+        decoupled_min_lr: float | None = None,
     ):
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
@@ -67,6 +76,8 @@ class OptimizerParamScheduler:
         self.lr_decay_iters = lr_decay_iters
         self.lr_decay_style = lr_decay_style
         self.weight_decay = float(weight_decay)
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_min_lr is None else float(decoupled_min_lr)
         self._validate()
         self.num_iters = 0
         self.step(0)
@@ -78,6 +89,17 @@ class OptimizerParamScheduler:
                 raise LRSchedulerConfigError(f"{_flag(name, value)} must be a finite number >= 0")
         if self.min_lr > self.max_lr:
             raise LRSchedulerConfigError(f"{_flag('min_lr', self.min_lr)} must be <= {_flag('max_lr', self.max_lr)}")
+        for name in ("decoupled_lr", "decoupled_min_lr"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise LRSchedulerConfigError(f"{_flag(name, value)} must be a finite number >= 0")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise LRSchedulerConfigError(f"{_flag('decoupled_min_lr', self.decoupled_min_lr)} needs --decoupled-lr")
+        if self.decoupled_lr is not None and self._decoupled_min_lr() > self.decoupled_lr:
+            raise LRSchedulerConfigError(
+                f"the decoupled minimum LR ({self._decoupled_min_lr()}) must be <= "
+                f"{_flag('decoupled_lr', self.decoupled_lr)}"
+            )
         if self.lr_warmup_iters < 0:
             raise LRSchedulerConfigError(f"{_flag('lr_warmup_iters', self.lr_warmup_iters)} must be >= 0")
         if self.lr_decay_iters < 1:
@@ -92,24 +114,31 @@ class OptimizerParamScheduler:
                 f"--lr-decay-style {self.lr_decay_style!r} is unknown; accepted: {', '.join(DECAY_STYLES)}"
             )
 
-    def get_lr(self, num_iters: int | None = None) -> float:
-        """Learning rate after ``num_iters`` iterations (default: the current count)."""
+    def _decoupled_min_lr(self) -> float:
+        return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+
+    def get_lr(self, num_iters: int | None = None, decoupled: bool = False) -> float:
+        """Learning rate after ``num_iters`` iterations (default: the current count); with
+        ``decoupled`` (and ``decoupled_lr`` set) that of the decoupled groups."""
         n = self.num_iters if num_iters is None else num_iters
+        max_lr, min_lr = self.max_lr, self.min_lr
+        if decoupled and self.decoupled_lr is not None:
+            max_lr, min_lr = self.decoupled_lr, self._decoupled_min_lr()
         warmup = self.lr_warmup_iters
         if warmup > 0 and n <= warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * n / warmup
+            return self.init_lr + (max_lr - self.init_lr) * n / warmup
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.lr_decay_iters:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(warmup, 1) / max(n, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1) / max(n, 1)))
         progress = (n - warmup) / (self.lr_decay_iters - warmup)
         if self.lr_decay_style == "linear":
             coefficient = 1.0 - progress
         else:  # cosine
             coefficient = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def get_wd(self) -> float:
         """Weight decay (constant over training)."""
@@ -118,9 +147,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int = 1) -> None:
         """Advance ``increment`` iterations and write the new values into the param groups."""
         self.num_iters += increment
-        lr, wd = self.get_lr(), self.get_wd()
+        lrs, wd = {False: self.get_lr(), True: self.get_lr(decoupled=True)}, self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["lr"] = lrs[bool(group.get("is_decoupled_lr", False))] * group.get("lr_mult", 1.0)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def _schedule(self) -> dict:
@@ -140,6 +169,7 @@ class OptimizerParamScheduler:
         """
         if on_mismatch not in ON_MISMATCH:
             raise LRSchedulerConfigError(f"on_mismatch {on_mismatch!r} is unknown; accepted: {', '.join(ON_MISMATCH)}")
+        state_dict = {**OPTIONAL_SETTINGS, **state_dict}
         missing = sorted((set(FLAGS) | {"num_iters"}) - set(state_dict))
         if missing:
             raise LRSchedulerConfigError(f"LR scheduler state is missing {', '.join(missing)}")

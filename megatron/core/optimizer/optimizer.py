@@ -134,6 +134,7 @@ class MegatronOptimizer:
                     "params": [entry.master for entry in entries],
                     "lr_mult": group["lr_mult"],
                     "wd_mult": group["wd_mult"],
+                    "is_decoupled_lr": group.get("is_decoupled_lr", False),
                     "lr": config.lr * group["lr_mult"],
                     "weight_decay": config.weight_decay * group["wd_mult"],
                 }

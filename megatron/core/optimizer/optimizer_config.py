@@ -48,6 +48,8 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     log_num_zeros_in_grad: bool = False
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     muon_momentum: float = 0.9
     muon_nesterov: bool = False
     muon_split_qkv: bool = True

@@ -2,8 +2,7 @@
 # Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (the Llama-3-8B recipe), scaled down
 # to a tiny model on 2 CPU processes (data parallel) with its mock-data branch (no tokenizer or
 # data given) and DTYPE=bf16 (its fp8 flags are refused: fp8 training is not supported);
-# every other flag as in the original. Not carried over: --decoupled-lr / --decoupled-min-lr
-# (refused: the embedding and output layer train at --lr).
+# every other flag as in the original.
 #   bash train_llama3_8b_tiny.sh [CHECKPOINT_PATH] [TENSORBOARD_LOGS_PATH]
 
 CHECKPOINT_PATH=${1:-"checkpoints/llama3_8b_tiny"}
@@ -71,6 +70,8 @@ TRAINING_ARGS=(
     --lr-warmup-samples 2
     --lr 0.00015
     --min-lr 0.00001
+    --decoupled-lr 5.0e-4      # Specific to decoupled AdamW, ensure optimizer is compatible
+    --decoupled-min-lr 4.5e-5  # Specific to decoupled AdamW
     --lr-decay-style cosine
     --clip-grad 1.0
     --weight-decay 0.1

@@ -138,3 +138,42 @@ def test_load_rejects_incomplete_or_invalid_state():
 def test_bad_settings_fail_naming_the_flags(overrides, message):
     with pytest.raises(LRSchedulerConfigError, match=message):
         make_scheduler(overrides.pop("lr_decay_style", "linear"), **overrides)
+
+
+def test_decoupled_groups_follow_the_schedule_between_their_own_bounds():
+    """Megatron's --decoupled-lr / --decoupled-min-lr: the same warm-up and cosine decay, from
+    init_lr up to 3.0 and down to 0.3, for the groups marked ``is_decoupled_lr`` only."""
+    weights, embedding = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([{"params": [weights]}, {"params": [embedding], "is_decoupled_lr": True}], lr=1.0)
+    scheduler = make_scheduler("cosine", optimizer, decoupled_lr=3.0, decoupled_min_lr=0.3)
+    for n, (lr, decoupled) in {5: (0.5, 1.5), 10: (1.0, 3.0), 60: (0.55, 1.65), 110: (0.1, 0.3)}.items():
+        scheduler.num_iters = n
+        scheduler.step(0)
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr, decoupled]), n
+    only_max = make_scheduler("linear", make_optimizer(), decoupled_lr=2.0)
+    assert only_max.get_lr(110, decoupled=True) == pytest.approx(0.1)  # --min-lr when no decoupled minimum
+    assert only_max.get_lr(60, decoupled=True) == pytest.approx(0.1 + 0.5 * 1.9)
+
+
+def test_schedules_saved_before_decoupled_settings_existed_resume():
+    state = make_scheduler("linear").state_dict()
+    for name in ("decoupled_lr", "decoupled_min_lr"):
+        del state[name]
+    resumed = make_scheduler("linear")
+    resumed.load_state_dict({**state, "num_iters": 60})
+    assert resumed.get_lr() == pytest.approx(0.55)
+    with pytest.raises(LRSchedulerConfigError, match=r"--decoupled-lr 2.0 \(checkpoint: None\)"):
+        make_scheduler("linear", decoupled_lr=2.0).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"decoupled_min_lr": 0.1}, r"--decoupled-min-lr \(0.1\) needs --decoupled-lr"),
+        ({"decoupled_lr": 0.05}, r"the decoupled minimum LR \(0.1\) must be <= --decoupled-lr \(0.05\)"),
+        ({"decoupled_lr": -1.0}, r"--decoupled-lr \(-1.0\) must be a finite number >= 0"),
+    ],
+)
+def test_bad_decoupled_settings(overrides, message):
+    with pytest.raises(LRSchedulerConfigError, match=message):
+        make_scheduler("linear", **overrides)

@@ -86,13 +86,10 @@ def _chain_members():
 
 def test_muon_steps_the_weight_matrices_and_adam_the_rest():
     ((muon, adam),) = run_distributed(_chain_members, 1)
-    assert muon == (
-        "muon",
-        sorted(
-            f"decoder.layers.0.{name}.weight"
-            for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-        ),
-    )
+    layers = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    # as in Megatron, only the word embeddings and the output layer among the 2-D weights go to AdamW
+    want = sorted([f"decoder.layers.0.{name}.weight" for name in layers] + ["embedding.position_embeddings.weight"])
+    assert muon == ("muon", want)
     assert adam[0] == "adam"
     assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"} <= set(adam[1])
 
