@@ -16,7 +16,7 @@ builds its own process groups, and checkpoints every module through them (--save
 exactly where the saved one was). The gradient-reduction flags (--overlap-grad-reduce,
 --overlap-param-gather, --grad-reduce-in-bf16, --ddp-bucket-size) apply to every module; the
 data, evaluation and run-control flags this example does not implement (UNSUPPORTED_FLAGS)
-are refused.
+are refused; steps are not re-run to validate their results (--rerun-mode does not apply).
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ UNSUPPORTED_FLAGS = {
         ),
         _GENERATED_DATA,
     ),
-    "--eval-interval": "the MIMO example does not evaluate; drop it",
-    "--eval-iters": "the MIMO example does not evaluate; drop it",
+    **dict.fromkeys(
+        ("--eval-interval", "--eval-iters", "--eval-global-batch-size", "--eval-micro-batch-size"),
+        "the MIMO example does not evaluate; drop it",
+    ),
     **dict.fromkeys(
         (
             "--exit-interval",
@@ -111,6 +113,15 @@ UNSUPPORTED_FLAGS = {
             "--use-torch-compile",
             "--log-params-norm",
             "--log-num-zeros-in-grad",
+            "--step-batch-size-schedule",
+            "--rampup-batch-size",
+            "--decoupled-lr",
+            "--decoupled-min-lr",
+            "--num-distributed-optimizer-instances",
+            "--test-mode",
+            "--check-for-spiky-loss",
+            "--error-injection-rate",
+            "--result-rejected-tracker-filename",
         ),
         _NOT_IMPLEMENTED,
     ),
@@ -174,6 +185,7 @@ def parse_mimo_args(argv: list[str] | None = None, world_size: int | None = None
     checks = [
         (args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (not args.calculate_per_token_loss, "--calculate-per-token-loss is not supported for MIMO models"),
+        (args.optimizer != "muon", "--optimizer muon: the MIMO example steps its modules with adam or sgd"),
         (
             args.image_size % args.patch_size == 0,
             f"--image-size ({args.image_size}) must be a multiple of --patch-size ({args.patch_size})",

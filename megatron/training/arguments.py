@@ -34,6 +34,7 @@ from megatron.core.optimizer.optimizer_config import (
 from megatron.core.pipeline_parallel.schedules import microbatch_group_error
 from megatron.core.tokenizers import DEFAULT_TOKENIZER_TYPE, check_tokenizer_inputs
 from megatron.core.transformer.transformer_block import stage_layer_counts
+from megatron.training.batch_schedule import BatchSchedule, BatchScheduleError
 from megatron.training.checkpoint_args import apply_checkpoint_record, record_for_run
 from megatron.training.result_validation import ERROR_TYPES
 
@@ -193,7 +194,6 @@ IMPLEMENTATION_FLAGS = {
 }
 
 _FP8_MESSAGE = "fp8 training is not supported; train in --bf16"
-_BATCH_SCHEDULE_MESSAGE = "batch-size {} not supported; train with a constant --global-batch-size"
 _FSDP_MESSAGE = (
     "FSDP is not supported; shard the optimizer state with --use-distributed-optimizer and the weights "
     "with --generalized-tensor-parallel-size"
@@ -207,8 +207,6 @@ REFUSED_FLAGS = {
     "--fp8-amax-history-len": ({"type": int}, _FP8_MESSAGE),
     "--fp8-amax-compute-algo": ({"type": str}, _FP8_MESSAGE),
     "--fp8-param-gather": (_REFUSED_SWITCH, _FP8_MESSAGE),
-    "--rampup-batch-size": ({"nargs": "*"}, _BATCH_SCHEDULE_MESSAGE.format("ramp-up is")),
-    "--step-batch-size-schedule": ({"type": str}, _BATCH_SCHEDULE_MESSAGE.format("schedules are")),
     "--multi-latent-attention": (
         _REFUSED_SWITCH,
         "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
@@ -440,6 +438,22 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument(
+        "--step-batch-size-schedule",
+        nargs="+",
+        default=None,
+        metavar="THRESHOLD:BATCH",
+        help="global batch size from each token threshold on (suffixes K, M, B, T), e.g. '0:16 2.4B:320' (one "
+        "argument or several: a script's unquoted array expansion splits it)",
+    )
+    g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT over SAMPLES samples up to --global-batch-size",
+    )
     g.add_argument(
         "--eval-global-batch-size", type=int, default=None, help="samples per evaluation step (default: training's)"
     )
@@ -843,9 +857,10 @@ def _check_schedule(args: argparse.Namespace) -> None:
             )
         warmup_flag = "--lr-warmup-iters"
     else:
+        first = args.batch_schedule.batch_size(0)
         _require(
-            args.train_samples >= batch,
-            f"--train-samples ({args.train_samples}) is less than one global batch ({batch})",
+            args.train_samples >= first,
+            f"--train-samples ({args.train_samples}) is less than one global batch ({first})",
         )
         for flag, value, instead in (
             ("--lr-decay-iters", args.lr_decay_iters, "--lr-decay-samples"),
@@ -855,7 +870,10 @@ def _check_schedule(args: argparse.Namespace) -> None:
                 value is None,
                 f"{flag} needs iteration-based training (--train-iters); with --train-samples use {instead}",
             )
-        args.train_iters = args.train_samples // batch
+        schedule = args.batch_schedule
+        args.train_iters = (
+            args.train_samples // batch if schedule.is_constant else schedule.iterations(args.train_samples)
+        )
         args.lr_decay_iters = _iterations(args.lr_decay_samples or args.train_samples, batch)
         args.lr_warmup_iters = _iterations(args.lr_warmup_samples, batch)
         warmup_flag = "--lr-warmup-samples"
@@ -1025,15 +1043,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     except OptimizerConfigError as error:
         raise ArgumentError(f"invalid optimizer flags: {error}") from error
     _check_data(args)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_width
+    args.batch_schedule = _batch_schedule(args)
     per_step = args.micro_batch_size * args.data_parallel_width
-    _require(
-        args.global_batch_size % per_step == 0,
-        f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
-        f"({args.micro_batch_size}) x data-parallel width ({args.data_parallel_width} = DP "
-        f"{args.data_parallel_size} x GTP {gtp}; CP peers share micro-batches)",
-    )
+    for _, batch in args.batch_schedule.steps:
+        _require(
+            batch % per_step == 0,
+            f"the global batch size {batch} must be a multiple of --micro-batch-size ({args.micro_batch_size}) x "
+            f"data-parallel width ({args.data_parallel_width} = DP {args.data_parallel_size} x GTP {gtp}; CP peers "
+            "share micro-batches)"
+            + ("" if args.batch_schedule.is_constant else f" (batch schedule: {args.batch_schedule.describe()})"),
+        )
     args.num_microbatches = args.global_batch_size // per_step
     _check_eval_batches(args)
     _check_schedule(args)
@@ -1239,6 +1258,34 @@ def _disabled_fusions(args: argparse.Namespace) -> list[str]:
     return [op for op, disabled in off.items() if disabled]
 
 
+def _batch_schedule(args: argparse.Namespace) -> BatchSchedule:
+    """The global batch sizes of the run (--step-batch-size-schedule, --rampup-batch-size or the
+    constant --global-batch-size, default one micro-batch per data rank); sets
+    ``args.global_batch_size`` to the final one."""
+    text, rampup = args.step_batch_size_schedule, args.rampup_batch_size
+    _require(not (text and rampup), "--step-batch-size-schedule and --rampup-batch-size are mutually exclusive")
+    try:
+        if text:
+            schedule = BatchSchedule.parse(" ".join(text), args.seq_length)
+            _require(
+                args.global_batch_size in (None, schedule.final),
+                f"--global-batch-size ({args.global_batch_size}) must be the schedule's last batch size "
+                f"({schedule.final}) with --step-batch-size-schedule",
+            )
+        elif rampup:
+            _require(args.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size")
+            schedule = BatchSchedule.rampup(*rampup, args.global_batch_size)
+        else:
+            schedule = BatchSchedule.constant(
+                args.global_batch_size or args.micro_batch_size * args.data_parallel_width
+            )
+    except BatchScheduleError as error:
+        flag = "--step-batch-size-schedule" if text else "--rampup-batch-size"
+        raise ArgumentError(f"{flag}: {error}") from error
+    args.global_batch_size = schedule.final
+    return schedule
+
+
 def _check_eval_batches(args: argparse.Namespace) -> None:
     """--eval-global-batch-size / --eval-micro-batch-size (default: training's): sets
     ``args.eval_num_microbatches``."""
@@ -1297,7 +1344,9 @@ def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
             f"virtual pipeline size ({vp}) = {pp * vp}",
         )
     group = args.microbatch_group_size_per_virtual_pipeline_stage or pp
-    for name, count in (("", args.num_microbatches), ("evaluation ", args.eval_num_microbatches)):
+    per_step = args.micro_batch_size * args.data_parallel_width
+    counts = [("", batch // per_step) for _, batch in args.batch_schedule.steps]
+    for name, count in counts + [("evaluation ", args.eval_num_microbatches)]:
         error = microbatch_group_error(pp, count, group)
         _require(
             error is None,

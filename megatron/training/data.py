@@ -39,7 +39,7 @@ def build_datasets(args, tokenizer, vocab_size: int):
     --data-path, or 'builtin'), or the blends of --data-path / --train-data-path etc."""
     evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1  # Megatron's sizes
     num_samples = [
-        args.train_iters * args.global_batch_size,
+        args.batch_schedule.samples(args.train_iters),
         evals * args.eval_iters * args.eval_global_batch_size,
         args.eval_iters * args.eval_global_batch_size,
     ]

@@ -43,8 +43,10 @@ def run_lines(args, pgc: ProcessGroupCollection) -> list[str]:
     lines.append(
         f"> tokens per step: {tokens} = global batch {args.global_batch_size} x sequence {args.seq_length} "
         f"({args.num_microbatches} micro-batches of {args.micro_batch_size} per data rank); "
-        f"{args.train_iters} iterations = {args.train_iters * args.global_batch_size} samples"
+        f"{args.train_iters} iterations = {args.batch_schedule.samples(args.train_iters)} samples"
     )
+    if not args.batch_schedule.is_constant:
+        lines.append(f"> global batch schedule: {args.batch_schedule.describe()}")
     if (args.eval_global_batch_size, args.eval_micro_batch_size) != (args.global_batch_size, args.micro_batch_size):
         lines.append(
             f"> evaluation step: global batch {args.eval_global_batch_size} ({args.eval_num_microbatches} "

@@ -86,6 +86,7 @@ class IterationLog:
         self.flops_per_token, self.num_ranks = flops_per_token, num_ranks
         self.extra_metrics, self.params_norm = extra_metrics, params_norm
         self._losses: list[float] = []
+        self._samples = 0  # since the last record
         self._start = time.perf_counter()
 
     def record(
@@ -101,18 +102,20 @@ class IterationLog:
         """Advance ``state`` by one iteration; at a logging iteration, write the record (with
         this iteration's ``grad_norm`` and ``num_zeros``, as Megatron logs them)."""
         args = self.args
+        batch = args.batch_schedule.batch_size(state.consumed_samples)
         state.iteration += 1
-        state.consumed_samples += args.global_batch_size
+        state.consumed_samples += batch
         state.skipped_iterations += 0 if update_successful else 1
         state.nan_iterations += int(not math.isfinite(loss))
         self._losses.append(loss)
+        self._samples += batch
         if state.iteration % args.log_interval and state.iteration != args.train_iters:
             return
         extra = self.extra_metrics() if self.extra_metrics is not None else None
         params_norm = self.params_norm() if self.params_norm is not None else None
         elapsed = time.perf_counter() - self._start
         iters = len(self._losses)
-        tokens_per_s = iters * args.global_batch_size * args.seq_length / elapsed
+        tokens_per_s = self._samples * args.seq_length / elapsed
         self.logger.log_training(
             iteration=state.iteration,
             train_iters=args.train_iters,
@@ -126,12 +129,12 @@ class IterationLog:
             skipped=state.skipped_iterations,
             nan=state.nan_iterations,
             loss_scale=loss_scale,
-            batch_size=args.global_batch_size,
+            batch_size=batch,
             num_zeros=num_zeros,
             params_norm=params_norm,
             extra=extra,
         )
-        self._losses, self._start = [], time.perf_counter()
+        self._losses, self._samples, self._start = [], 0, time.perf_counter()
 
 
 def save_due(args, state: TrainState) -> bool:
@@ -395,6 +398,8 @@ class Trainer:
         --rerun-mode says (:mod:`megatron.training.result_validation`)."""
         args = self.args
         start_sample = self.state.consumed_samples
+        batch = args.batch_schedule.batch_size(start_sample)
+        num_microbatches = batch // (args.micro_batch_size * args.data_parallel_width)
         start_rng = rng_states() if self.validator.mode != "disabled" else None  # what a re-run restores
 
         def forward_backward(again: bool):
@@ -405,8 +410,8 @@ class Trainer:
             for chunk in self.model_chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            set_aux_loss_scale(self.optimizer.get_loss_scale(), args.num_microbatches, args.calculate_per_token_loss)
-            return self._run_schedule(iterator, False, args.num_microbatches, args.micro_batch_size)
+            set_aux_loss_scale(self.optimizer.get_loss_scale(), num_microbatches, args.calculate_per_token_loss)
+            return self._run_schedule(iterator, False, num_microbatches, args.micro_batch_size)
 
         def save_before_step():
             set_rng_states(start_rng)
@@ -416,8 +421,8 @@ class Trainer:
         finalize_model_grads(self.model_chunks, self.pgc, self.config, num_tokens=num_tokens)
         update_expert_biases(self.model_chunks, [self.pgc.tp, self.pgc.dp_cp_gtp_or_dp_cp()])
         update_successful, grad_norm, num_zeros = self.optimizer.step()
-        if update_successful:
-            self.scheduler.step(1)
+        if update_successful:  # the schedule counts samples, in iterations of the final batch (Megatron's)
+            self.scheduler.step(1 if batch == args.global_batch_size else batch / args.global_batch_size)
         return loss.item(), update_successful, grad_norm, num_zeros
 
     @torch.no_grad()

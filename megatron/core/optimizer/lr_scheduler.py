@@ -193,5 +193,6 @@ class OptimizerParamScheduler:
                 for name, value in previous.items():
                     setattr(self, name, value)
                 raise
-        self.num_iters = int(state_dict["num_iters"])
+        num_iters = state_dict["num_iters"]  # fractional under a batch-size schedule
+        self.num_iters = int(num_iters) if num_iters == int(num_iters) else float(num_iters)
         self.step(0)

@@ -91,6 +91,8 @@ def test_gpt3_175b_example_trains_tp2_pp2_with_gpt2_bpe_files(tmp_path):
     _check_run(output)
     assert "> layout: world 4 = TP 2 x GTP 1 x CP 1 x DP 1 x PP 2" in output
     assert "number of skipped iterations:   5 |" in output  # fp16 from 2^32: every step overflows
+    assert "> global batch schedule: 2 from sample 0, 4 from sample 2" in output
+    assert "consumed samples:            2 |" in output and "consumed samples:           18 |" in output
     scalars = _scalars(tmp_path / "tb")
     assert scalars["loss-scale"] == [2.0**32, 2.0**31, 2.0**30, 2.0**29, 2.0**28]  # hysteresis 2, then halving
     assert len(scalars["lm loss"]) == 5 and len(scalars["lm loss validation"]) == 2  # at 5 and after training

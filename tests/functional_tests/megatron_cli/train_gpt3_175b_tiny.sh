@@ -1,7 +1,7 @@
 #!/bin/bash
 # Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, scaled down to a tiny model on
-# 4 CPU processes (TP 2 x PP 2); every other flag as in the original. Not carried over:
-# --step-batch-size-schedule (batch-size schedules are refused: the global batch is constant).
+# 4 CPU processes (TP 2 x PP 2); every other flag as in the original (the batch-size schedule
+# scaled down with it: 2 sequences of 64 tokens, then the global batch).
 #   bash train_gpt3_175b_tiny.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH VOCAB_FILE MERGE_FILE DATA_PATH
 
 GPUS_PER_NODE=4
@@ -35,6 +35,7 @@ GPT_MODEL_ARGS=(
 TRAINING_ARGS=(
     --micro-batch-size 1
     --global-batch-size 4
+    --step-batch-size-schedule "0:2 128:4"
     --train-iters 5
     --weight-decay 0.1
     --adam-beta1 0.9

@@ -50,6 +50,7 @@ def test_disjoint_encoder_trains_like_colocated(tmp_path):
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size must be 1 for MIMO models"),
         (["--image-size", "10"], r"--image-size \(10\) must be a multiple of --patch-size \(4\)"),
         (["--encoder-tensor-model-parallel-size", "4"], r"--encoder-num-attention-heads \(2\) must be divisible"),
+        (["--optimizer", "muon"], "--optimizer muon: the MIMO example steps its modules with adam or sgd"),
     ],
 )
 def test_bad_flags_fail_with_the_flag_named(extra, message):
@@ -117,6 +118,10 @@ def test_overlap_flags_reach_every_module_and_change_nothing_computed(tmp_path):
         (["--profile"], "--profile"),
         (["--use-torch-compile"], "--use-torch-compile"),
         (["--log-params-norm"], "--log-params-norm"),
+        (["--step-batch-size-schedule", "0:8"], "--step-batch-size-schedule"),
+        (["--decoupled-lr", "1e-3"], "--decoupled-lr"),
+        (["--test-mode"], "--test-mode"),
+        (["--eval-global-batch-size", "8"], "--eval-global-batch-size"),
     ],
 )
 def test_flags_the_example_does_not_implement_are_refused(extra, flag):
