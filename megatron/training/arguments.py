@@ -169,6 +169,19 @@ IMPLEMENTATION_FLAGS = {
         ("--overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"),
         (_SWITCH, "pipeline sends and receives are always posted together as one asynchronous batch"),
     ),
+    "--overlap-param-gather-with-optimizer-step": (
+        _SWITCH,
+        "the distributed optimizer's parameter gathers start once the whole step is done (with "
+        "--overlap-param-gather they overlap the next forward pass)",
+    ),
+    "--overlap-moe-expert-parallel-comm": (
+        _SWITCH,
+        "expert-parallel all-to-alls are not overlapped with another micro-batch's computation here",
+    ),
+    "--use-transformer-engine-op-fuser": (
+        _SWITCH,
+        "layers are this framework's own torch modules (no Transformer Engine operation fuser)",
+    ),
     "--no-use-layer-wise-param-layout": (
         _SWITCH,
         "the distributed optimizer keeps its flat bucket shards under Muon; each matrix's pieces are summed over "
@@ -1048,7 +1061,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     for _, batch in args.batch_schedule.steps:
         _require(
             batch % per_step == 0,
-            f"the global batch size {batch} must be a multiple of --micro-batch-size ({args.micro_batch_size}) x "
+            f"{'--global-batch-size' if args.batch_schedule.is_constant else 'the global batch size'} ({batch}) must "
+            f"be a multiple of --micro-batch-size ({args.micro_batch_size}) x "
             f"data-parallel width ({args.data_parallel_width} = DP {args.data_parallel_size} x GTP {gtp}; CP peers "
             "share micro-batches)"
             + ("" if args.batch_schedule.is_constant else f" (batch schedule: {args.batch_schedule.describe()})"),

@@ -9,7 +9,7 @@ from megatron.core.tokenizers.byte_level import ByteLevelTokenizer
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron.core.tokenizers.huggingface import HuggingFaceTokenizer
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
-from megatron.core.tokenizers.sentencepiece import SentencePieceTokenizer
+from megatron.core.tokenizers.sentencepiece import Llama2Tokenizer, SentencePieceTokenizer
 
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 # Megatron's SentencePiece names: GPTSentencePieceTokenizer is the one its GPT/Mamba examples use.
@@ -19,6 +19,7 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
     *SENTENCEPIECE_TYPES,
+    "Llama2Tokenizer",
     "NullTokenizer",
 )
 # What each type reads; anything else given is an error (a flag that would be silently ignored).
@@ -28,6 +29,7 @@ _INPUTS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
 _FLAGS = {
@@ -73,7 +75,8 @@ def build_tokenizer(
     ``ByteLevelTokenizer`` needs no files; ``HuggingFaceTokenizer`` reads ``tokenizer_model``
     (a tokenizer.json or a directory holding one); ``GPT2BPETokenizer`` reads ``vocab_file`` and
     ``merge_file``; ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer`` read
-    ``tokenizer_model`` (a .model file); ``NullTokenizer`` takes ``vocab_size``.
+    ``tokenizer_model`` (a .model file), as does ``Llama2Tokenizer`` (which puts the BOS piece
+    before every text); ``NullTokenizer`` takes ``vocab_size``.
     """
     if tokenizer_type == "ByteLevelTokenizer" and tokenizer_model is not None:
         raise TokenizerError(
@@ -91,4 +94,6 @@ def build_tokenizer(
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     return NullTokenizer(vocab_size)

@@ -1,5 +1,6 @@
-"""Megatron's ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer``: a SentencePiece
-``.model`` file (``--tokenizer-model``) through the ``sentencepiece`` library."""
+"""Megatron's ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer`` and
+``Llama2Tokenizer``: a SentencePiece ``.model`` file (``--tokenizer-model``) through the
+``sentencepiece`` library."""
 
 from __future__ import annotations
 
@@ -65,3 +66,16 @@ class SentencePieceTokenizer(MegatronTokenizer):
     @property
     def pad(self) -> int | None:
         return self._optional(self._processor.pad_id())
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's ``Llama2Tokenizer``: the SentencePiece model's pieces with its BOS piece in
+    front of every tokenized text (each document of a preprocessed dataset starts with it)."""
+
+    def __init__(self, tokenizer_model: str | Path | None):
+        super().__init__(tokenizer_model)
+        if self.bos is None:
+            raise TokenizerError(f"{self.model_file} has no BOS piece, which Llama2Tokenizer puts before every text")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *super().tokenize(text)]

@@ -80,6 +80,18 @@ def test_sentencepiece_matches_the_processor(tokenizer_type, tmp_path):
     assert ours.detokenize([ours.bos, *ours.tokenize("the cat"), ours.eod]) == "the cat"
 
 
+def test_llama2_tokenizer_puts_bos_before_every_text(tmp_path):
+    import sentencepiece
+
+    model = train_tiny_sentencepiece(tmp_path)
+    ours = build_tokenizer("Llama2Tokenizer", model)
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    for text in generated_sentences(count=5, seed=6):
+        assert ours.tokenize(text) == [processor.bos_id(), *processor.encode(text)]
+        assert ours.detokenize(ours.tokenize(text)) == processor.decode(processor.encode(text))
+    assert (ours.eod, ours.vocab_size) == (processor.eos_id(), 64)
+
+
 def test_sentencepiece_needs_a_model_file(tmp_path):
     with pytest.raises(TokenizerError, match="needs --tokenizer-model"):
         build_tokenizer("SentencePieceTokenizer")

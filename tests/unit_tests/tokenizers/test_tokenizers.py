@@ -148,7 +148,7 @@ def test_unknown_tokenizer_type_lists_accepted_types():
         TokenizerError,
         match=r"unknown tokenizer type 'TikTokenizer'; accepted --tokenizer-type values: "
         r"ByteLevelTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, "
-        r"GPTSentencePieceTokenizer, NullTokenizer",
+        r"GPTSentencePieceTokenizer, Llama2Tokenizer, NullTokenizer",
     ):
         build_tokenizer("TikTokenizer")
 

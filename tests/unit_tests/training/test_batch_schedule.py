@@ -95,7 +95,7 @@ def test_train_samples_count_iterations_through_the_schedule():
     "flags, message",
     [
         (GROWING + ["--global-batch-size", "16"], r"--global-batch-size \(16\) must be the schedule's last batch"),
-        (["--step-batch-size-schedule", "0:3 128:8"], r"the global batch size 3 must be a multiple of"),
+        (["--step-batch-size-schedule", "0:3 128:8"], r"the global batch size \(3\) must be a multiple of"),
         (GROWING + ["--rampup-batch-size", "4", "4", "8"], "are mutually exclusive"),
         (["--rampup-batch-size", "4", "3", "8", "--global-batch-size", "8"], "in whole increments"),
         (["--step-batch-size-schedule", "256:8"], "^--step-batch-size-schedule: the first entry must start"),

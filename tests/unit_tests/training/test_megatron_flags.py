@@ -141,6 +141,9 @@ def _args(*extra, family="gpt", world=1):
         ["--overlap-p2p-communication-warmup-flush"],
         ["--async-ckpt-use-cpu-shm"],
         ["--disable-gloo-process-groups"],
+        ["--overlap-param-gather-with-optimizer-step"],
+        ["--overlap-moe-expert-parallel-comm"],
+        ["--use-transformer-engine-op-fuser"],
     ],
 )
 def test_implementation_flags_are_accepted_and_noted_once(extra):
