@@ -118,6 +118,17 @@ class TransformerConfig(ModelParallelConfig):
     qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Megatron's --qk-layernorm)
     # RoPE turns channel pairs (2i, 2i + 1) (GPT-J's layout) instead of (i, i + d/2) (Llama's).
     rotary_interleaved: bool = False
+    # YaRN RoPE (the model's position_embedding_type "yarn"; Megatron's --rotary-scaling-factor,
+    # --mscale, --mscale-all-dim and --yarn-*): frequencies blended between the scaled and the
+    # original ones by rotation count, and attention logits scaled by the concentration factor
+    # squared (see megatron.core.transformer.rope). None: no YaRN.
+    yarn_rotary_scaling_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     init_method_std: float = 0.02
     # Scale output-projection init by 1/sqrt(2 * num_layers) (GPT-2 style).
     apply_scaled_init_to_output_layers: bool = True
@@ -194,6 +205,10 @@ class TransformerConfig(ModelParallelConfig):
         if self.mamba_num_heads is None:
             self.mamba_num_heads = self.mamba_expand * self.hidden_size // self.mamba_head_dim
         checks = [
+            (
+                self.yarn_rotary_scaling_factor is None or self.yarn_rotary_scaling_factor > 0,
+                f"yarn_rotary_scaling_factor must be > 0, got {self.yarn_rotary_scaling_factor!r}",
+            ),
             (
                 self.num_attention_heads % tp == 0,
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "

@@ -382,7 +382,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none"], default=None)
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN: the context extension factor")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN: mscale of the concentration factor")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: mscale_all_dim of the concentration factor")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN (default 4096)")
+    g.add_argument("--yarn-beta-fast", type=float, default=None, help="YaRN (default 32)")
+    g.add_argument("--yarn-beta-slow", type=float, default=None, help="YaRN (default 1)")
+    g.add_argument(
+        "--yarn-correction-range-round-to-int",
+        action="store_true",
+        default=None,
+        help="YaRN: round the correction range outwards (the default)",
+    )
+    g.add_argument(
+        "--no-yarn-correction-range-round-to-int", action="store_false", dest="yarn_correction_range_round_to_int"
+    )
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE frequency scaling (GPT models)")
@@ -1121,8 +1136,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _resolve_position_embedding(args)
     _require(
-        not args.rotary_interleaved or args.position_embedding_type == "rope",
+        not args.rotary_interleaved or args.position_embedding_type in ("rope", "yarn"),
         f"--rotary-interleaved needs --position-embedding-type rope (got {args.position_embedding_type})",
+    )
+    _require(
+        args.position_embedding_type != "yarn" or (args.rotary_percent == 1.0 and not args.use_rope_scaling),
+        "--position-embedding-type yarn rotates whole heads: it needs --rotary-percent 1.0 and no --use-rope-scaling",
     )
     args.disabled_fusions = _disabled_fusions(args)
     if args.max_position_embeddings is None:
@@ -1439,6 +1458,24 @@ def _validate_optimizer_instances(args: argparse.Namespace) -> None:
         _require(size % instances == 0, f"{flag} ({instances}) must divide the {size} {what} replicas")
 
 
+def _yarn_fields(args: argparse.Namespace) -> dict:
+    """The TransformerConfig YaRN fields of --position-embedding-type yarn (none otherwise)."""
+    if args.position_embedding_type != "yarn":
+        return {}
+    given = {
+        "yarn_original_max_position_embeddings": args.yarn_original_max_position_embeddings,
+        "yarn_beta_fast": args.yarn_beta_fast,
+        "yarn_beta_slow": args.yarn_beta_slow,
+        "yarn_correction_range_round_to_int": args.yarn_correction_range_round_to_int,
+    }
+    return {
+        "yarn_rotary_scaling_factor": args.rotary_scaling_factor,
+        "yarn_mscale": args.mscale,
+        "yarn_mscale_all_dim": args.mscale_all_dim,
+        **{name: value for name, value in given.items() if value is not None},
+    }
+
+
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The model configuration the flags describe."""
     return TransformerConfig(
@@ -1470,6 +1507,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         qk_layernorm=args.qk_layernorm,
         add_qkv_bias=args.add_qkv_bias,
         rotary_interleaved=args.rotary_interleaved,
+        **_yarn_fields(args),
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         mamba_state_dim=args.mamba_state_dim,

@@ -17,6 +17,7 @@ which refuses what the HF architecture cannot represent.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from megatron.core.activations import gelu_tanh, squared_relu
 from megatron.core.config import TransformerConfig
 from megatron.core.errors import MegatronInputError
 from megatron.core.tensor_parallel import pad_vocab_size
+from megatron.core.transformer.rope import yarn_concentration, yarn_mscale
 
 
 class HFMappingError(MegatronInputError):
@@ -281,7 +283,10 @@ def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _llama_rope(hf_config) -> tuple[float, bool, float]:
+def _llama_rope(hf_config) -> tuple[dict, dict]:
+    """(GPTModel keyword arguments, TransformerConfig fields) of an HF config's RoPE: default,
+    Llama-3 scaling or YaRN (whose attention factor, given or inferred the way HF infers it,
+    becomes the equal ``yarn_mscale`` / ``yarn_mscale_all_dim``)."""
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
         params = {
@@ -289,14 +294,39 @@ def _llama_rope(hf_config) -> tuple[float, bool, float]:
             **(getattr(hf_config, "rope_scaling", None) or {}),
         }
     rope_type = params.get("rope_type", params.get("type", "default"))
+    base = {"rotary_base": float(params["rope_theta"]), "position_embedding_type": "rope"}
     if rope_type == "default":
-        return float(params["rope_theta"]), False, 8.0
+        return base, {}
     if rope_type == "llama3":
         differing = {k: params.get(k) for k, v in LLAMA3_ROPE_DEFAULTS.items() if params.get(k) != v}
         if differing:
             raise HFMappingError(f"llama3 rope scaling supports only {LLAMA3_ROPE_DEFAULTS}; got {differing}")
-        return float(params["rope_theta"]), True, float(params["factor"])
-    raise HFMappingError(f"rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+        return {**base, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}, {}
+    if rope_type != "yarn":
+        raise HFMappingError(f"rope_type {rope_type!r} is not supported; supported: 'default', 'llama3', 'yarn'")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFMappingError("yarn rope scaling is supported on whole heads only (partial_rotary_factor 1.0)")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf_config.max_position_embeddings / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is not None or not (mscale and mscale_all_dim):
+        if attention_factor is None:
+            attention_factor = yarn_mscale(factor)
+        if factor <= 1 and attention_factor != 1.0:
+            raise HFMappingError(f"yarn attention_factor {attention_factor} needs factor > 1, got {factor}")
+        mscale = (attention_factor - 1) / (0.1 * math.log(factor)) if factor > 1 else 1.0
+        mscale_all_dim = 0.0
+    fields = {
+        "yarn_rotary_scaling_factor": float(factor),
+        "yarn_original_max_position_embeddings": int(original),
+        "yarn_beta_fast": float(params.get("beta_fast") or 32),
+        "yarn_beta_slow": float(params.get("beta_slow") or 1),
+        "yarn_mscale": float(mscale),
+        "yarn_mscale_all_dim": float(mscale_all_dim),
+        "yarn_correction_range_round_to_int": bool(params.get("truncate", True)),
+    }
+    return {**base, "position_embedding_type": "yarn"}, fields
 
 
 def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
@@ -309,7 +339,7 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
         raise HFMappingError(
             f"attention_bias ({attention_bias}) and mlp_bias ({mlp_bias}) must agree (one add_bias_linear switch)"
         )
-    rotary_base, rope_scaling, rope_scaling_factor = _llama_rope(hf_config)
+    rope, rope_fields = _llama_rope(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     config = TransformerConfig(
         **{
@@ -326,16 +356,16 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
             "add_bias_linear": attention_bias,
             "attention_dropout": hf_config.attention_dropout,
             "init_method_std": hf_config.initializer_range,
+            **rope_fields,
             **overrides,
         }
     )
     kwargs = {
         "vocab_size": hf_config.vocab_size,
         "max_sequence_length": hf_config.max_position_embeddings,
-        "position_embedding_type": "rope",
-        "rotary_base": rotary_base,
-        "rope_scaling": rope_scaling,
-        "rope_scaling_factor": rope_scaling_factor,
+        "rope_scaling": False,
+        "rope_scaling_factor": 8.0,
+        **rope,
         "share_embeddings_and_output_weights": bool(hf_config.tie_word_embeddings),
     }
     return config, kwargs
@@ -352,7 +382,10 @@ def llama_config_to_hf(record) -> dict:
                 not config.gated_linear_unit or config.activation_func is not F.silu,
                 "an MLP other than SwiGLU (needs --swiglu)",
             ),
-            (record.position_embedding_type != "rope", f"position embeddings {record.position_embedding_type!r}"),
+            (
+                record.position_embedding_type not in ("rope", "yarn"),
+                f"position embeddings {record.position_embedding_type!r}",
+            ),
             (record.rotary_percent != 1.0, f"rotary_percent {record.rotary_percent} (Llama rotates whole heads)"),
             (config.rotary_interleaved, "interleaved RoPE (Llama rotates the two halves of each head)"),
             (
@@ -367,6 +400,17 @@ def llama_config_to_hf(record) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(record.rotary_base)}
     if record.rope_scaling:
         rope = {**rope, "rope_type": "llama3", "factor": record.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
+    if record.position_embedding_type == "yarn":
+        rope = {
+            **rope,
+            "rope_type": "yarn",
+            "factor": config.yarn_rotary_scaling_factor,
+            "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
+            "beta_fast": config.yarn_beta_fast,
+            "beta_slow": config.yarn_beta_slow,
+            "attention_factor": yarn_concentration(config),
+            "truncate": config.yarn_correction_range_round_to_int,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": record.vocab_size,

@@ -33,6 +33,7 @@ from megatron.core.transformer.context_parallel.block_attention import get_block
 from megatron.core.transformer.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.rope import yarn_concentration
 from megatron.core.transformer.spec import build_module
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
@@ -104,7 +105,7 @@ class DotProductAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = softmax_scale if softmax_scale is not None else default_softmax_scale(config)
         self.cp_group = None
         if pg_collection is not None and cp_size_of(pg_collection) > 1:
             if attn_mask_type != "causal":
@@ -149,6 +150,14 @@ class DotProductAttention(nn.Module):
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
         kernel = get_block_attention(q.device, q.dtype)
         return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale, kernel)
+
+
+def default_softmax_scale(config: TransformerConfig) -> float | None:
+    """The attention scale a config implies: None (SDPA's ``1 / sqrt(head_dim)``) unless YaRN
+    RoPE scales rotated queries and keys by its concentration factor, which multiplies every
+    logit by its square (the whole head is rotated under YaRN)."""
+    concentration = yarn_concentration(config)
+    return None if concentration == 1.0 else config.kv_channels**-0.5 * concentration**2
 
 
 @dataclass

@@ -85,6 +85,7 @@ from megatron.core.inference.structured_output.batch import StructuredOutputs
 from megatron.core.inference.text_stream import TextStream
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.transformer.attention import default_softmax_scale
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -245,6 +246,7 @@ class DynamicInferenceEngine:
             enable_chunked_prefill=enable_chunked_prefill,
             pg_collection=pg,
             device=self.runner.device,
+            softmax_scale=default_softmax_scale(model.config),
         )
         pool_blocks = self.context.capacity.num_blocks
         budget = pool_blocks // 2 if paused_block_budget is None else paused_block_budget

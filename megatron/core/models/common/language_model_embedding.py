@@ -13,7 +13,7 @@ from megatron.core.transformer.dropout import dropout
 from megatron.core.transformer.init_methods import init_method
 from megatron.core.transformer.norms import mark_replicated
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 def check_position_embedding_type(position_embedding_type: str) -> None:

@@ -137,7 +137,14 @@ class LanguageModule(nn.Module):
                     self.embedding.position_embeddings.weight.shared_embedding = True
 
         self.rotary_pos_emb = None
-        if position_embedding_type == "rope":
+        yarn, yarn_factor = position_embedding_type == "yarn", config.yarn_rotary_scaling_factor
+        if yarn != (yarn_factor is not None) or (yarn and (rotary_percent != 1.0 or rope_scaling)):
+            raise ConfigError(
+                "position_embedding_type 'yarn' goes with config.yarn_rotary_scaling_factor set (and only with it), "
+                f"rotary_percent 1.0 and no Llama-3 rope_scaling; got {position_embedding_type!r}, "
+                f"{yarn_factor}, {rotary_percent}, {rope_scaling}"
+            )
+        if position_embedding_type in ("rope", "yarn"):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
                 rotary_percent,
@@ -145,6 +152,7 @@ class LanguageModule(nn.Module):
                 seq_len_interpolation_factor,
                 rope_scaling,
                 rope_scaling_factor,
+                yarn_config=config if yarn else None,
             )
 
         self.output_layer = None

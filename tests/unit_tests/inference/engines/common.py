@@ -70,6 +70,7 @@ def gpt_model(
     pp: int = 1,
     vocab_size: int = VOCAB,
     max_sequence_length: int = MAX_SEQ,
+    position_embedding_type: str = "rope",
     **overrides,
 ) -> GPTModel:
     config = tiny_config(
@@ -85,7 +86,7 @@ def gpt_model(
             max_sequence_length,
             pre_process=pp_rank == 0,
             post_process=pp_rank == pp_size - 1,
-            position_embedding_type="rope",
+            position_embedding_type=position_embedding_type,
             mtp_block_spec=get_gpt_mtp_block_spec() if mtp_depths else None,
             pg_collection=pg,
         )

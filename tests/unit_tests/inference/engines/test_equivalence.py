@@ -108,11 +108,20 @@ def test_speculative_decoding_accepts_and_rejects_drafts_without_changing_output
     assert all(0 <= t < VOCAB for r in speculative.values() for t in r["tokens"])
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+# YaRN RoPE: its frequencies in the rotation, its concentration in the paged attention's scale
+YARN = {
+    "position_embedding_type": "yarn",
+    "yarn_rotary_scaling_factor": 4.0,
+    "yarn_original_max_position_embeddings": 8,
+}
+WITH_YARN = {**MODELS, "gpt_yarn": lambda pg: gpt_model(pg, **YARN, yarn_mscale=3.0)}
+
+
+@pytest.mark.parametrize("kind", list(WITH_YARN))
 @on_single_rank
 def test_unpadded_steps_give_the_reference_greedy_tokens(pg, kind):
     lengths = [9, 4, 14]
-    model = MODELS[kind](pg)
+    model = WITH_YARN[kind](pg)
     engine = DynamicInferenceEngine(
         model, max_tokens_per_step=8, enable_chunked_prefill=True, batch_invariant=False, pg_collection=pg, **ARGS
     )

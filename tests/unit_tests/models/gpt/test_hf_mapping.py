@@ -101,8 +101,14 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# YaRN: the attention factor HF infers from the factor alone, and DeepSeek's mscale pair with
+# its own betas and unrounded correction range
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+YARN_MSCALE = {**YARN_SCALING, "mscale": 1.2, "mscale_all_dim": 0.8, "beta_fast": 16, "beta_slow": 2, "truncate": False}
 CASES = {
     "llama": lambda: _llama(tied=False, rope_scaling=None),
+    "llama_yarn_rope": lambda: _llama(tied=False, rope_scaling=YARN_SCALING),
+    "llama_yarn_rope_mscale": lambda: _llama(tied=False, rope_scaling=YARN_MSCALE),
     "llama_tied_llama3_rope": lambda: _llama(tied=True, rope_scaling=LLAMA3_SCALING),
     "mixtral": _mixtral,
     "qwen3_moe": lambda: _qwen3_moe(norm_topk_prob=True),
@@ -190,12 +196,12 @@ def test_unsupported_hf_settings_are_rejected_with_the_setting_named():
         hf_mapping.gpt2_config_from_hf(GPT2Config(n_embd=32, n_layer=1, n_head=2, scale_attn_by_inverse_layer_idx=True))
     with pytest.raises(hf_mapping.HFMappingError, match="hidden_act must be 'silu'"):
         hf_mapping.llama_config_from_hf(LlamaConfig(hidden_size=32, num_attention_heads=2, hidden_act="gelu"))
-    with pytest.raises(hf_mapping.HFMappingError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(hf_mapping.HFMappingError, match="rope_type 'dynamic' is not supported"):
         hf_mapping.llama_config_from_hf(
             LlamaConfig(
                 hidden_size=32,
                 num_attention_heads=2,
-                rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+                rope_scaling={"rope_type": "dynamic", "factor": 2.0},
             )
         )
 
@@ -206,3 +212,19 @@ def test_hf_state_dict_with_unknown_keys_is_rejected():
     state = dict(hf_model.state_dict(), **{"transformer.extra.weight": torch.zeros(1)})
     with pytest.raises(hf_mapping.HFMappingError, match="does not know"):
         from_hf(state, config)
+
+
+@pytest.mark.parametrize("scaling", [YARN_SCALING, YARN_MSCALE], ids=["inferred", "mscale"])
+def test_yarn_config_exports_as_the_same_rope(scaling):
+    """Exported with an explicit attention factor, a YaRN model imports back to the same
+    frequencies and logit scale."""
+    from megatron.core.transformer.rope import RotaryEmbedding, yarn_concentration
+
+    hf_model, *_ = _llama(tied=False, rope_scaling=scaling)
+    config, kwargs = hf_mapping.llama_config_from_hf(hf_model.config)
+    record = ModelRecord(family="gpt", config=config, **kwargs)
+    again, again_kwargs = hf_mapping.llama_config_from_hf(LlamaConfig(**hf_mapping.llama_config_to_hf(record)))
+    assert again_kwargs["position_embedding_type"] == "yarn"
+    assert yarn_concentration(again) == pytest.approx(yarn_concentration(config), rel=1e-12)
+    frequencies = [RotaryEmbedding(c.kv_channels, yarn_config=c).inv_freq for c in (config, again)]
+    torch.testing.assert_close(frequencies[0], frequencies[1], rtol=0, atol=0)
