@@ -161,6 +161,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: int | None = None
     # Mixture of experts (Megatron's names; num_moe_experts None: dense MLPs)
     num_moe_experts: int | None = None
+    # Which layers are MoE (Megatron's --moe-layer-freq): every k-th from the first (an int), or
+    # one 0/1 per layer (a list; e.g. DeepSeek's first dense layers). GPT models only.
+    moe_layer_freq: int | list[int] = 1
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None
@@ -321,8 +324,26 @@ class TransformerConfig(ModelParallelConfig):
                 self.moe_aux_loss_coeff >= 0,
                 f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff!r}",
             ),
+            (
+                (isinstance(self.moe_layer_freq, int) and self.moe_layer_freq >= 1)
+                or (
+                    isinstance(self.moe_layer_freq, list)
+                    and len(self.moe_layer_freq) == self.num_layers
+                    and set(self.moe_layer_freq) <= {0, 1}
+                ),
+                f"moe_layer_freq must be an integer >= 1 or a list of {self.num_layers} zeros and ones (one per "
+                f"layer), got {self.moe_layer_freq!r}",
+            ),
         ]
         return [message for ok, message in checks if not ok]
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the MLP of (1-based, global) layer ``layer_number`` is an MoE layer."""
+        if self.num_moe_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer_number - 1])
+        return (layer_number - 1) % self.moe_layer_freq == 0
 
     def to_dict(self) -> dict:
         """JSON-safe description (dtype and activation by name) for checkpoints."""

@@ -639,6 +639,12 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
 def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (GPT: every MLP becomes MoE)")
+    g.add_argument(
+        "--moe-layer-freq",
+        type=moe_layer_freq,
+        default=1,
+        help="MoE every k-th layer (an integer), or one 0/1 per layer as a list, e.g. '([0]*3+[1]*13)'",
+    )
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert FFN size (default --ffn-hidden-size)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
@@ -659,6 +665,32 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-grouped-gemm", action="store_true", help="accepted: experts always run as grouped GEMMs where supported"
     )
+
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq: an integer, or a list of ints written as a literal or as
+    Python's list arithmetic (``([0]*3+[1]*13)``), read without evaluating code."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer or a list of integers (e.g. 2, [0,1,1] or ([0]*3+[1]*13))"
+        ) from None
+    if not isinstance(result, (int, list)) or (isinstance(result, list) and not all(type(v) is int for v in result)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a list of integers")
+    return result
 
 
 def _add_megatron_model_args(p: argparse.ArgumentParser) -> None:
@@ -1182,6 +1214,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     _require(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
+    _require(
+        args.moe_layer_freq == 1 or (args.model_family == "gpt" and args.num_experts),
+        "--moe-layer-freq needs --num-experts and a GPT model (hybrid models place MoE layers with 'E' in "
+        "--hybrid-layer-pattern)",
+    )
     _require(args.error_injection_rate >= 0, f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
     interval = args.check_weight_hash_across_dp_replicas_interval
     _require(
@@ -1521,6 +1558,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         num_moe_experts=args.num_experts,
+        moe_layer_freq=args.moe_layer_freq,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,

@@ -77,6 +77,7 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
         "mtp_num_layers": config.mtp_num_layers or None,
         "vocab_size": record.vocab_size,
         "num_experts": config.num_moe_experts,
+        "moe_layer_freq": config.moe_layer_freq,
         "moe_router_topk": config.moe_router_topk,
         "moe_ffn_hidden_size": config.moe_ffn_hidden_size if config.num_moe_experts else None,
         "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,

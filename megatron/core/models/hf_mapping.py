@@ -506,7 +506,9 @@ def mixtral_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, d
 def _moe_llama_config_to_hf(record, architecture: str, extra_problems: list[tuple[bool, str]]) -> dict:
     """The Llama keyword arguments plus the MoE ones shared by Mixtral and Qwen3-MoE."""
     config = record.config
-    dense = record.replace(config=dataclasses.replace(config, num_moe_experts=None, qk_layernorm=False))
+    dense = record.replace(
+        config=dataclasses.replace(config, num_moe_experts=None, moe_layer_freq=1, qk_layernorm=False)
+    )
     _require_exportable(
         architecture,
         [
@@ -518,6 +520,7 @@ def _moe_llama_config_to_hf(record, architecture: str, extra_problems: list[tupl
             (config.moe_router_topk_scaling_factor is not None, "scaled routing weights"),
             (config.moe_expert_capacity_factor is not None, "token dropping (capacity factor)"),
             (config.add_bias_linear, "linear biases"),
+            (config.moe_layer_freq != 1, f"dense layers among the MoE ones (moe_layer_freq {config.moe_layer_freq})"),
             *extra_problems,
         ],
     )

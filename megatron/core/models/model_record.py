@@ -47,7 +47,11 @@ from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_js
 from megatron.core.dist_checkpointing.model_state import load_model_pieces
 from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_layer_specs,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.models.hybrid import HybridModel
 from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
@@ -70,10 +74,10 @@ class ModelRecordError(CheckpointingError):
 
 
 def _gpt_local_spec(config: TransformerConfig) -> dict:
-    layer = get_gpt_layer_local_spec(config.num_moe_experts)
+    mtp_layer = get_gpt_layer_local_spec(config.num_moe_experts)
     return {
-        "transformer_layer_spec": layer,
-        "mtp_block_spec": get_gpt_mtp_block_spec(layer) if config.mtp_num_layers else None,
+        "transformer_layer_spec": get_gpt_decoder_layer_specs(config),
+        "mtp_block_spec": get_gpt_mtp_block_spec(mtp_layer) if config.mtp_num_layers else None,
     }
 
 

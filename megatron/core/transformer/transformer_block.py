@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -224,7 +224,7 @@ class TransformerBlock(StageLayerStack):
     def __init__(
         self,
         config: TransformerConfig,
-        spec: ModuleSpec,
+        spec: ModuleSpec | Sequence[ModuleSpec],
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
@@ -232,10 +232,16 @@ class TransformerBlock(StageLayerStack):
     ):
         pg_collection = resolve_pg_collection(pg_collection)
         pp_rank, pp_size = pg_collection.rank("pp"), pg_collection.size("pp")
+
+        def layer_spec(number: int) -> ModuleSpec:  # one spec for all layers, or one per global layer
+            return spec[number - 1] if isinstance(spec, (list, tuple)) else spec
+
         super().__init__(
             config,
             list(stage_layer_numbers(config, pp_rank, pp_size, vp_stage)),
-            lambda number: build_module(spec, config=config, layer_number=number, pg_collection=pg_collection),
+            lambda number: build_module(
+                layer_spec(number), config=config, layer_number=number, pg_collection=pg_collection
+            ),
             pre_process,
             post_process,
         )

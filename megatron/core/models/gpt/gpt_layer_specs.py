@@ -40,6 +40,17 @@ def get_gpt_layer_local_spec(num_experts: int | None = None) -> ModuleSpec:
     )
 
 
+def get_gpt_decoder_layer_specs(config) -> ModuleSpec | list[ModuleSpec]:
+    """The layer spec of every decoder layer: one spec when all layers are alike, else one per
+    (global) layer, MoE where ``config.is_moe_layer`` says (``moe_layer_freq``)."""
+    layers = range(1, config.num_layers + 1)
+    moe = [config.is_moe_layer(number) for number in layers]
+    if all(moe) or not any(moe):
+        return get_gpt_layer_local_spec(config.num_moe_experts if any(moe) else None)
+    dense, sparse = get_gpt_layer_local_spec(), get_gpt_layer_local_spec(config.num_moe_experts)
+    return [sparse if is_moe else dense for is_moe in moe]
+
+
 def get_gpt_mtp_block_spec(transformer_layer_spec: ModuleSpec | None = None) -> ModuleSpec:
     """MTP block spec whose depths use ``transformer_layer_spec`` (default: the local GPT layer)."""
     return get_mtp_block_spec(transformer_layer_spec or get_gpt_layer_local_spec())

@@ -29,7 +29,7 @@ class GPTModel(LanguageModule):
     def __init__(
         self,
         config: TransformerConfig,
-        transformer_layer_spec: ModuleSpec,
+        transformer_layer_spec: ModuleSpec | list[ModuleSpec],
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
