@@ -1136,11 +1136,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.sequence_parallel = False  # Megatron's behaviour: nothing to split at TP=1
     if cp > 1:
         _require(
-            args.attention_dropout == 0,
-            f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no dropout), "
-            f"got {args.attention_dropout} (Megatron's default is 0.1)",
-        )
-        _require(
             args.seq_length % (2 * cp) == 0,
             f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp}): "
             "each CP rank holds two load-balanced chunks of every sequence",

@@ -148,8 +148,12 @@ class DotProductAttention(nn.Module):
                 "context parallelism takes no explicit attention_mask (causal attention over the sharded sequence)"
             )
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        kernel = get_block_attention(q.device, q.dtype)
-        return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale, kernel)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        kernel = get_block_attention(q.device, q.dtype, dropout=dropout_p > 0.0)
+        with sharded_rng_context(dropout_p > 0.0):  # CP ranks hold other rows: their masks are their own
+            return context_parallel_attention(
+                q, k, v, self.cp_group, self.config.cp_comm_type, scale, kernel, dropout_p
+            )
 
 
 def default_softmax_scale(config: TransformerConfig) -> float | None:

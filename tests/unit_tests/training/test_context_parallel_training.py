@@ -124,3 +124,13 @@ def test_checkpoint_saved_at_cp2_tp2_resumes_at_cp1_and_tp2_dp2(tmp_path):
         resumed = losses_by_iteration(metrics)
         assert sorted(resumed) == list(range(6, 11)), name
         assert [resumed[i] for i in range(6, 11)] == pytest.approx(straight[5:], rel=1e-5), name
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_attention_dropout_under_cp2_drops_and_repeats_with_the_seed(gpt_reference, comm_type, tmp_path):
+    """Megatron's default attention dropout (0.1) under CP2: the run learns, is its own repeat with
+    the same seed, and differs from the dropout-free curve from the first step on."""
+    flags = GPT + CP2 + ["--cp-comm-type", comm_type, "--attention-dropout", "0.1"]
+    first, again = (_curve("gpt", flags, 2, tmp_path / name) for name in ("a", "b"))
+    assert first == again and first[-1] < first[0]
+    assert first[0] != pytest.approx(gpt_reference[0], rel=1e-6)

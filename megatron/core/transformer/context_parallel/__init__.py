@@ -19,19 +19,12 @@ from megatron.core.transformer.context_parallel.sharding import (
 
 def check_context_parallel_config(config: TransformerConfig, pg_collection: ProcessGroupCollection) -> None:
     """Raise ContextParallelConfigError when the config's CP size disagrees with the collection's
-    ``cp`` group, or CP > 1 meets a feature that cannot shard the sequence."""
+    ``cp`` group."""
     cp = cp_size_of(pg_collection)
     if config.context_parallel_size != cp:
         raise ContextParallelConfigError(
             f"config.context_parallel_size ({config.context_parallel_size}) differs from the cp group size ({cp}); "
             "build the config for the collection (ModelRecord.config_for does)"
-        )
-    if cp == 1:
-        return
-    if config.attention_dropout > 0:
-        raise ContextParallelConfigError(
-            f"context_parallel_size={cp} does not support attention_dropout={config.attention_dropout} (ring "
-            "attention has no dropout); use attention_dropout=0 or context_parallel_size=1"
         )
 
 

@@ -34,9 +34,17 @@ class BlockAttention(Protocol):
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        dropout: tuple[float, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(out [b, heads, sq, d] in q's dtype, lse [b, heads, sq] fp32 (fp64 for fp64 inputs), aux)."""
+        """(out [b, heads, sq, d] in q's dtype, lse [b, heads, sq] fp32 (fp64 for fp64 inputs), aux);
+        ``dropout`` ``(p, seed)``: drop attention probabilities with a mask drawn from ``seed`` (the
+        log-sum-exp stays that of the undropped scores)."""
         ...
 
     def backward(
@@ -84,17 +92,31 @@ class TorchBlockAttention:
             lse = _grouped(lse.to(acc).unsqueeze(-1), groups).squeeze(-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse  # [b, g, r, sq, sk], [b, g, r, sq]
 
-    def forward(self, q, k, v, causal, scale):
+    @staticmethod
+    def _kept(probs: torch.Tensor, dropout: tuple[float, int]) -> torch.Tensor:
+        """The dropout mask of ``dropout = (p, seed)``, scaled by ``1 / (1 - p)``."""
+        p, seed = dropout
+        generator = torch.Generator(device=probs.device).manual_seed(seed)
+        keep = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype) >= p
+        return keep.to(probs.dtype) / (1 - p)
+
+    def forward(self, q, k, v, causal, scale, dropout=None):
         probs, lse = self._probabilities(q, k, causal, scale)
-        out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))  # [b, g, r, sq, d]
-        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2), None
+        dropped = probs if dropout is None else probs * self._kept(probs, dropout)
+        out = torch.matmul(dropped, v.to(probs.dtype).unsqueeze(2))  # [b, g, r, sq, d]
+        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2), dropout
 
     def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
+        """The flash-attention backward; with dropout (``aux``) the mask is drawn again and
+        the softmax's row term stays ``rowsum(dout * out)`` of the dropped output."""
         groups, acc = k.shape[1], _acc_dtype(q)
         probs, _ = self._probabilities(q, k, causal, scale, lse)
+        kept = None if aux is None else self._kept(probs, aux)
         dout_g = _grouped(dout.to(acc), groups)
-        dv = torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)
+        dv = torch.matmul((probs if kept is None else probs * kept).transpose(-1, -2), dout_g).sum(2)
         dprobs = torch.matmul(dout_g, v.to(acc).unsqueeze(2).transpose(-1, -2))
+        if kept is not None:
+            dprobs = dprobs * kept
         delta = (dout_g * _grouped(out.to(acc), groups)).sum(-1, keepdim=True)
         dscores = probs * (dprobs - delta) * scale
         dq = torch.matmul(dscores, k.to(acc).unsqueeze(2)).flatten(1, 2)
@@ -117,7 +139,9 @@ class SdpaBlockAttention:
 
     name = "sdpa"
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, dropout=None):
+        if dropout is not None:
+            raise ContextParallelConfigError("the fused block kernel takes no dropout; ring attention uses torch's")
         heads = q.shape[1]
         k, v = _expand_groups(k, heads), _expand_groups(v, heads)
         if q.is_cuda:
@@ -146,9 +170,14 @@ class SdpaBlockAttention:
         return dq, _reduce_groups(dk, groups), _reduce_groups(dv, groups)
 
 
-def get_block_attention(device: torch.device, dtype: torch.dtype, name: str = "auto") -> BlockAttention:
+def get_block_attention(
+    device: torch.device, dtype: torch.dtype, name: str = "auto", dropout: bool = False
+) -> BlockAttention:
     """The block kernel for tensors of ``device`` and ``dtype``: ``"auto"`` picks the fused SDPA
-    kernels on CUDA for bf16/fp16 and torch elsewhere (fp32 oracle precision on CPU)."""
+    kernels on CUDA for bf16/fp16 and torch elsewhere (fp32 oracle precision on CPU); with
+    attention ``dropout``, torch's (the one that draws its masks again in backward)."""
+    if dropout:
+        return TorchBlockAttention()
     if name not in BLOCK_ATTENTION_BACKENDS:
         raise ContextParallelConfigError(
             f"unknown block attention backend {name!r}; accepted: {', '.join(BLOCK_ATTENTION_BACKENDS)}"

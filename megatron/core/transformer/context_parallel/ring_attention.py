@@ -105,8 +105,10 @@ class RingAttention(torch.autograd.Function):
     of every CP rank (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, kernel: BlockAttention):
+    def forward(ctx, q, k, v, group, scale, kernel: BlockAttention, dropout_p: float = 0.0):
         ring = _Ring(group)
+        # every block draws its own mask: from one seed of the caller's RNG, this rank and the step
+        base_seed = int(torch.randint(0, 2**31, (1,), device=q.device).item()) if dropout_p > 0 else None
         chunk_length = q.shape[2] // 2
         plan = ring_plan(ring.rank, ring.size, chunk_length)
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -116,8 +118,14 @@ class RingAttention(torch.autograd.Function):
         auxes = []
         for i, step in enumerate(plan):
             pending = ring.start(kv, KV_TAG) if i < len(plan) - 1 else None
+            dropout = None if base_seed is None else (dropout_p, (base_seed * 131 + ring.rank) * 1031 + i)
             block_out, block_lse, aux = kernel.forward(
-                q[..., step.q_rows, :], kv[0][..., step.kv_rows, :], kv[1][..., step.kv_rows, :], step.causal, scale
+                q[..., step.q_rows, :],
+                kv[0][..., step.kv_rows, :],
+                kv[1][..., step.kv_rows, :],
+                step.causal,
+                scale,
+                dropout,
             )
             merge_block(out, lse, step.q_rows, block_out, block_lse)
             auxes.append(aux)
@@ -167,10 +175,10 @@ class RingAttention(torch.autograd.Function):
                 kv = pending_kv[1]
         ring.finish(pending_dkv[0])
         dk, dv = pending_dkv[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def all_gather_attention(q, k, v, group, scale) -> torch.Tensor:
+def all_gather_attention(q, k, v, group, scale, dropout_p: float = 0.0) -> torch.Tensor:
     """Local ``q [b, heads, 2L, d]`` against the all-gathered K/V, masked by global positions."""
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     local_length = q.shape[2]
@@ -183,7 +191,7 @@ def all_gather_attention(q, k, v, group, scale) -> torch.Tensor:
     k_pos = torch.arange(local_length * cp_size, device=q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
     return torch.nn.functional.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=visible, scale=scale, enable_gqa=kv.shape[2] != q.shape[1]
+        q, kv[0], kv[1], attn_mask=visible, dropout_p=dropout_p, scale=scale, enable_gqa=kv.shape[2] != q.shape[1]
     )
 
 
@@ -195,12 +203,14 @@ def context_parallel_attention(
     comm_type: str,
     scale: float,
     kernel: BlockAttention,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's ``q [b, heads, 2L, d]`` (chunks r and 2c-1-r) over the
-    whole sequence's keys; ``k``/``v`` are this rank's ``[b, groups, 2L, d]``. Returns [b, heads, 2L, d]."""
+    whole sequence's keys; ``k``/``v`` are this rank's ``[b, groups, 2L, d]``; attention
+    probabilities dropped with ``dropout_p``. Returns [b, heads, 2L, d]."""
     check_divisible(q.shape[2] * dist.get_world_size(group), dist.get_world_size(group))
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, group, scale, kernel)
+        return RingAttention.apply(q, k, v, group, scale, kernel, dropout_p)
     if comm_type == "all_gather":
-        return all_gather_attention(q, k, v, group, scale)
+        return all_gather_attention(q, k, v, group, scale, dropout_p)
     raise ContextParallelConfigError(f"unknown cp_comm_type {comm_type!r}; accepted: p2p, all_gather")

@@ -130,9 +130,9 @@ class _CountingKernel:
     def __init__(self, calls):
         self.inner, self.calls = TorchBlockAttention(), calls
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, dropout=None):
         self.calls.append((q.shape[2], k.shape[2], causal))
-        return self.inner.forward(q, k, v, causal, scale)
+        return self.inner.forward(q, k, v, causal, scale, dropout)
 
     def backward(self, *args):
         return self.inner.backward(*args)
@@ -145,7 +145,7 @@ def attention_work_per_rank(monkeypatch_target=attention) -> tuple[list[int], fl
     cp = dist.get_world_size()
     calls, lengths = [], []
     original = monkeypatch_target.get_block_attention
-    monkeypatch_target.get_block_attention = lambda device, dtype: _CountingKernel(calls)
+    monkeypatch_target.get_block_attention = lambda device, dtype, dropout=False: _CountingKernel(calls)
     try:
         pg = collection(cp=cp)
         model = build_model("gpt", pg).to(device())

@@ -76,7 +76,6 @@ def _refusals():
         except error_type as error:
             messages[name] = str(error)
 
-    refused("dropout", lambda: cp_cases.build_model("gpt", pg, attention_dropout=0.1))
     refused("mismatch", lambda: cp_cases.build_model("gpt", pg, context_parallel_size=1))
     refused("mamba_heads", lambda: cp_cases.build_model("hybrid", pg, mamba_num_groups=1))
     model = cp_cases.build_model("gpt", pg)
@@ -89,8 +88,6 @@ def _refusals():
 def test_features_that_cannot_shard_the_sequence_are_refused_with_typed_errors():
     messages = run_distributed(_refusals, CP)[0]
     assert messages == {
-        "dropout": "context_parallel_size=2 does not support attention_dropout=0.1 (ring attention has no dropout); "
-        "use attention_dropout=0 or context_parallel_size=1",
         "mismatch": "config.context_parallel_size (1) differs from the cp group size (2); build the config for the "
         "collection (ModelRecord.config_for does)",
         "mamba_heads": "mamba_num_heads (8) and mamba_num_groups (1) must be divisible by tensor_model_parallel_size "

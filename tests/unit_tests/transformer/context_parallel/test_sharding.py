@@ -105,9 +105,37 @@ def test_block_attention_matches_sdpa_forward_backward_and_lse(kernel, causal):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_attention_with_dropout_is_autograd_of_the_dropped_probabilities(causal):
+    """The dropout mask the block draws from its seed, applied to softmax probabilities by hand
+    and differentiated by autograd: the kernel's output, its undropped log-sum-exp and its
+    gradients (the mask drawn again in backward)."""
+    q, k, v = _qkv()
+    scale, dropout = 0.3, (0.25, 1234)
+    k_x, v_x = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ k_x.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    probs = scores.softmax(-1)
+    grouped = probs.view(2, 2, 2, 12, 12)  # the kernel's [b, groups, heads per group, sq, sk] mask layout
+    kept = TorchBlockAttention._kept(grouped.detach(), dropout).view(2, 4, 12, 12)
+    assert 0.6 < (kept > 0).double().mean() < 0.9 and set(kept.unique().tolist()) == {0.0, 1 / 0.75}
+    expected = (probs * kept) @ v_x
+    dout = torch.randn_like(expected)
+    expected.backward(dout)
+    kernel = TorchBlockAttention()
+    out, lse, aux = kernel.forward(q.detach(), k.detach(), v.detach(), causal, scale, dropout)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores.detach(), -1), rtol=1e-6, atol=1e-6)
+    grads = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, aux, causal, scale)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_block_attention_backend_choice():
     assert get_block_attention(torch.device("cpu"), torch.float32).name == "torch"
     assert get_block_attention(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
+    assert get_block_attention(torch.device("cuda"), torch.bfloat16, dropout=True).name == "torch"
     with pytest.raises(
         MegatronConfigError, match="unknown block attention backend 'flash'; accepted: auto, torch, sdpa"
     ):
