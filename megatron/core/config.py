@@ -118,6 +118,16 @@ class TransformerConfig(ModelParallelConfig):
     qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Megatron's --qk-layernorm)
     # RoPE turns channel pairs (2i, 2i + 1) (GPT-J's layout) instead of (i, i + d/2) (Llama's).
     rotary_interleaved: bool = False
+    # Multi-latent attention (DeepSeek's MLA, Megatron's --multi-latent-attention): queries from a
+    # low-rank projection when q_lora_rank is set, keys and values from a kv_lora_rank latent; each
+    # head's query/key is qk_head_dim unrotated channels plus qk_pos_emb_head_dim rotated ones
+    # (the rotated key is shared by all heads), its value v_head_dim channels.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # YaRN RoPE (the model's position_embedding_type "yarn"; Megatron's --rotary-scaling-factor,
     # --mscale, --mscale-all-dim and --yarn-*): frequencies blended between the scaled and the
     # original ones by rotation count, and attention logits scaled by the concentration factor
@@ -208,6 +218,21 @@ class TransformerConfig(ModelParallelConfig):
         if self.mamba_num_heads is None:
             self.mamba_num_heads = self.mamba_expand * self.hidden_size // self.mamba_head_dim
         checks = [
+            (
+                not self.multi_latent_attention
+                or (
+                    self.num_query_groups == self.num_attention_heads
+                    and not self.qk_layernorm
+                    and min(self.kv_lora_rank, self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim) >= 1
+                    and self.qk_pos_emb_head_dim % 2 == 0
+                    and (self.q_lora_rank is None or self.q_lora_rank >= 1)
+                ),
+                "multi_latent_attention needs num_query_groups == num_attention_heads (no GQA), no qk_layernorm, "
+                "positive kv_lora_rank / qk_head_dim / v_head_dim (and q_lora_rank when set) and an even "
+                f"qk_pos_emb_head_dim; got {self.num_query_groups}/{self.num_attention_heads} groups, "
+                f"qk_layernorm={self.qk_layernorm}, ranks {self.q_lora_rank}/{self.kv_lora_rank}, head dims "
+                f"{self.qk_head_dim}/{self.qk_pos_emb_head_dim}/{self.v_head_dim}",
+            ),
             (
                 self.yarn_rotary_scaling_factor is None or self.yarn_rotary_scaling_factor > 0,
                 f"yarn_rotary_scaling_factor must be > 0, got {self.yarn_rotary_scaling_factor!r}",

@@ -220,10 +220,6 @@ REFUSED_FLAGS = {
     "--fp8-amax-history-len": ({"type": int}, _FP8_MESSAGE),
     "--fp8-amax-compute-algo": ({"type": str}, _FP8_MESSAGE),
     "--fp8-param-gather": (_REFUSED_SWITCH, _FP8_MESSAGE),
-    "--multi-latent-attention": (
-        _REFUSED_SWITCH,
-        "multi-latent attention (DeepSeek's MLA) is not supported; use --num-query-groups for grouped-query attention",
-    ),
     **dict.fromkeys(("--use-torch-fsdp2", "--use-megatron-fsdp"), (_REFUSED_SWITCH, _FSDP_MESSAGE)),
     "--tp-comm-overlap": (
         _REFUSED_SWITCH,
@@ -383,6 +379,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none"], default=None)
+    g.add_argument(
+        "--multi-latent-attention",
+        action="store_true",
+        help="DeepSeek's multi-latent attention (the --q-lora-rank, --kv-lora-rank and --*-head-dim flags)",
+    )
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: rank of the query latent (default: none)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: rank of the key/value latent")
+    g.add_argument("--qk-head-dim", type=int, default=128, help="MLA: unrotated query/key channels per head")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: rotated query/key channels per head")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: value channels per head")
+    g.add_argument(
+        "--rope-type",
+        choices=["rope", "yarn"],
+        default=None,
+        help="yarn turns --position-embedding-type rope into YaRN (MLA's default, as in Megatron)",
+    )
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN: the context extension factor")
     g.add_argument("--mscale", type=float, default=1.0, help="YaRN: mscale of the concentration factor")
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: mscale_all_dim of the concentration factor")
@@ -1162,6 +1174,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
     )
     _resolve_position_embedding(args)
+    if (
+        args.position_embedding_type == "rope"
+        and (args.rope_type or ("yarn" if args.multi_latent_attention else None)) == "yarn"
+    ):
+        args.position_embedding_type = "yarn"  # Megatron's --rope-type, whose MLA default is YaRN
+    _require(
+        not args.multi_latent_attention or args.context_parallel_size == 1,
+        "--multi-latent-attention runs at CP 1 (--context-parallel-size 1)",
+    )
+    _require(
+        not args.multi_latent_attention or args.model_family == "gpt",
+        "--multi-latent-attention is for GPT models (hybrid models' attention layers are standard)",
+    )
     _require(
         not args.rotary_interleaved or args.position_embedding_type in ("rope", "yarn"),
         f"--rotary-interleaved needs --position-embedding-type rope (got {args.position_embedding_type})",
@@ -1490,6 +1515,14 @@ def _validate_optimizer_instances(args: argparse.Namespace) -> None:
         _require(size % instances == 0, f"{flag} ({instances}) must divide the {size} {what} replicas")
 
 
+def _mla_fields(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of --multi-latent-attention (none without it)."""
+    if not args.multi_latent_attention:
+        return {}
+    names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    return {"multi_latent_attention": True, **{name: getattr(args, name) for name in names}}
+
+
 def _yarn_fields(args: argparse.Namespace) -> dict:
     """The TransformerConfig YaRN fields of --position-embedding-type yarn (none otherwise)."""
     if args.position_embedding_type != "yarn":
@@ -1540,6 +1573,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         add_qkv_bias=args.add_qkv_bias,
         rotary_interleaved=args.rotary_interleaved,
         **_yarn_fields(args),
+        **_mla_fields(args),
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         mamba_state_dim=args.mamba_state_dim,

@@ -74,7 +74,7 @@ class ModelRecordError(CheckpointingError):
 
 
 def _gpt_local_spec(config: TransformerConfig) -> dict:
-    mtp_layer = get_gpt_layer_local_spec(config.num_moe_experts)
+    mtp_layer = get_gpt_layer_local_spec(config.num_moe_experts, config.multi_latent_attention)
     return {
         "transformer_layer_spec": get_gpt_decoder_layer_specs(config),
         "mtp_block_spec": get_gpt_mtp_block_spec(mtp_layer) if config.mtp_num_layers else None,

@@ -140,7 +140,7 @@ class DotProductAttention(nn.Module):
                 # From the config, a plain bool (from the shapes it is a symbol when compiled with dynamic shapes).
                 enable_gqa=self.config.num_query_groups != self.config.num_attention_heads,
             )
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * v.shape[-1])  # MLA: values are narrower
 
     def _context_parallel(self, q, k, v, attention_mask):
         if attention_mask is not None:
@@ -159,7 +159,12 @@ class DotProductAttention(nn.Module):
 def default_softmax_scale(config: TransformerConfig) -> float | None:
     """The attention scale a config implies: None (SDPA's ``1 / sqrt(head_dim)``) unless YaRN
     RoPE scales rotated queries and keys by its concentration factor, which multiplies every
-    logit by its square (the whole head is rotated under YaRN)."""
+    logit by its square (the whole head is rotated under YaRN). Multi-latent attention scales
+    its rotated channels itself and takes :func:`megatron.core.transformer.mla.mla_softmax_scale`."""
+    if config.multi_latent_attention:
+        from megatron.core.transformer.mla import mla_softmax_scale
+
+        return mla_softmax_scale(config)
     concentration = yarn_concentration(config)
     return None if concentration == 1.0 else config.kv_channels**-0.5 * concentration**2
 

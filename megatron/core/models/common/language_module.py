@@ -145,8 +145,9 @@ class LanguageModule(nn.Module):
                 f"{yarn_factor}, {rotary_percent}, {rope_scaling}"
             )
         if position_embedding_type in ("rope", "yarn"):
+            rotary_channels = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.kv_channels
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels,
+                rotary_channels,
                 rotary_percent,
                 rotary_base,
                 seq_len_interpolation_factor,

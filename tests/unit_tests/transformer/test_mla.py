@@ -1,0 +1,220 @@
+"""Multi-latent attention: a GPT with MLA layers gives HF DeepSeek-V3's logits (its dense
+layers; random weights; direct and low-rank queries; plain RoPE and YaRN with both mscales),
+and through the training loop TP2, TP2 with sequence parallelism and the distributed
+optimizer train the single-process curve, a checkpoint resumes under another layout, and the
+features MLA does not run with are refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_layer_specs
+from megatron.training.arguments import ArgumentError
+from tests.unit_tests.dist_harness import run_distributed
+from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
+from tests.unit_tests.training.tiny_training import CURVE_RUN, tiny_args, train_tiny
+from tests.unit_tests.transformer.single_rank import on_single_rank
+
+VOCAB, SEQ = 100, 12
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.3}
+YARN["mscale_all_dim"] = 0.7
+
+
+def _deepseek(q_lora_rank, rope_parameters):
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,  # dense MLPs: the attention is what is compared
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=12,
+        max_position_embeddings=64,
+        rope_parameters={"rope_theta": 500.0, **(rope_parameters or {"rope_type": "default"})},
+        tie_word_embeddings=False,
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _ours(hf, pg):
+    c = hf.config
+    yarn = c.rope_parameters.get("rope_type") == "yarn"
+    fields = {}
+    if yarn:
+        params = c.rope_parameters
+        fields = {
+            "yarn_rotary_scaling_factor": params["factor"],
+            "yarn_original_max_position_embeddings": params["original_max_position_embeddings"],
+            "yarn_mscale": params["mscale"],
+            "yarn_mscale_all_dim": params["mscale_all_dim"],
+        }
+    config = TransformerConfig(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        multi_latent_attention=True,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_head_dim=c.qk_nope_head_dim,
+        qk_pos_emb_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rotary_interleaved=c.rope_interleave,
+        **fields,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_decoder_layer_specs(config),
+        VOCAB,
+        c.max_position_embeddings,
+        position_embedding_type="yarn" if yarn else "rope",
+        rotary_base=c.rope_parameters["rope_theta"],
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,
+        pg_collection=pg,
+    ).eval()
+    hf_state, ours = hf.state_dict(), {}
+    for name, param in model.state_dict().items():
+        ours[name] = torch.zeros_like(param)
+    rows = hf_state["model.embed_tokens.weight"].shape[0]
+    ours["embedding.word_embeddings.weight"][:rows] = hf_state["model.embed_tokens.weight"]
+    ours["output_layer.weight"][:rows] = hf_state["lm_head.weight"]
+    ours["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
+    for i in range(c.num_hidden_layers):
+        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        a, ha = o + "self_attention.", h + "self_attn."
+        pairs = {
+            o + "input_layernorm.weight": h + "input_layernorm.weight",
+            o + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
+            o + "mlp.linear_fc2.weight": h + "mlp.down_proj.weight",
+            a + "linear_kv_down_proj.weight": ha + "kv_a_proj_with_mqa.weight",
+            a + "kv_layernorm.weight": ha + "kv_a_layernorm.weight",
+            a + "linear_kv_up_proj.weight": ha + "kv_b_proj.weight",
+            a + "linear_proj.weight": ha + "o_proj.weight",
+        }
+        if c.q_lora_rank is None:
+            pairs[a + "linear_q_proj.weight"] = ha + "q_proj.weight"
+        else:
+            pairs[a + "linear_q_down_proj.weight"] = ha + "q_a_proj.weight"
+            pairs[a + "q_layernorm.weight"] = ha + "q_a_layernorm.weight"
+            pairs[a + "linear_q_up_proj.weight"] = ha + "q_b_proj.weight"
+        for ours_name, hf_name in pairs.items():
+            ours[ours_name] = hf_state[hf_name]
+        ours[o + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]]
+        )
+    model.load_state_dict(ours, strict=True)
+    return model
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank, rope", [(None, None), (24, None), (24, YARN)], ids=["direct-queries", "low-rank-queries", "yarn"]
+)
+@on_single_rank
+def test_logits_match_hf_deepseek_v3(pg, q_lora_rank, rope):
+    hf = _deepseek(q_lora_rank, rope)
+    ours = _ours(hf, pg)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = ours(ids), hf(ids).logits
+    assert got.shape == want.shape == (2, SEQ, VOCAB)
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+RUN = [*CURVE_RUN, "--num-layers", "2", "--eval-iters", "0", "--log-interval", "1", "--train-iters", "4"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8"]
+MLA += ["--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--position-embedding-type", "rope"]
+MLA += ["--rotary-scaling-factor", "4", "--mscale", "1.3", "--mscale-all-dim", "0.7"]
+MLA += ["--yarn-original-max-position-embeddings", "8"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mla") / "single.jsonl"
+    run_distributed(train_tiny, 1, RUN + MLA, "gpt", 1, path)
+    return loss_curve(path)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--use-distributed-optimizer"],
+    ],
+    ids=["tp2", "tp2-sp", "dp2-distributed-optimizer"],
+)
+def test_layouts_train_the_single_process_curve(reference, layout, tmp_path):
+    run_distributed(train_tiny, 2, RUN + MLA + layout, "gpt", 2, tmp_path / "m.jsonl")
+    assert loss_curve(tmp_path / "m.jsonl") == pytest.approx(reference, rel=1e-5)
+    assert reference[-1] < reference[0]
+
+
+def test_a_checkpoint_resumes_without_model_flags_under_tp2(reference, tmp_path):
+    save = str(tmp_path / "ckpt")
+    first = RUN[:-1] + ["2", "--lr-decay-iters", "4", "--save", save] + MLA
+    run_distributed(train_tiny, 1, first, "gpt", 1, None)
+    resumed = RUN + ["--load", save, "--tensor-model-parallel-size", "2"]
+    run_distributed(train_tiny, 2, resumed, "gpt", 2, tmp_path / "b.jsonl")
+    losses = losses_by_iteration(tmp_path / "b.jsonl")
+    assert [losses[3], losses[4]] == pytest.approx(reference[2:], rel=1e-5)
+
+
+def test_megatron_takes_yarn_for_mla_by_default():
+    args = tiny_args(RUN + MLA)
+    assert args.position_embedding_type == "yarn"
+    plain = tiny_args(RUN + MLA + ["--rope-type", "rope"])
+    assert plain.position_embedding_type == "rope"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-query-groups", "2"], "needs num_query_groups == num_attention_heads"),
+        (["--context-parallel-size", "2", "--attention-dropout", "0"], "--multi-latent-attention runs at CP 1"),
+    ],
+)
+def test_what_mla_does_not_run_with_is_refused(flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        tiny_args(RUN + MLA + flags, world_size=2)
+
+
+def _engine_refusal():
+    from megatron.core import parallel_state
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.engines.errors import EngineConfigError
+    from megatron.core.models.model_record import model_from_record
+    from megatron.training.arguments import model_record_from_args
+
+    pg = parallel_state.initialize_model_parallel()
+    model = model_from_record(model_record_from_args(tiny_args(RUN + MLA), 64), pg)
+    with pytest.raises(EngineConfigError, match="multi-latent attention models do not run in the inference engine"):
+        DynamicInferenceEngine(model, num_blocks=8, pg_collection=pg)
+
+
+def test_the_inference_engine_refuses_mla_models():
+    run_distributed(_engine_refusal, 1)
+
+
+def test_odd_rotary_channels_are_refused():
+    with pytest.raises(ConfigError, match="an even qk_pos_emb_head_dim"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, multi_latent_attention=True,
+                          qk_pos_emb_head_dim=3)  # fmt: skip
