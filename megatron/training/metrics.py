@@ -66,12 +66,15 @@ def training_flops_per_token(
     hidden_size: int,
     num_mamba_layers: int = 0,
     ssd: SSDShape | None = None,
+    mla_channels: int = 0,
 ) -> float:
     """Forward + backward FLOPs per token: the one formula every TFLOP/s figure uses.
 
     - 6 per weight of every matrix the token passes through (attention and MLP projections,
       Mamba in/out projections and its depthwise conv, the output layer; not embedding lookups);
     - causal attention scores and context: 4*s*h per layer forward, halved by the mask, x3;
+      multi-latent attention layers instead ``2*s*c`` forward, halved, x3, where ``mla_channels``
+      sums their ``heads x (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)``;
     - per Mamba layer, the SSD scan's matmuls (chunk length ``Q = min(chunk_size, s)``, ``H``
       heads of dim ``P``, state ``N``, ``G`` groups), forward per token: ``C B^T`` within the
       chunk ``2QNG`` and its product with ``x`` ``2QPH``, both halved by the causal mask as
@@ -79,6 +82,7 @@ def training_flops_per_token(
       x3 for forward + backward. Elementwise work (softplus, decays, gating, norms) is not counted.
     """
     flops = 6.0 * matmul_params + 6.0 * num_attention_layers * seq_length * hidden_size
+    flops += 3.0 * seq_length * mla_channels
     if num_mamba_layers:
         q = min(ssd.chunk_size, seq_length)
         per_layer = q * ssd.state_dim * ssd.groups + q * ssd.head_dim * ssd.heads

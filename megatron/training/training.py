@@ -212,6 +212,7 @@ def count_flops_per_token(
     rank's list of model chunks (virtual pipeline stages)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mla import MLASelfAttention
 
     chunks = model if isinstance(model, list) else [model]
     first_replica = pgc.rank("gtp") == 0
@@ -226,15 +227,21 @@ def count_flops_per_token(
                 if param.dim() == 3 and pgc.rank("tp") == 0:  # weights [experts, in, out]; not biases
                     shards = pgc.size("expt_tp") if getattr(param, "tensor_model_parallel", False) else 1
                     matmul += param[0].numel() * shards * topk
-            elif getattr(param, "gtp_sharded", False) or first_replica:
+            elif (getattr(param, "gtp_sharded", False) or first_replica) and (
+                getattr(param, "tensor_model_parallel", False) or pgc.rank("tp") == 0
+            ):  # a weight whole on every TP rank (MLA's down-projections, routers) counts once
                 matmul += param.numel()
     attention_layers = sum(isinstance(m, SelfAttention) for chunk in chunks for m in chunk.modules())
+    mla_layers = sum(isinstance(m, MLASelfAttention) for chunk in chunks for m in chunk.modules())
     mixers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MambaMixer)]
     if pgc.rank("tp") != 0 or not first_replica:
-        attention_layers, mixers = 0, []
-    counts = torch.tensor([float(matmul), float(attention_layers), float(len(mixers))], device=device)
+        attention_layers, mla_layers, mixers = 0, 0, []
+    counts = torch.tensor(
+        [float(matmul), float(attention_layers), float(len(mixers)), float(mla_layers)], device=device
+    )
     dist.all_reduce(counts, group=pgc.mp)
     config = chunks[0].config
+    per_mla_layer = config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)
     ssd = SSDShape(
         config.mamba_num_heads,
         config.mamba_head_dim,
@@ -242,7 +249,9 @@ def count_flops_per_token(
         config.mamba_num_groups,
         config.mamba_chunk_size,
     )
-    return training_flops_per_token(int(counts[0]), int(counts[1]), seq_length, hidden_size, int(counts[2]), ssd)
+    return training_flops_per_token(
+        int(counts[0]), int(counts[1]), seq_length, hidden_size, int(counts[2]), ssd, int(counts[3]) * per_mla_layer
+    )
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:

@@ -218,3 +218,26 @@ def test_odd_rotary_channels_are_refused():
     with pytest.raises(ConfigError, match="an even qk_pos_emb_head_dim"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, multi_latent_attention=True,
                           qk_pos_emb_head_dim=3)  # fmt: skip
+
+
+def _flops(tp):
+    from megatron.core import parallel_state
+    from megatron.core.models.model_record import model_from_record
+    from megatron.training.arguments import model_record_from_args
+    from megatron.training.training import count_flops_per_token
+
+    args = tiny_args(RUN + MLA + ["--tensor-model-parallel-size", str(tp)], world_size=tp)
+    pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = model_from_record(model_record_from_args(args, 256), pg)  # no padding at TP1 or TP2
+    return count_flops_per_token(model, pg, 16, args.hidden_size, torch.device("cpu"))
+
+
+def test_flops_count_the_latent_projections_and_the_narrower_attention():
+    """6 per matrix weight (per layer: q down 24x32, q up 24x48, kv down 32x20, kv up 16x80,
+    output 48x32, fc1 32x128 (4h), fc2 128x32; the output layer 256x32), plus per MLA layer
+    3 * s * heads * (qk + rotated + v) = 3 * 16 * 4 * 24, the same under TP2."""
+    h, vocab = 32, 256
+    per_layer = 32 * 24 + 24 * 48 + 32 * 20 + 16 * 80 + 48 * 32 + 2 * 4 * h * h
+    want = 6 * (2 * per_layer + vocab * h) + 2 * 3 * 16 * 4 * 24
+    assert run_distributed(_flops, 1, 1) == [want]
+    assert run_distributed(_flops, 2, 2) == [want, want]
