@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.errors import MegatronConfigError
+
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
-class BatchScheduleError(ValueError):
+class BatchScheduleError(MegatronConfigError):
     """A schedule that cannot be read or run; the message names the entry at fault."""
 
 

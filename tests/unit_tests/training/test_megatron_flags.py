@@ -194,7 +194,6 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
         (["--recompute-method", "uniform"], "^--recompute-method needs --recompute-granularity full$"),
         (["--save-retain-interval", "2"], "^--save-retain-interval needs --save$"),
-        (["--multi-latent-attention"], "^--multi-latent-attention: multi-latent attention .* is not supported"),
         (["--use-torch-fsdp2"], "^--use-torch-fsdp2: FSDP is not supported; .*--use-distributed-optimizer"),
         (["--use-megatron-fsdp"], "^--use-megatron-fsdp: FSDP is not supported"),
         (["--tp-comm-overlap"], "^--tp-comm-overlap: Transformer Engine's .* is not supported"),
@@ -220,7 +219,6 @@ def test_the_hybrid_spec_of_megatrons_mamba_example_is_accepted():
         (["--data-path", "a", "--train-data-path", "b"], "--train-data-path and --data-path are mutually exclusive"),
         (["--valid-data-path", "b"], "--valid-data-path / --test-data-path need --train-data-path"),
         (["--data-path", "0.5", "builtin", "0.5", "a"], "'builtin' .* cannot be blended"),
-        (["--context-parallel-size", "2"], r"--context-parallel-size 2 needs --attention-dropout 0 \(ring attention"),
     ],
 )
 def test_refused_flags_name_the_flag_and_what_to_use(extra, message):
