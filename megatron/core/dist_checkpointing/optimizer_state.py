@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.model_state import CheckpointParam, describe_tensor
 from megatron.core.dist_checkpointing.sharding import singleton_replica_id
 from megatron.core.process_groups import ProcessGroupCollection
+from megatron.core.tensor_parallel.collectives import all_reduce_coalesced
 
 STATE_FORMAT = "param_shaped_v1"
 FP32_PARAM = "fp32_param"
@@ -47,7 +48,7 @@ def _state_names(member) -> tuple[str, ...]:
 
 
 def _is_distributed(member) -> bool:
-    return hasattr(member, "buffers") and hasattr(member, "shard_group")
+    return hasattr(member, "buffers") and hasattr(member, "shard_domains")
 
 
 def _params(member) -> list[torch.nn.Parameter]:
@@ -79,18 +80,9 @@ def _param_shaped_states(member, pg: ProcessGroupCollection) -> dict[str, dict[i
         return full
     # Expert parameters are sharded over their own replicas (expt_dp), dense ones over dp_cp (or
     # over this rank's distributed-optimizer instance of them).
-    dense_group, expert_group = member.shard_group(), member.shard_group(expert=True)
-    expert = [p for p in params if getattr(p, "is_expert", False)]
-    dense = [p for p in params if not getattr(p, "is_expert", False)]
-    domains = [(dense_group, params)] if expert_group is dense_group else [(dense_group, dense), (expert_group, expert)]
-    for group, domain in domains:
-        if dist.get_world_size(group) == 1:
-            continue
-        for name in names:
-            flat = torch.cat([full[name][id(p)].reshape(-1) for p in domain]) if domain else torch.zeros(0)
-            dist.all_reduce(flat, group=group)  # the ranges are disjoint: the sum is the whole
-            for p, piece in zip(domain, flat.split([p.numel() for p in domain]), strict=True):
-                full[name][id(p)] = piece.view(p.shape)
+    for group, domain in member.shard_domains(params):
+        if dist.get_world_size(group) > 1:  # the ranges are disjoint: the sum is the whole
+            all_reduce_coalesced([full[name][id(p)] for name in names for p in domain], group)
     return full
 
 

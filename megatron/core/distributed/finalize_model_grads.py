@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import resolve_pg_collection
+from megatron.core.tensor_parallel.collectives import all_reduce_coalesced
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
@@ -35,23 +36,6 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
-
-
-def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
-    """Sum ``grads`` over ``group`` in place (one flat buffer per dtype), then multiply by ``scale``."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for dtype in sorted(by_dtype, key=str):
-        same = by_dtype[dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for grad in same:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
 
 def _unique_trainable_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
@@ -100,17 +84,17 @@ def finalize_model_grads(modules, pg_collection=None, config=None, num_tokens: t
     if gtp_size > 1:
         replicated = [_grad_of(p) for p in params if not getattr(p, "gtp_sharded", False)]
         if replicated:
-            _all_reduce_coalesced(replicated, pg.gtp, 1.0 if per_token else 1.0 / gtp_size)
+            all_reduce_coalesced(replicated, pg.gtp, 1.0 if per_token else 1.0 / gtp_size)
 
     if pg.size("tp") > 1:
         sequence_parallel = [_grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
         if sequence_parallel:
-            _all_reduce_coalesced(sequence_parallel, pg.tp)
+            all_reduce_coalesced(sequence_parallel, pg.tp)
 
     if pg.size("pp") > 1 and pg.has("embd") and pg.size("embd") > 1:
         tied = [_grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
         if tied:
-            _all_reduce_coalesced(tied, pg.embd)
+            all_reduce_coalesced(tied, pg.embd)
 
     if num_tokens is not None:
         scale = 1.0 / max(global_token_count(num_tokens, pg).item(), 1.0)

@@ -41,13 +41,21 @@ class DistributedOptimizer(MegatronOptimizer):
         return [param for buffer in self.buffers for param in buffer.params if id(param) in self._stepped]
 
     def _replica_groups(self, matrices: dict) -> list:
-        """Muon's matrices by the group their pieces are sharded over (:meth:`shard_group`)."""
+        """Muon's matrices by the group their pieces are sharded over (:meth:`shard_domains`)."""
         ordered = [matrices[id(param)] for param in self.params if id(param) in matrices]
+        return self.shard_domains(ordered, lambda matrix: matrix.param)
+
+    def shard_domains(self, items: list, param_of=lambda item: item) -> list[tuple]:
+        """``(group, items)`` by the group the pieces of each item's parameter (``param_of``) are
+        sharded over (:meth:`shard_group`): one domain when dense and expert parameters share it."""
         dense_group, expert_group = self.shard_group(), self.shard_group(expert=True)
         if expert_group is dense_group:
-            return [(dense_group, ordered)]
-        dense = [m for m in ordered if not getattr(m.param, "is_expert", False)]
-        return [(dense_group, dense), (expert_group, [m for m in ordered if getattr(m.param, "is_expert", False)])]
+            return [(dense_group, list(items))]
+        expert = [getattr(param_of(item), "is_expert", False) for item in items]
+        return [
+            (dense_group, [item for item, is_expert in zip(items, expert, strict=True) if not is_expert]),
+            (expert_group, [item for item, is_expert in zip(items, expert, strict=True) if is_expert]),
+        ]
 
     def _master_entries(self, param) -> list[MasterParam]:
         """The piece of ``param`` inside this replica's shard of its bucket (possibly none)."""

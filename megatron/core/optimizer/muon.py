@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.collectives import all_gather_along_dim
+from megatron.core.tensor_parallel.collectives import all_gather_along_dim, all_reduce_coalesced
 
 # Newton-Schulz coefficient sets (a, b, c) per iteration, by Megatron's --muon-coefficient-type:
 # "simple" repeats one set; "quintic" and "aol" cycle theirs (steps: a multiple of their length);
@@ -179,16 +179,12 @@ class Muon(torch.optim.Optimizer):
     def _complete_pieces(self, directions: dict[int, torch.Tensor]) -> None:
         """Sum the disjoint pieces of every matrix over its replicas (distributed optimizer)."""
         for group, matrices in self.replica_groups:
-            if not matrices or dist.get_world_size(group) == 1:
+            if dist.get_world_size(group) == 1:
                 continue
-            device = matrices[0].param.device
-            parts = [
-                directions.get(id(m.param), torch.zeros(m.param.shape, device=device)).reshape(-1) for m in matrices
-            ]
-            flat = torch.cat(parts)
-            dist.all_reduce(flat, group=group)
-            for matrix, piece in zip(matrices, flat.split([m.param.numel() for m in matrices]), strict=True):
-                directions[id(matrix.param)] = piece.view(matrix.param.shape)
+            for m in matrices:  # a matrix with no piece here adds zeros
+                if id(m.param) not in directions:
+                    directions[id(m.param)] = torch.zeros(m.param.shape, device=m.param.device)
+            all_reduce_coalesced([directions[id(m.param)] for m in matrices], group)
 
     def _orthogonalize(self, matrix: MuonMatrix, direction: torch.Tensor) -> torch.Tensor:
         parts = [direction] if matrix.split_rows is None else direction.split(matrix.split_rows, dim=-2)

@@ -25,6 +25,23 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    """Sum ``tensors`` over ``group`` in place (one flat buffer per dtype), then multiply by ``scale``."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype in sorted(by_dtype, key=str):
+        same = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
 def all_gather_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's equally shaped ``tensor`` along ``dim`` in group-rank order."""
     world = dist.get_world_size(group)

@@ -96,6 +96,7 @@ class MLASelfAttention(nn.Module):
         self.sequence_parallel, self.tp_group = config.sequence_parallel, pg_collection.tp
         heads, qk, pe, v = config.num_attention_heads, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.qk, self.pe, self.v = qk, pe, v
+        self.concentration = yarn_concentration(config)  # of the rotated channels (1 without YaRN)
         sum_over_tp = config.sequence_parallel and tp > 1
         column = dict(config=config, init_method=init_method(config), bias=False, pg_collection=pg_collection)
         duplicated = dict(config=config, pg_collection=pg_collection, sum_over_tp=sum_over_tp)
@@ -134,8 +135,7 @@ class MLASelfAttention(nn.Module):
         if rotary_pos_emb is None:
             return t
         rotated = apply_rotary_pos_emb(t, rotary_pos_emb, self.config.rotary_interleaved)
-        concentration = yarn_concentration(self.config)
-        return rotated if concentration == 1.0 else rotated * concentration
+        return rotated if self.concentration == 1.0 else rotated * self.concentration
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         if inference_context is not None:
