@@ -18,6 +18,8 @@ from megatron.core.errors import MegatronConfigError
 
 # Megatron's --attention-backend values (what each selects: megatron.core.transformer.attention).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+# The TransformerConfig fields that shape multi-latent attention (each also its flag's dest).
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 class ConfigError(MegatronConfigError):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import squared_relu
-from megatron.core.config import ATTENTION_BACKENDS, TransformerConfig
+from megatron.core.config import ATTENTION_BACKENDS, MLA_FIELDS, TransformerConfig
 from megatron.core.datasets.blend import parse_blend
 from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
@@ -1519,8 +1519,7 @@ def _mla_fields(args: argparse.Namespace) -> dict:
     """The TransformerConfig fields of --multi-latent-attention (none without it)."""
     if not args.multi_latent_attention:
         return {}
-    names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-    return {"multi_latent_attention": True, **{name: getattr(args, name) for name in names}}
+    return {"multi_latent_attention": True, **{name: getattr(args, name) for name in MLA_FIELDS}}
 
 
 def _yarn_fields(args: argparse.Namespace) -> dict:

@@ -18,6 +18,7 @@ import os
 import torch
 
 from megatron.core.activations import squared_relu
+from megatron.core.config import MLA_FIELDS
 from megatron.core.dist_checkpointing import read_latest_iteration
 from megatron.core.models.model_record import (
     MODEL_RECORD_FILENAME,
@@ -71,14 +72,7 @@ def record_model_args(record: ModelRecord) -> dict[str, object]:
         "qk_layernorm": config.qk_layernorm,
         "rotary_interleaved": config.rotary_interleaved,
         "multi_latent_attention": config.multi_latent_attention,
-        **(
-            {
-                name: getattr(config, name)
-                for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-            }
-            if config.multi_latent_attention
-            else {}
-        ),
+        **({name: getattr(config, name) for name in MLA_FIELDS} if config.multi_latent_attention else {}),
         "rotary_scaling_factor": config.yarn_rotary_scaling_factor or 1.0,
         "mscale": config.yarn_mscale,
         "mscale_all_dim": config.yarn_mscale_all_dim,
