@@ -112,13 +112,9 @@ class MLASelfAttention(nn.Module):
         for norm in (getattr(self, "q_layernorm", None), self.kv_layernorm):
             for param in norm.parameters() if norm is not None else ():
                 param.sequence_parallel = sum_over_tp
+        # its softmax scale is the config's (default_softmax_scale: mla_softmax_scale under MLA)
         self.core_attention = build_module(
-            submodules.core_attention,
-            config,
-            layer_number,
-            attn_mask_type,
-            softmax_scale=mla_softmax_scale(config),
-            pg_collection=pg_collection,
+            submodules.core_attention, config, layer_number, attn_mask_type, pg_collection=pg_collection
         )
         self.linear_proj = RowParallelLinear(
             heads * v,
