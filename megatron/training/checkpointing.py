@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing import (
     load,
     read_latest_iteration,
 )
-from megatron.core.dist_checkpointing.model_state import checkpoint_params, load_model_pieces, vocab_rows
+from megatron.core.dist_checkpointing.model_state import checkpoint_params, load_model_pieces, stored_pieces, vocab_rows
 from megatron.core.dist_checkpointing.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from megatron.core.models.model_record import save_model_checkpoint
 from megatron.core.process_groups import ProcessGroupCollection
@@ -166,7 +166,10 @@ def load_checkpoint(trainer) -> None:
     with_optimizer = resume and not args.no_load_optim and "optimizer" in common
     with_train_state = resume and "scheduler" in common  # converted checkpoints hold weights only
     with_rng = resume and not args.no_load_rng and common.get("layout") == _layout(pg)
-    request = _model_states(trainer)
+    request = {
+        key: stored_pieces(unwrap_model(chunk), pieces, checkpoint_dir)
+        for (key, pieces), chunk in zip(_model_states(trainer).items(), trainer.model_chunks, strict=True)
+    }
     if with_optimizer:
         request["optimizer"] = optimizer_sharded_state_dict(trainer.optimizer, params, pg)
     if with_train_state:

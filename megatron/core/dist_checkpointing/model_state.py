@@ -29,6 +29,7 @@ from torch import nn
 
 from megatron.core.dist_checkpointing.errors import CheckpointingError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.metadata import read_metadata
 from megatron.core.dist_checkpointing.sharding import gtp_row_range, packed_column_parallel_factory, replica_id
 from megatron.core.process_groups import ProcessGroupCollection
 
@@ -37,12 +38,13 @@ ModelPieces = dict  # local parameter name -> ShardedTensor | ShardedTensorFacto
 
 @dataclass(frozen=True)
 class CheckpointParam:
-    """One parameter as the checkpoint sees it: its module-local ``name``, its layout-free
-    checkpoint ``key`` and, for a padded vocabulary, the true number of rows to keep."""
+    """One parameter (or persistent buffer) as the checkpoint sees it: its module-local
+    ``name``, its layout-free checkpoint ``key`` and, for a padded vocabulary, the true number
+    of rows to keep."""
 
     name: str
     key: str
-    param: nn.Parameter
+    param: torch.Tensor
     true_rows: int | None = None
 
 
@@ -83,6 +85,27 @@ def checkpoint_params(
         base = modules[owner]
         out.append(CheckpointParam(name, f"{base}.{leaf}" if base else leaf, param, true_rows.get(id(param))))
     return out
+
+
+def checkpoint_buffers(module: nn.Module, prefix: str = "") -> list[CheckpointParam]:
+    """Every persistent buffer of ``module`` (model state a step changes outside the optimizer,
+    such as an MoE router's expert bias) with its checkpoint key, named like the parameters."""
+    modules = _global_names(module, prefix)
+    out = []
+    for owner, submodule in module.named_modules():
+        base = modules[owner]
+        for leaf, buffer in submodule.named_buffers(recurse=False):
+            if leaf not in submodule._non_persistent_buffers_set:  # what state_dict() holds
+                name = f"{owner}.{leaf}" if owner else leaf
+                out.append(CheckpointParam(name, f"{base}.{leaf}" if base else leaf, buffer))
+    return out
+
+
+def model_checkpoint_tensors(
+    module: nn.Module, prefix: str = "", true_rows: dict[int, int] | None = None
+) -> list[CheckpointParam]:
+    """What a checkpoint holds of ``module``'s own state: its parameters, then its persistent buffers."""
+    return checkpoint_params(module, prefix, true_rows) + checkpoint_buffers(module, prefix)
 
 
 def _attr(param: torch.Tensor, name: str, default):
@@ -256,21 +279,34 @@ def vocab_rows(model: nn.Module) -> dict[int, int]:
 def model_sharded_state_dict(
     module: nn.Module, pg: ProcessGroupCollection, prefix: str = "", true_rows: dict[int, int] | None = None
 ) -> ModelPieces:
-    """``{local parameter name: pieces}`` of every parameter of ``module``; pass the result
-    of ``dist_checkpointing.load`` to :func:`load_model_pieces`."""
+    """``{local name: pieces}`` of every parameter and persistent buffer of ``module``; pass
+    the result of ``dist_checkpointing.load`` to :func:`load_model_pieces`."""
     return {
         spec.name: describe_tensor(spec.key, spec.param.detach(), spec, pg)
-        for spec in checkpoint_params(module, prefix, true_rows)
+        for spec in model_checkpoint_tensors(module, prefix, true_rows)
     }
+
+
+def stored_pieces(module: nn.Module, pieces: ModelPieces, checkpoint_dir: str) -> ModelPieces:
+    """``pieces`` (of :func:`model_sharded_state_dict`) less the buffers ``checkpoint_dir``
+    does not hold (it was saved before buffers were), so that it still loads; those keep
+    their values."""
+    stored = read_metadata(checkpoint_dir).tensors
+    buffers = {spec.name for spec in checkpoint_buffers(module)}
+    return {name: piece for name, piece in pieces.items() if name not in buffers or piece.key in stored}
 
 
 @torch.no_grad()
 def load_model_pieces(module: nn.Module, loaded: dict) -> None:
-    """Copy loaded tensors (keyed by local parameter name) into ``module``'s parameters in
-    place (DDP buffers that view them stay valid). Every parameter must be present."""
+    """Copy loaded tensors (keyed by local name) into ``module``'s parameters and persistent
+    buffers in place (DDP buffers that view the parameters stay valid). Every parameter must be
+    present; a buffer absent from ``loaded`` (see :func:`stored_pieces`) keeps its value."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise CheckpointingError(f"loaded state lacks {len(missing)} parameters, e.g. {missing[:4]}")
     for name, param in params.items():
         param.data.copy_(loaded[name])
+    for spec in checkpoint_buffers(module):
+        if spec.name in loaded:
+            spec.param.copy_(loaded[spec.name])

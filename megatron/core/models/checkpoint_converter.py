@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import LazyTensor, iteration_dir, read_latest_iteration
-from megatron.core.dist_checkpointing.model_state import checkpoint_params, describe_tensor, vocab_rows
+from megatron.core.dist_checkpointing.model_state import describe_tensor, model_checkpoint_tensors, vocab_rows
 from megatron.core.errors import MegatronError, MegatronInputError
 from megatron.core.models import hf_mapping, mcore_checkpoint
 from megatron.core.models.hybrid.hybrid_layer_pattern import segment_for_pipeline
@@ -222,7 +222,7 @@ def lazy_sharded_state_dict(model: torch.nn.Module, state_dict: Mapping) -> dict
     if names != set(state_dict.keys()):
         missing, unexpected = sorted(names - set(state_dict.keys())), sorted(set(state_dict.keys()) - names)
         raise ConversionError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    specs = checkpoint_params(model, "", vocab_rows(model))
+    specs = model_checkpoint_tensors(model, "", vocab_rows(model))
     for spec in specs:
         shape = hf_mapping.tensor_shape(state_dict, spec.name)
         if shape != tuple(spec.param.shape):

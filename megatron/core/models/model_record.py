@@ -44,7 +44,7 @@ from megatron.core.dist_checkpointing import (
 )
 from megatron.core.dist_checkpointing.dist_utils import on_coordinator
 from megatron.core.dist_checkpointing.metadata import METADATA_FILENAME, read_json
-from megatron.core.dist_checkpointing.model_state import load_model_pieces
+from megatron.core.dist_checkpointing.model_state import load_model_pieces, stored_pieces
 from megatron.core.errors import MegatronError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -464,6 +464,6 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     directory read."""
     checkpoint_dir = resolve_checkpoint_dir(path)
     model = getattr(model, "module", model)
-    loaded = load({"model": model.sharded_state_dict()}, checkpoint_dir)
+    loaded = load({"model": stored_pieces(model, model.sharded_state_dict(), checkpoint_dir)}, checkpoint_dir)
     load_model_pieces(model, loaded["model"])
     return checkpoint_dir

@@ -1,6 +1,7 @@
 """Model (and optimizer) sharded state dicts built from parameter attributes: one main writer
 per chunk under TP/PP/DP/GTP layouts, exact GTP/TP offsets and replica ids, layout-free keys,
-and save-at-one-layout / load-at-another round trips with identical logits."""
+save-at-one-layout / load-at-another round trips with identical logits, and persistent buffers
+saved beside the parameters (a checkpoint written before they were still loads)."""
 
 from collections import defaultdict
 
@@ -16,6 +17,7 @@ from megatron.core.dist_checkpointing.model_state import (
     checkpoint_params,
     load_model_pieces,
     model_sharded_state_dict,
+    stored_pieces,
     vocab_rows,
 )
 from megatron.core.dist_checkpointing.optimizer_state import optimizer_sharded_state_dict
@@ -206,3 +208,38 @@ def test_save_at_one_layout_load_at_another_gives_identical_logits(tmp_path, fam
     for before, after in results:  # every data-parallel replica of the last stage
         assert not torch.allclose(before, expected, atol=1e-3)  # the load, not the seed, makes them equal
         torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+class _WithState(nn.Module):
+    """A parameter, a persistent buffer (state a step changes outside the optimizer, like an
+    expert bias) and a non-persistent one (scratch) in a submodule."""
+
+    def __init__(self, fill: float):
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.weight = nn.Parameter(torch.full((3,), fill))
+        self.inner.register_buffer("state", torch.full((4,), fill))
+        self.inner.register_buffer("scratch", torch.full((2,), fill), persistent=False)
+
+
+def _buffer_round_trip(path):
+    pg = layout()
+    saved = _WithState(1.0)
+    pieces = model_sharded_state_dict(saved, pg)
+    assert sorted(pieces) == ["inner.state", "inner.weight"]  # state_dict()'s keys: no scratch buffer
+    save({"model": pieces}, f"{path}/new")
+    params_only = {spec.name: pieces[spec.name] for spec in checkpoint_params(saved)}
+    save({"model": params_only}, f"{path}/old")  # as written before buffers were checkpointed
+    out = {}
+    for name in ("new", "old"):
+        model = _WithState(7.0)
+        request = stored_pieces(model, model_sharded_state_dict(model, pg), f"{path}/{name}")
+        load_model_pieces(model, load({"model": request}, f"{path}/{name}")["model"])
+        out[name] = {k: v.tolist() for k, v in model.inner._buffers.items()} | {"weight": model.inner.weight.tolist()}
+    return out
+
+
+def test_persistent_buffers_are_saved_and_an_older_checkpoint_without_them_loads(tmp_path):
+    (out,) = run_distributed(_buffer_round_trip, 1, str(tmp_path))
+    assert out["new"] == {"state": [1.0] * 4, "scratch": [7.0] * 2, "weight": [1.0] * 3}
+    assert out["old"] == {"state": [7.0] * 4, "scratch": [7.0] * 2, "weight": [1.0] * 3}  # the buffer keeps its value
