@@ -8,8 +8,9 @@ and ours, or re-target ours to another default layout
     megatron-convert --loader megatron --saver hf --load-dir OUT --save-dir HF_DIR
     megatron-convert --loader mcore --saver megatron --load-dir MEGATRON_LM_CKPT --save-dir OUT
 
-HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, GPT2LMHeadModel or
-NemotronHForCausalLM (detected from config.json); their safetensors are read tensor by
+HF directories are ``save_pretrained`` outputs of LlamaForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, GPT2LMHeadModel or NemotronHForCausalLM (detected
+from config.json); their safetensors are read tensor by
 tensor while our checkpoint is written, and no model is built (the peak memory is a few
 tensors, not the model). Runs in one CPU process (a gloo world of 1). Our checkpoints are
 layout-independent, so the target sizes only become the default layout of the saved model
@@ -17,8 +18,9 @@ record; a hybrid
 pattern without ``|`` saved for PP > 1 gets its stage boundaries (balanced by layer count, or
 ``--hybrid-layer-pattern``), and the tool prints where it put them. A model converted from HF
 keeps its HF config in the record, so HF -> ours -> HF gives back the same config and
-bit-identical tensors; a model trained here is exported as Llama (RMSNorm GPT), GPT-2
-(LayerNorm GPT) or NemotronH (hybrid) with a config made from its record. The tokenizer (an
+bit-identical tensors; a model trained here is exported as DeepSeek-V3 (multi-latent
+attention), Qwen3-MoE or Mixtral (MoE), Llama (RMSNorm GPT), GPT-2 (LayerNorm GPT) or
+NemotronH (hybrid) with a config made from its record. The tokenizer (an
 HF directory's tokenizer.json, or the one inside our checkpoint) is copied along.
 ``--loader mcore`` reads megatron-core ``torch_dist`` GPT checkpoints (see ``mcore_checkpoint``).
 """
@@ -93,6 +95,14 @@ HF_FAMILIES = {
         hf_mapping.qwen3_moe_config_to_hf,
         lambda sd, r: hf_mapping.qwen3_moe_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
         lambda sd, r: hf_mapping.qwen3_moe_state_dict_to_hf(sd, r.config, r.vocab_size),
+    ),
+    "DeepseekV3ForCausalLM": HFFamily(
+        "gpt",
+        "deepseek_v3",
+        hf_mapping.deepseek_v3_config_from_hf,
+        hf_mapping.deepseek_v3_config_to_hf,
+        lambda sd, r: hf_mapping.deepseek_v3_state_dict_from_hf(sd, r.config, r.share_embeddings_and_output_weights),
+        lambda sd, r: hf_mapping.deepseek_v3_state_dict_to_hf(sd, r.config, r.vocab_size),
     ),
     "GPT2LMHeadModel": HFFamily(
         "gpt",
@@ -255,11 +265,13 @@ def save_megatron(converted: Converted, save_dir: str, target_sizes: dict, hybri
 
 def native_hf_architecture(record: ModelRecord) -> str:
     """The HF architecture a model trained here is exported as: NemotronH for hybrid models;
-    for a GPT with MoE layers Qwen3-MoE (with per-head query/key norms) or Mixtral; Llama for a
-    GPT with RMSNorm (SwiGLU, RoPE), else GPT-2 (what the architecture cannot represent is
-    refused by its ``config_to_hf``)."""
+    DeepSeek-V3 for a GPT with multi-latent attention; for a GPT with MoE layers Qwen3-MoE (with
+    per-head query/key norms) or Mixtral; Llama for a GPT with RMSNorm (SwiGLU, RoPE), else GPT-2
+    (what the architecture cannot represent is refused by its ``config_to_hf``)."""
     if record.family == "hybrid":
         return "NemotronHForCausalLM"
+    if record.config.multi_latent_attention:
+        return "DeepseekV3ForCausalLM"
     if record.config.num_moe_experts:
         return "Qwen3MoeForCausalLM" if record.config.qk_layernorm else "MixtralForCausalLM"
     return "LlamaForCausalLM" if record.config.normalization == "RMSNorm" else "GPT2LMHeadModel"

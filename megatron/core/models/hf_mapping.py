@@ -6,7 +6,8 @@ MLP's fc1 is packed [gate; up]. Each family describes its weights as :class:`Rul
 our keys <- one or more HF keys concatenated on dim 0, optionally transposed), and the same
 rules drive both directions, so a round trip is bit-identical.
 
-Functions per family (``llama``, ``mixtral``, ``gpt2``, ``nemotron_h``; others are appended the same way):
+Functions per family (``llama``, ``mixtral``, ``qwen3_moe``, ``gpt2``, ``deepseek_v3``, ``nemotron_h``; others
+are appended the same way):
 ``<family>_config_from_hf(hf_config, **overrides) -> (TransformerConfig, gpt_model_kwargs)``,
 ``<family>_state_dict_from_hf(hf_state_dict, config) -> ours`` and
 ``<family>_state_dict_to_hf(state_dict, config, vocab_size) -> HF``, and for checkpoints trained
@@ -283,10 +284,12 @@ def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _llama_rope(hf_config) -> tuple[dict, dict]:
+def _llama_rope(hf_config, mla: bool = False) -> tuple[dict, dict]:
     """(GPTModel keyword arguments, TransformerConfig fields) of an HF config's RoPE: default,
     Llama-3 scaling or YaRN (whose attention factor, given or inferred the way HF infers it,
-    becomes the equal ``yarn_mscale`` / ``yarn_mscale_all_dim``)."""
+    becomes the equal ``yarn_mscale`` / ``yarn_mscale_all_dim``). ``mla``: HF's multi-latent
+    attention also scales the softmax by ``mscale_all_dim`` whenever it is set, so that is kept
+    and ``yarn_mscale`` solved for the attention factor."""
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
         params = {
@@ -315,8 +318,9 @@ def _llama_rope(hf_config) -> tuple[dict, dict]:
             attention_factor = yarn_mscale(factor)
         if factor <= 1 and attention_factor != 1.0:
             raise HFMappingError(f"yarn attention_factor {attention_factor} needs factor > 1, got {factor}")
-        mscale = (attention_factor - 1) / (0.1 * math.log(factor)) if factor > 1 else 1.0
-        mscale_all_dim = 0.0
+        mscale_all_dim = float(mscale_all_dim or 0.0) if mla else 0.0
+        scaled = attention_factor * yarn_mscale(factor, mscale_all_dim)  # = yarn_mscale(factor, mscale)
+        mscale = (scaled - 1) / (0.1 * math.log(factor)) if factor > 1 else 1.0
     fields = {
         "yarn_rotary_scaling_factor": float(factor),
         "yarn_original_max_position_embeddings": int(original),
@@ -771,6 +775,235 @@ def gpt2_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_siz
     return _apply_to_hf(_gpt2_rules(config), state_dict, vocab_size)
 
 
+# ---------------------------------------------------------------- DeepSeek-V3 (DeepseekV3ForCausalLM)
+
+
+def deepseek_v3_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
+    """TransformerConfig and GPTModel keyword arguments equivalent to a DeepseekV3Config:
+    multi-latent attention (direct or low-rank queries; RoPE on ``qk_rope_head_dim`` channels,
+    interleaved or not, default or YaRN), dense SwiGLU MLPs in the first ``first_k_dense_replace``
+    layers, then MoE layers of SwiGLU experts routed DeepSeek's way (see :func:`_deepseek_routing`)
+    beside ``n_shared_experts`` shared experts."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    _refuse(
+        "DeepSeek-V3 settings not supported",
+        [
+            (hf_config.hidden_act != "silu", f"hidden_act {hf_config.hidden_act!r} (only 'silu': SwiGLU)"),
+            (bool(hf_config.attention_bias), "attention biases (attention_bias must be False)"),
+            (
+                hf_config.num_key_value_heads != hf_config.num_attention_heads,
+                f"num_key_value_heads {hf_config.num_key_value_heads} other than num_attention_heads "
+                f"{hf_config.num_attention_heads} (multi-latent attention has no key/value groups)",
+            ),
+            (
+                params.get("rope_type", "default") not in ("default", "yarn"),
+                f"rope_type {params.get('rope_type')!r} (supported: 'default', 'yarn')",
+            ),
+        ],
+    )
+    rope, rope_fields = _llama_rope(hf_config, mla=True)
+    layers = hf_config.num_hidden_layers
+    dense = min(hf_config.first_k_dense_replace or 0, layers)
+    moe = {}
+    if dense < layers:
+        shared = hf_config.n_shared_experts * hf_config.moe_intermediate_size
+        moe = {
+            **_deepseek_routing(hf_config, "DeepSeek-V3", shared or None, []),
+            "moe_layer_freq": [0] * dense + [1] * (layers - dense) if dense else 1,
+        }
+    config = TransformerConfig(
+        **{
+            "num_layers": layers,
+            "hidden_size": hf_config.hidden_size,
+            "num_attention_heads": hf_config.num_attention_heads,
+            "ffn_hidden_size": hf_config.intermediate_size,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": hf_config.rms_norm_eps,
+            "gated_linear_unit": True,
+            "activation_func": F.silu,
+            "add_bias_linear": False,
+            "attention_dropout": float(hf_config.attention_dropout),
+            "init_method_std": hf_config.initializer_range,
+            "multi_latent_attention": True,
+            "q_lora_rank": hf_config.q_lora_rank,
+            "kv_lora_rank": hf_config.kv_lora_rank,
+            "qk_head_dim": hf_config.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": hf_config.qk_rope_head_dim,
+            "v_head_dim": hf_config.v_head_dim,
+            "rotary_interleaved": bool(hf_config.rope_interleave),
+            **rope_fields,
+            **moe,
+            **overrides,
+        }
+    )
+    kwargs = {
+        "vocab_size": hf_config.vocab_size,
+        "max_sequence_length": hf_config.max_position_embeddings,
+        **rope,
+        "share_embeddings_and_output_weights": bool(hf_config.tie_word_embeddings),
+    }
+    return config, kwargs
+
+
+def _leading_dense_layers(config: TransformerConfig) -> int | None:
+    """How many dense layers come before the MoE ones (all of them without MoE); None when dense
+    and MoE layers alternate otherwise (which DeepSeek-V3's ``first_k_dense_replace`` cannot say)."""
+    if not config.num_moe_experts:
+        return config.num_layers
+    kinds = [config.is_moe_layer(number) for number in range(1, config.num_layers + 1)]
+    dense = kinds.index(True)
+    return dense if all(kinds[dense:]) else None
+
+
+def deepseek_v3_config_to_hf(record) -> dict:
+    """DeepseekV3Config keyword arguments for a GPT ``record`` with multi-latent attention,
+    RMSNorm and SwiGLU, and (if any) MoE layers after its dense ones, routed DeepSeek's way
+    with an expert bias and shared experts a whole number of experts wide."""
+    config = record.config
+    dense = _leading_dense_layers(config)
+    moe = bool(config.num_moe_experts)
+    shared = config.moe_shared_expert_intermediate_size or 0
+    width = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    _require_exportable(
+        "DeepseekV3ForCausalLM",
+        [
+            (not config.multi_latent_attention, "no multi-latent attention (needs --multi-latent-attention)"),
+            (config.normalization != "RMSNorm", f"normalization {config.normalization!r} (DeepSeek-V3 uses RMSNorm)"),
+            (
+                not config.gated_linear_unit or config.activation_func is not F.silu,
+                "an MLP other than SwiGLU (needs --swiglu)",
+            ),
+            (config.add_bias_linear or config.add_qkv_bias, "linear biases"),
+            (
+                record.position_embedding_type not in ("rope", "yarn"),
+                f"position embeddings {record.position_embedding_type!r}",
+            ),
+            (record.rope_scaling, "Llama-3 RoPE scaling"),
+            (bool(config.mtp_num_layers), "multi-token prediction layers"),
+            (
+                moe and config.moe_router_score_function != "sigmoid",
+                f"{config.moe_router_score_function} router scores (DeepSeek-V3 routes by sigmoid scores)",
+            ),
+            (
+                moe and not config.moe_router_enable_expert_bias,
+                "no expert bias (needs --moe-router-enable-expert-bias)",
+            ),
+            (moe and config.moe_router_load_balancing_type == "sinkhorn", "Sinkhorn routing"),
+            (moe and config.moe_expert_capacity_factor is not None, "token dropping (capacity factor)"),
+            (
+                moe and (shared == 0 or shared % width),
+                f"shared experts {shared} wide (DeepSeek-V3 needs a whole number >= 1 of experts of {width})",
+            ),
+            (dense is None, f"MoE layers not all after the dense ones (moe_layer_freq {config.moe_layer_freq})"),
+        ],
+    )
+    rope = {"rope_type": "default", "rope_theta": float(record.rotary_base)}
+    if record.position_embedding_type == "yarn":
+        rope = {
+            **rope,
+            "rope_type": "yarn",
+            "factor": config.yarn_rotary_scaling_factor,
+            "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
+            "beta_fast": config.yarn_beta_fast,
+            "beta_slow": config.yarn_beta_slow,
+            "mscale": config.yarn_mscale,
+            "mscale_all_dim": config.yarn_mscale_all_dim,
+            "truncate": config.yarn_correction_range_round_to_int,
+        }
+        if not (config.yarn_mscale and config.yarn_mscale_all_dim):  # HF infers another factor then
+            rope["attention_factor"] = yarn_concentration(config)
+    groups = config.moe_router_num_groups or 1
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": record.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_head_dim,
+        "qk_rope_head_dim": config.qk_pos_emb_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "rope_interleave": config.rotary_interleaved,
+        "rope_parameters": rope,
+        "first_k_dense_replace": dense,
+        "n_routed_experts": config.num_moe_experts or 1,
+        "num_experts_per_tok": config.moe_router_topk if moe else 1,
+        "moe_intermediate_size": width,
+        "n_shared_experts": shared // width if moe else 1,
+        "n_group": groups,
+        "topk_group": config.moe_router_group_topk or groups,
+        "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
+        "norm_topk_prob": moe and config.moe_router_topk > 1,
+        "num_mtp_layers": 0,
+        "max_position_embeddings": record.max_sequence_length,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": record.share_embeddings_and_output_weights,
+    }
+
+
+def _swiglu_rules(ours: str, hf: str, width: int) -> list[Rule]:
+    """A SwiGLU MLP: our packed ``linear_fc1`` [gate; up] and ``linear_fc2`` <- HF's gate/up/down projections."""
+    return [
+        Rule(ours + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), sizes=(width, width)),
+        Rule(ours + "linear_fc2.weight", (hf + "down_proj.weight",)),
+    ]
+
+
+def _deepseek_v3_rules(config: TransformerConfig) -> list[Rule]:
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True)]
+    attention = {"linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm"}
+    attention |= {"linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj"}
+    if config.q_lora_rank is None:
+        attention["linear_q_proj"] = "q_proj"
+    else:
+        attention |= {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj"}
+    for i in range(config.num_layers):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules.append(Rule(ours + "input_layernorm.weight", (hf + "input_layernorm.weight",)))
+        rules.append(Rule(ours + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)))
+        rules += [
+            Rule(ours + f"self_attention.{name}.weight", (hf + f"self_attn.{hf_name}.weight",))
+            for name, hf_name in attention.items()
+        ]
+        if not config.is_moe_layer(i + 1):
+            rules += _swiglu_rules(ours + "mlp.", hf + "mlp.", config.ffn_hidden_size)
+            continue
+        rules += [
+            Rule(ours + "mlp.router.weight", (hf + "mlp.gate.weight",)),
+            Rule(ours + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",)),
+            Rule(ours + "mlp.experts.weight1", (hf + "mlp.experts.gate_up_proj",), transpose=True),
+            Rule(ours + "mlp.experts.weight2", (hf + "mlp.experts.down_proj",), transpose=True),
+            *_swiglu_rules(
+                ours + "mlp.shared_experts.", hf + "mlp.shared_experts.", config.moe_shared_expert_intermediate_size
+            ),
+        ]
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    rules.append(Rule("output_layer.weight", ("lm_head.weight",), vocab=True))
+    return rules
+
+
+def deepseek_v3_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
+    """Our full state dict (made key by key on access) from a DeepseekV3ForCausalLM state dict:
+    transformers' stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj``
+    of a checkpoint on disk."""
+    stacked = StackedExperts(
+        hf_state_dict, config.num_layers, config.num_moe_experts or 0, "mlp", ("gate_proj", "up_proj", "down_proj")
+    )
+    return _apply_from_hf(_deepseek_v3_rules(config), _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
+
+
+def deepseek_v3_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
+    """A DeepseekV3ForCausalLM state dict from our full state dict."""
+    return _apply_to_hf(_deepseek_v3_rules(config), state_dict, vocab_size)
+
+
 # ---------------------------------------------------------------- NemotronH (NemotronHForCausalLM), hybrid
 
 
@@ -840,26 +1073,38 @@ def nemotron_h_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig
 
 
 def _nemotron_h_moe_config(hf_config) -> dict:
-    """Our MoE fields for NemotronH's ``moe`` layers: sigmoid scores with a correction bias that
-    only steers the choice, group-limited top-k, weights renormalized and scaled, relu2 experts
-    plus one shared relu2 MLP."""
-    topk = hf_config.num_experts_per_tok
+    """Our MoE fields for NemotronH's ``moe`` layers: DeepSeek's routing, relu2 experts plus one
+    shared relu2 MLP."""
     unsupported = [
         (hf_config.moe_latent_size is not None, "a latent MoE projection (moe_latent_size must be None)"),
-        (
-            bool(hf_config.norm_topk_prob) != (topk > 1),
-            f"norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok={topk} (weights are "
-            "renormalized exactly when more than one expert is chosen)",
-        ),
         (getattr(hf_config, "n_shared_experts", 1) != 1, "n_shared_experts other than 1"),
     ]
-    _refuse("NemotronH MoE settings not supported", unsupported)
-    grouped = hf_config.n_group > 1
+    return _deepseek_routing(hf_config, "NemotronH", hf_config.moe_shared_expert_intermediate_size, unsupported)
+
+
+def _deepseek_routing(hf_config, family: str, shared_size: int | None, unsupported: list) -> dict:
+    """Our MoE fields for DeepSeek's routing (NemotronH's and DeepSeek-V3's): sigmoid scores with
+    a correction bias that only steers the choice, group-limited top-k, the chosen weights
+    renormalized and scaled; ``shared_size``: the shared experts' width. ``unsupported``: the
+    family's own ``(bad, what)`` checks, refused with these."""
+    topk = hf_config.num_experts_per_tok
+    _refuse(
+        f"{family} MoE settings not supported",
+        [
+            *unsupported,
+            (
+                bool(hf_config.norm_topk_prob) != (topk > 1),
+                f"norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok={topk} (weights are "
+                "renormalized exactly when more than one expert is chosen)",
+            ),
+        ],
+    )
+    grouped = (hf_config.n_group or 1) > 1
     return {
         "num_moe_experts": hf_config.n_routed_experts,
         "moe_router_topk": topk,
         "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
-        "moe_shared_expert_intermediate_size": hf_config.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_intermediate_size": shared_size,
         "moe_router_score_function": "sigmoid",
         "moe_router_enable_expert_bias": True,
         "moe_router_num_groups": hf_config.n_group if grouped else None,

@@ -1,5 +1,5 @@
 """The converter (megatron.core.models.checkpoint_converter, ``megatron-convert``): HF (Llama,
-GPT-2, NemotronH, Mixtral, Qwen3-MoE; random weights, save_pretrained) -> ours -> HF is bit-identical, the
+GPT-2, NemotronH, Mixtral, Qwen3-MoE, DeepSeek-V3; random weights, save_pretrained) -> ours -> HF is bit-identical, the
 converted model (loaded at TP2) gives HF's logits, and ours -> ours re-targets the default
 layout without touching the weights."""
 
@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.models import checkpoint_converter as convert_tool
 from megatron.core.models.model_record import load_model_weights, model_from_record, read_model_record
 from tests.unit_tests.dist_harness import run_distributed
-from tests.unit_tests.models.gpt.hf_moe_models import mixtral_model, qwen3_moe_model
+from tests.unit_tests.models.gpt.hf_moe_models import deepseek_v3_model, mixtral_model, qwen3_moe_model
 
 HF_MODELS = {
     "llama": lambda: LlamaForCausalLM(
@@ -36,6 +36,7 @@ HF_MODELS = {
     ),
     "mixtral": lambda: mixtral_model(vocab_size=100, seed=0),
     "qwen3_moe": lambda: qwen3_moe_model(vocab_size=100, seed=0),
+    "deepseek_v3": lambda: deepseek_v3_model(vocab_size=100, seed=0),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32)),
     "nemotron_h": lambda: NemotronHForCausalLM(
         NemotronHConfig(
@@ -163,8 +164,8 @@ def test_bad_requests_fail_with_a_message(capsys):
     with pytest.raises(
         convert_tool.ConversionError,
         match=r"HF architectures \['BertForMaskedLM'\] are not supported; "
-        r"supported: \['GPT2LMHeadModel', 'LlamaForCausalLM', 'MixtralForCausalLM', 'NemotronHForCausalLM', "
-        r"'Qwen3MoeForCausalLM'\]",
+        r"supported: \['DeepseekV3ForCausalLM', 'GPT2LMHeadModel', 'LlamaForCausalLM', 'MixtralForCausalLM', "
+        r"'NemotronHForCausalLM', 'Qwen3MoeForCausalLM'\]",
     ):
         convert_tool.hf_family(["BertForMaskedLM"])
     assert (

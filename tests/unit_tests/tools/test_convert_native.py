@@ -1,5 +1,7 @@
 """HF export of checkpoints trained here, all through the command line as subprocesses: a
-Llama-style GPT, a GPT-2-style GPT and a hybrid (NemotronH) are trained for two iterations
+Llama-style GPT, a GPT-2-style GPT, a DeepSeek-V3-style GPT (multi-latent attention with YaRN,
+a dense layer then an MoE layer routed with an expert bias and groups, a shared expert) and a
+hybrid (NemotronH) are trained for two iterations
 (``python -m megatron.training.pretrain_*``), exported (``--loader megatron --saver hf``), and
 the HF model ``from_pretrained`` gives our logits; that HF directory converted to ours and back
 gives bit-identical tensors and the same config."""
@@ -31,6 +33,19 @@ MODELS = {
         "LlamaForCausalLM",
     ),
     "gpt2": ("megatron.training.pretrain_gpt", [], "GPT2LMHeadModel"),
+    "deepseek_v3": (
+        "megatron.training.pretrain_gpt",
+        ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--position-embedding-type", "rope", "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+         "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--rotary-scaling-factor", "4",
+         "--mscale", "1.3", "--mscale-all-dim", "0.7", "--yarn-original-max-position-embeddings", "8",
+         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1]",
+         "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+         "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.1", "--moe-router-num-groups", "2",
+         "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+         "--moe-router-load-balancing-type", "none"],
+        "DeepseekV3ForCausalLM",
+    ),
     "nemotron_h": (
         "megatron.training.pretrain_hybrid",
         ["--num-layers", "4", "--hybrid-layer-pattern", "M*-M", "--normalization", "RMSNorm", "--disable-bias-linear",

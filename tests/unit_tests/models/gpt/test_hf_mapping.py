@@ -1,11 +1,12 @@
-"""Our GPTModel equals HuggingFace Llama / Mixtral / Qwen3-MoE / GPT-2 (random weights) after
-mapping, and the mapping round-trips bit-identically in both directions."""
+"""Our GPTModel equals HuggingFace Llama / Mixtral / Qwen3-MoE / DeepSeek-V3 / GPT-2 (random
+weights) after mapping, and the mapping round-trips bit-identically in both directions."""
 
 import dataclasses
 
 import pytest
 import torch
 from transformers import (
+    DeepseekV3Config,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -15,9 +16,9 @@ from transformers import (
 )
 
 from megatron.core.models import hf_mapping
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_layer_specs
 from megatron.core.models.model_record import ModelRecord
-from tests.unit_tests.models.gpt.hf_moe_models import mixtral_model, qwen3_moe_model
+from tests.unit_tests.models.gpt.hf_moe_models import deepseek_v3_model, mixtral_model, qwen3_moe_model
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
 VOCAB, SEQ, BATCH = 100, 12, 2
@@ -72,6 +73,15 @@ def _qwen3_moe(norm_topk_prob: bool):
     )
 
 
+def _deepseek_v3(q_lora_rank: int | None, rope_parameters: dict | None = None):
+    return (
+        _randomized(deepseek_v3_model(VOCAB, seed=6, q_lora_rank=q_lora_rank, rope_parameters=rope_parameters)),
+        hf_mapping.deepseek_v3_config_from_hf,
+        hf_mapping.deepseek_v3_state_dict_from_hf,
+        hf_mapping.deepseek_v3_state_dict_to_hf,
+    )
+
+
 def _gpt2():
     torch.manual_seed(2)
     config = GPT2Config(
@@ -113,6 +123,11 @@ CASES = {
     "mixtral": _mixtral,
     "qwen3_moe": lambda: _qwen3_moe(norm_topk_prob=True),
     "qwen3_moe_unnormalized_topk": lambda: _qwen3_moe(norm_topk_prob=False),
+    "deepseek_v3": lambda: _deepseek_v3(q_lora_rank=24),
+    "deepseek_v3_direct_queries_yarn": lambda: _deepseek_v3(q_lora_rank=None, rope_parameters=YARN_MSCALE),
+    "deepseek_v3_yarn_attention_factor": lambda: _deepseek_v3(
+        q_lora_rank=24, rope_parameters={**YARN_SCALING, "attention_factor": 1.3, "mscale_all_dim": 0.8}
+    ),
     "gpt2": _gpt2,
 }
 
@@ -123,7 +138,7 @@ def test_logits_match_huggingface_and_mapping_round_trips(pg, case):
     hf_model, config_from_hf, from_hf, to_hf = CASES[case]()
     config, kwargs = config_from_hf(hf_model.config)
     tied = kwargs["share_embeddings_and_output_weights"]
-    spec = get_gpt_layer_local_spec(config.num_moe_experts)
+    spec = get_gpt_decoder_layer_specs(config)
     model = GPTModel(config, spec, parallel_output=False, pg_collection=pg, **kwargs).eval()
 
     hf_state = hf_model.state_dict()
@@ -228,3 +243,40 @@ def test_yarn_config_exports_as_the_same_rope(scaling):
     assert yarn_concentration(again) == pytest.approx(yarn_concentration(config), rel=1e-12)
     frequencies = [RotaryEmbedding(c.kv_channels, yarn_config=c).inv_freq for c in (config, again)]
     torch.testing.assert_close(frequencies[0], frequencies[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "rope", [None, YARN_MSCALE, {**YARN_SCALING, "mscale": 1.2}], ids=["plain", "mscale-pair", "attention-factor"]
+)
+def test_deepseek_v3_config_export_round_trips(rope):
+    """A DeepSeek-style model trained here exports as the HF config that imports back to the
+    same model (YaRN without an mscale pair goes out as HF's explicit attention factor)."""
+    config, kwargs = hf_mapping.deepseek_v3_config_from_hf(
+        deepseek_v3_model(VOCAB, seed=0, rope_parameters=rope).config
+    )
+    record = ModelRecord(family="gpt", config=config, **kwargs)
+    again = hf_mapping.deepseek_v3_config_from_hf(DeepseekV3Config(**hf_mapping.deepseek_v3_config_to_hf(record)))
+    assert again == (config, kwargs)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"moe_router_score_function": "softmax"}, "softmax router scores"),
+        ({"moe_router_enable_expert_bias": False}, r"no expert bias \(needs --moe-router-enable-expert-bias\)"),
+        ({"moe_layer_freq": [1, 0, 1]}, r"MoE layers not all after the dense ones \(moe_layer_freq \[1, 0, 1\]\)"),
+        ({"moe_shared_expert_intermediate_size": 40}, "shared experts 40 wide"),
+        ({"multi_latent_attention": False}, "no multi-latent attention"),
+    ],
+)
+def test_deepseek_v3_export_refuses_what_the_architecture_cannot_say(change, message):
+    config, kwargs = hf_mapping.deepseek_v3_config_from_hf(deepseek_v3_model(VOCAB, seed=0).config)
+    record = ModelRecord(family="gpt", config=dataclasses.replace(config, **change), **kwargs)
+    with pytest.raises(hf_mapping.HFMappingError, match=message):
+        hf_mapping.deepseek_v3_config_to_hf(record)
+
+
+def test_deepseek_v3_settings_we_cannot_represent_are_refused():
+    bad = DeepseekV3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    with pytest.raises(hf_mapping.HFMappingError, match=r"attention biases.*; num_key_value_heads 2 other than"):
+        hf_mapping.deepseek_v3_config_from_hf(bad)
