@@ -27,6 +27,7 @@ from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mla import MLASelfAttention
 
 
 def model_is_hybrid(model: nn.Module) -> bool:
@@ -40,7 +41,7 @@ def stage_cache_spec(model: nn.Module, block_size: int, tp_size: int) -> StageCa
     TP-local KV / state shapes."""
     attention, mamba = [], []
     for module in model.decoder.modules():
-        if isinstance(module, SelfAttention):
+        if isinstance(module, (SelfAttention, MLASelfAttention)):
             attention.append(module.layer_number)
         elif isinstance(module, MambaMixer):
             mamba.append(module.layer_number)

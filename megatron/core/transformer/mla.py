@@ -9,6 +9,11 @@ rotated ones (RoPE, or YaRN whose concentration factor multiplies the rotated ch
 its value has ``v_head_dim`` channels. The softmax scale is ``1 / sqrt(qk_head_dim +
 qk_pos_emb_head_dim)``, times YaRN's ``mscale(factor, mscale_all_dim)`` squared.
 
+In the inference engine a layer stores its keys and values, after the up-projection, in the
+paged cache, whose keys and values have one head size (:func:`mla_cache_head_dim`): the
+narrower of them, and the queries with the keys, are zero-padded to it. Zero channels add
+exactly nothing to a score, and the values' padding is cut from the result.
+
 Tensor parallelism splits the heads (up-projections column-parallel, output row-parallel); the
 down-projections and their norms are whole on every TP rank. Their gradients are complete
 already (the up-projections all-reduce their inputs' gradients, the shared rotated key is copied
@@ -27,6 +32,7 @@ from torch import nn
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.fusions.rope import apply_rotary_pos_emb
+from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megatron.core.tensor_parallel.mappings import (
@@ -49,6 +55,12 @@ def mla_softmax_scale(config: TransformerConfig) -> float:
     return scale if factor is None else scale * yarn_mscale(factor, config.yarn_mscale_all_dim) ** 2
 
 
+def mla_cache_head_dim(config: TransformerConfig) -> int:
+    """The head size of the inference engine's paged cache for multi-latent attention: the wider
+    of a key (``qk_head_dim + qk_pos_emb_head_dim``) and a value (``v_head_dim``)."""
+    return max(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
+
+
 class DuplicatedLinear(nn.Module):
     """A linear layer whole on every TP rank (Megatron's ``duplicated`` mode), no bias; its weight
     is tagged ``sequence_parallel`` (summed over TP after backward) when ``sum_over_tp``."""
@@ -65,7 +77,8 @@ class DuplicatedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        # the inference forward's batch-invariant mode: rows independent of the row count
+        return invariant_linear(x, self.weight) if is_batch_invariant() else F.linear(x, self.weight)
 
 
 @dataclass
@@ -127,6 +140,13 @@ class MLASelfAttention(nn.Module):
             pg_collection=pg_collection,
         )
 
+    def _paged_attention(self, inference_context, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The engine's attention over its paged cache (see the module doc): ``[s, b, heads * v_head_dim]``."""
+        width = mla_cache_head_dim(self.config)
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        context = inference_context.store_kv_and_attend(self.layer_number, q, k, v)
+        return context[..., : self.v].reshape(*q.shape[:2], -1)
+
     def _rotate(self, t: torch.Tensor, rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
         if rotary_pos_emb is None:
             return t
@@ -134,8 +154,6 @@ class MLASelfAttention(nn.Module):
         return rotated if self.concentration == 1.0 else rotated * self.concentration
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        if inference_context is not None:
-            raise ConfigError("multi-latent attention models do not run in the inference engine yet")
         if self.config.q_lora_rank is None:
             q, _ = self.linear_q_proj(hidden_states)
         else:
@@ -153,7 +171,9 @@ class MLASelfAttention(nn.Module):
         q_pe = self._rotate(q_pe, rotary_pos_emb)
         k_pe = self._rotate(k_pe.unsqueeze(2), rotary_pos_emb).expand(-1, -1, self.heads_per_rank, -1)
         q, k = torch.cat([q_nope, q_pe], dim=-1), torch.cat([k_nope, k_pe], dim=-1)
-        if self.config.recompute_granularity == "selective" and self.training:
+        if inference_context is not None:
+            context = self._paged_attention(inference_context, q, k, v)
+        elif self.config.recompute_granularity == "selective" and self.training:
             context = checkpoint(self.core_attention, q, k, v.contiguous(), attention_mask)
         else:
             context = self.core_attention(q, k, v.contiguous(), attention_mask)

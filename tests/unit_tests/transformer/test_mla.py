@@ -2,7 +2,8 @@
 layers; random weights; direct and low-rank queries; plain RoPE and YaRN with both mscales),
 and through the training loop TP2, TP2 with sequence parallelism and the distributed
 optimizer train the single-process curve, a checkpoint resumes under another layout, and the
-features MLA does not run with are refused."""
+features MLA does not run with are refused; the inference engine generates what full forwards
+generate."""
 
 import pytest
 import torch
@@ -197,21 +198,36 @@ def test_what_mla_does_not_run_with_is_refused(flags, message):
         tiny_args(RUN + MLA + flags, world_size=2)
 
 
-def _engine_refusal():
+def _engine_and_full_forward_greedy(tp: int):
+    """Greedy tokens of the inference engine (paged cache, chunked prefill) and of full forwards
+    without a cache, for a model trained here (YaRN, values narrower than keys) at TP ``tp``."""
     from megatron.core import parallel_state
-    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-    from megatron.core.inference.engines.errors import EngineConfigError
     from megatron.core.models.model_record import model_from_record
     from megatron.training.arguments import model_record_from_args
+    from tests.unit_tests.inference.engines.test_hf_generate import PROMPT_LENGTHS, _engine_greedy, prompts
 
-    pg = parallel_state.initialize_model_parallel()
-    model = model_from_record(model_record_from_args(tiny_args(RUN + MLA), 64), pg)
-    with pytest.raises(EngineConfigError, match="multi-latent attention models do not run in the inference engine"):
-        DynamicInferenceEngine(model, num_blocks=8, pg_collection=pg)
+    pg = parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    flags = RUN + MLA + ["--v-head-dim", "8", "--tensor-model-parallel-size", str(tp)]
+    model = model_from_record(model_record_from_args(tiny_args(flags, world_size=tp), 128), pg, parallel_output=False)
+    engine_tokens = _engine_greedy(model.eval(), pg)
+    full = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts(PROMPT_LENGTHS), engine_tokens, strict=True):
+            ids = list(prompt)
+            for _ in tokens:
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            full.append(ids[len(prompt) :])
+    return engine_tokens, full
 
 
-def test_the_inference_engine_refuses_mla_models():
-    run_distributed(_engine_refusal, 1)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_inference_engine_generates_what_full_forwards_generate(tp):
+    """The engine's paged cache holds every head's key and value at one head size (the values
+    zero-padded here); its greedy tokens equal full forwards' without a cache, also under TP."""
+    results = run_distributed(_engine_and_full_forward_greedy, tp, tp)
+    for engine_tokens, full in results:
+        assert engine_tokens == full and all(engine_tokens)
+    assert all(result == results[0] for result in results)
 
 
 def test_odd_rotary_channels_are_refused():

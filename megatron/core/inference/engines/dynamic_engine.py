@@ -219,11 +219,6 @@ class DynamicInferenceEngine:
                 f"inference runs at context parallel size 1, got {cp_size}; build the model and its process groups "
                 "with context_parallel_size=1 (a checkpoint trained with CP loads at any CP)"
             )
-        if model.config.multi_latent_attention:
-            raise EngineConfigError(
-                "multi-latent attention models do not run in the inference engine yet (its paged cache holds keys "
-                "and values of one head size); evaluate them with the training loop"
-            )
         if long_prefill_token_threshold is not None and (
             long_prefill_token_threshold < 0 or long_prefill_token_threshold == 1
         ):

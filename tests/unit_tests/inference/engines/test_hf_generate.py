@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, NemotronHConfig, Nemotro
 from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.sampling import SamplingParams
 from megatron.core.models import hf_mapping
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_layer_specs
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from tests.unit_tests.dist_harness import device
@@ -60,7 +60,7 @@ def assert_engine_matches_hf_greedy(hf, config_from_hf, state_dict_from_hf, pg):
     """Map ``hf`` (a GPT-family HF model) to our GPTModel; the engine's greedy generations of
     the test prompts equal HF ``generate``'s."""
     config, kwargs = config_from_hf(hf.config)
-    model = GPTModel(config, get_gpt_layer_local_spec(config.num_moe_experts), pg_collection=pg, **kwargs).eval()
+    model = GPTModel(config, get_gpt_decoder_layer_specs(config), pg_collection=pg, **kwargs).eval()
     model.load_state_dict(state_dict_from_hf(hf.state_dict(), config), strict=True)
     assert _engine_greedy(model, pg) == [_hf_greedy(hf, p) for p in prompts(PROMPT_LENGTHS)]
 

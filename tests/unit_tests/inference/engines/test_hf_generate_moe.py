@@ -1,10 +1,13 @@
 """Greedy generations of the engine (MoE layers, batch-invariant routing) equal HuggingFace
-``generate`` for Mixtral, Qwen3-MoE and a NemotronH with ``moe`` layers, random weights mapped to
-ours. On a GPU the engine runs their steps eagerly: an MoE layer sizes each expert's batch from
-token counts read on the host, which a CUDA graph cannot replay."""
+``generate`` for Mixtral, Qwen3-MoE, DeepSeek-V3 (multi-latent attention, whose keys and values
+the paged cache holds at one head size; plain RoPE and YaRN) and a NemotronH with ``moe``
+layers, random weights mapped to ours. On a GPU the engine runs their steps eagerly: an MoE
+layer sizes each expert's batch from token counts read on the host, which a CUDA graph cannot
+replay."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron.core.inference.engines.cuda_graphs import graph_blocker
@@ -15,7 +18,8 @@ from tests.unit_tests.inference.engines.test_hf_generate import (
     assert_engine_matches_hf_greedy,
     assert_hybrid_engine_matches_hf_greedy,
 )
-from tests.unit_tests.models.gpt.hf_moe_models import mixtral_model, qwen3_moe_model
+from tests.unit_tests.models.gpt.hf_moe_models import deepseek_v3_model, mixtral_model, qwen3_moe_model
+from tests.unit_tests.models.gpt.test_hf_mapping import YARN_MSCALE
 from tests.unit_tests.models.hybrid.test_hf_nemotron import nemotron_h_moe_model
 from tests.unit_tests.transformer.single_rank import on_single_rank
 
@@ -31,6 +35,22 @@ def test_qwen3_moe_greedy_generation_matches_transformers(pg):
     hf = _perturbed(qwen3_moe_model(vocab_size=96, seed=3))
     assert_engine_matches_hf_greedy(
         hf, hf_mapping.qwen3_moe_config_from_hf, hf_mapping.qwen3_moe_state_dict_from_hf, pg
+    )
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank, rope, v_head_dim",
+    [(24, None, 8), (None, YARN_MSCALE, 16)],
+    ids=["low-rank-queries-narrow-values", "yarn-wide-values"],
+)
+@on_single_rank
+def test_deepseek_v3_greedy_generation_matches_transformers(pg, q_lora_rank, rope, v_head_dim):
+    """Values narrower than keys (the cache pads the values) and wider (it pads queries and keys)."""
+    hf = _perturbed(
+        deepseek_v3_model(vocab_size=96, seed=3, q_lora_rank=q_lora_rank, rope_parameters=rope, v_head_dim=v_head_dim)
+    )
+    assert_engine_matches_hf_greedy(
+        hf, hf_mapping.deepseek_v3_config_from_hf, hf_mapping.deepseek_v3_state_dict_from_hf, pg
     )
 
 

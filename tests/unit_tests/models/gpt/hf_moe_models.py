@@ -52,11 +52,13 @@ def qwen3_moe_model(vocab_size: int, seed: int, norm_topk_prob: bool = True) -> 
     return _decisive(Qwen3MoeForCausalLM(config))
 
 
-def deepseek_v3_model(vocab_size: int, seed: int, q_lora_rank: int | None = 24, rope_parameters=None):
+def deepseek_v3_model(
+    vocab_size: int, seed: int, q_lora_rank: int | None = 24, rope_parameters=None, v_head_dim: int = 12
+):
     """DeepSeek-V3: multi-latent attention (low-rank queries unless ``q_lora_rank`` is None,
-    interleaved RoPE), one dense layer, then two MoE layers of 8 experts in 4 groups (2 groups
-    compete, 2 experts chosen, weights scaled by 2.5) with a random correction bias and one
-    shared expert."""
+    interleaved RoPE, keys of 8 + 4 channels, values of ``v_head_dim``), one dense layer, then two
+    MoE layers of 8 experts in 4 groups (2 groups compete, 2 experts chosen, weights scaled by
+    2.5) with a random correction bias and one shared expert."""
     torch.manual_seed(seed)
     config = DeepseekV3Config(
         vocab_size=vocab_size,
@@ -71,7 +73,7 @@ def deepseek_v3_model(vocab_size: int, seed: int, q_lora_rank: int | None = 24, 
         kv_lora_rank=16,
         qk_nope_head_dim=8,
         qk_rope_head_dim=4,
-        v_head_dim=12,
+        v_head_dim=v_head_dim,
         n_routed_experts=8,
         num_experts_per_tok=2,
         n_group=4,
