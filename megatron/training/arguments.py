@@ -1180,10 +1180,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     ):
         args.position_embedding_type = "yarn"  # Megatron's --rope-type, whose MLA default is YaRN
     _require(
-        not args.multi_latent_attention or args.context_parallel_size == 1,
-        "--multi-latent-attention runs at CP 1 (--context-parallel-size 1)",
-    )
-    _require(
         not args.multi_latent_attention or args.model_family == "gpt",
         "--multi-latent-attention is for GPT models (hybrid models' attention layers are standard)",
     )

@@ -9,10 +9,11 @@ rotated ones (RoPE, or YaRN whose concentration factor multiplies the rotated ch
 its value has ``v_head_dim`` channels. The softmax scale is ``1 / sqrt(qk_head_dim +
 qk_pos_emb_head_dim)``, times YaRN's ``mscale(factor, mscale_all_dim)`` squared.
 
-In the inference engine a layer stores its keys and values, after the up-projection, in the
-paged cache, whose keys and values have one head size (:func:`mla_cache_head_dim`): the
-narrower of them, and the queries with the keys, are zero-padded to it. Zero channels add
-exactly nothing to a score, and the values' padding is cut from the result.
+Where keys and values must have one head size (:func:`mla_padded_head_dim`) — the inference
+engine's paged cache, which stores them after the up-projection, and context parallelism, whose
+ring exchanges keys and values together — the narrower of them, and the queries with the keys,
+are zero-padded to it. Zero channels add exactly nothing to a score, and the values' padding is
+cut from the result.
 
 Tensor parallelism splits the heads (up-projections column-parallel, output row-parallel); the
 down-projections and their norms are whole on every TP rank. Their gradients are complete
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.config import TransformerConfig
 from megatron.core.fusions.rope import apply_rotary_pos_emb
 from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
 from megatron.core.parallel_state import resolve_pg_collection
@@ -41,6 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.sharding import create_parallel_parameter
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.context_parallel.sharding import cp_size_of
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import yarn_concentration, yarn_mscale
@@ -55,9 +57,9 @@ def mla_softmax_scale(config: TransformerConfig) -> float:
     return scale if factor is None else scale * yarn_mscale(factor, config.yarn_mscale_all_dim) ** 2
 
 
-def mla_cache_head_dim(config: TransformerConfig) -> int:
-    """The head size of the inference engine's paged cache for multi-latent attention: the wider
-    of a key (``qk_head_dim + qk_pos_emb_head_dim``) and a value (``v_head_dim``)."""
+def mla_padded_head_dim(config: TransformerConfig) -> int:
+    """The one head size of keys and values where they must share one (see the module doc): the
+    wider of a key (``qk_head_dim + qk_pos_emb_head_dim``) and a value (``v_head_dim``)."""
     return max(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
 
 
@@ -102,8 +104,7 @@ class MLASelfAttention(nn.Module):
         super().__init__()
         pg_collection = resolve_pg_collection(pg_collection)
         tp = pg_collection.size("tp")
-        if pg_collection.has("cp") and pg_collection.size("cp") > 1:
-            raise ConfigError("multi-latent attention runs at context_parallel_size 1")
+        self.pad_heads = cp_size_of(pg_collection) > 1  # the ring sends keys and values together
         self.config, self.layer_number = config, layer_number
         self.heads_per_rank = divide(config.num_attention_heads, tp, "num_attention_heads over tp")
         self.sequence_parallel, self.tp_group = config.sequence_parallel, pg_collection.tp
@@ -140,13 +141,6 @@ class MLASelfAttention(nn.Module):
             pg_collection=pg_collection,
         )
 
-    def _paged_attention(self, inference_context, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The engine's attention over its paged cache (see the module doc): ``[s, b, heads * v_head_dim]``."""
-        width = mla_cache_head_dim(self.config)
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-        context = inference_context.store_kv_and_attend(self.layer_number, q, k, v)
-        return context[..., : self.v].reshape(*q.shape[:2], -1)
-
     def _rotate(self, t: torch.Tensor, rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
         if rotary_pos_emb is None:
             return t
@@ -171,10 +165,15 @@ class MLASelfAttention(nn.Module):
         q_pe = self._rotate(q_pe, rotary_pos_emb)
         k_pe = self._rotate(k_pe.unsqueeze(2), rotary_pos_emb).expand(-1, -1, self.heads_per_rank, -1)
         q, k = torch.cat([q_nope, q_pe], dim=-1), torch.cat([k_nope, k_pe], dim=-1)
+        padded = inference_context is not None or self.pad_heads
+        if padded:
+            q, k, v = (F.pad(t, (0, mla_padded_head_dim(self.config) - t.shape[-1])) for t in (q, k, v))
         if inference_context is not None:
-            context = self._paged_attention(inference_context, q, k, v)
+            context = inference_context.store_kv_and_attend(self.layer_number, q, k, v)
         elif self.config.recompute_granularity == "selective" and self.training:
             context = checkpoint(self.core_attention, q, k, v.contiguous(), attention_mask)
         else:
             context = self.core_attention(q, k, v.contiguous(), attention_mask)
-        return self.linear_proj(context)
+        if padded:  # cut the values' padding
+            context = context.reshape(s, b, self.heads_per_rank, -1)[..., : self.v]
+        return self.linear_proj(context.reshape(s, b, -1))

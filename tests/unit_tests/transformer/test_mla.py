@@ -1,9 +1,9 @@
 """Multi-latent attention: a GPT with MLA layers gives HF DeepSeek-V3's logits (its dense
 layers; random weights; direct and low-rank queries; plain RoPE and YaRN with both mscales),
-and through the training loop TP2, TP2 with sequence parallelism and the distributed
-optimizer train the single-process curve, a checkpoint resumes under another layout, and the
-features MLA does not run with are refused; the inference engine generates what full forwards
-generate."""
+and through the training loop TP2, TP2 with sequence parallelism, the distributed optimizer
+and CP2 (ring and all-gather) train the single-process curve, a checkpoint resumes under
+another layout, and the features MLA does not run with are refused; the inference engine
+generates what full forwards generate."""
 
 import pytest
 import torch
@@ -169,6 +169,19 @@ def test_layouts_train_the_single_process_curve(reference, layout, tmp_path):
     assert reference[-1] < reference[0]
 
 
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_context_parallel_trains_the_single_process_curve(comm, tmp_path):
+    """Under CP the ring sends keys and values together, so both are padded to one head size
+    (values of 8 channels here, keys of 12): CP2 trains the CP1 curve."""
+    flags = RUN + MLA + ["--v-head-dim", "8", "--attention-dropout", "0"]
+    run_distributed(train_tiny, 1, flags, "gpt", 1, tmp_path / "cp1.jsonl")
+    cp2 = flags + ["--context-parallel-size", "2", "--cp-comm-type", comm]
+    run_distributed(train_tiny, 2, cp2, "gpt", 2, tmp_path / "cp2.jsonl")
+    reference = loss_curve(tmp_path / "cp1.jsonl")
+    assert loss_curve(tmp_path / "cp2.jsonl") == pytest.approx(reference, rel=1e-5)
+    assert reference[-1] < reference[0]
+
+
 def test_a_checkpoint_resumes_without_model_flags_under_tp2(reference, tmp_path):
     save = str(tmp_path / "ckpt")
     first = RUN[:-1] + ["2", "--lr-decay-iters", "4", "--save", save] + MLA
@@ -190,7 +203,6 @@ def test_megatron_takes_yarn_for_mla_by_default():
     "flags, message",
     [
         (["--num-query-groups", "2"], "needs num_query_groups == num_attention_heads"),
-        (["--context-parallel-size", "2", "--attention-dropout", "0"], "--multi-latent-attention runs at CP 1"),
     ],
 )
 def test_what_mla_does_not_run_with_is_refused(flags, message):

@@ -84,7 +84,7 @@ class StageCacheSpec:
     ) -> StageCacheSpec:
         """Spec of a stage of a model built from ``config`` (KV heads = query groups / TP,
         head dim = kv_channels; under multi-latent attention every head's key and value,
-        :func:`~megatron.core.transformer.mla.mla_cache_head_dim` wide; Mamba shapes from the
+        :func:`~megatron.core.transformer.mla.mla_padded_head_dim` wide; Mamba shapes from the
         mixer's ``MambaDims``)."""
         shapes = None
         if mamba_layer_numbers:
@@ -94,9 +94,9 @@ class StageCacheSpec:
             shapes = MambaStateShapes(dims.conv_state_shape(), dims.ssm_state_shape(), config.params_dtype)
         heads, head_dim = config.num_query_groups, config.kv_channels
         if config.multi_latent_attention:
-            from megatron.core.transformer.mla import mla_cache_head_dim
+            from megatron.core.transformer.mla import mla_padded_head_dim
 
-            heads, head_dim = config.num_attention_heads, mla_cache_head_dim(config)
+            heads, head_dim = config.num_attention_heads, mla_padded_head_dim(config)
         return cls(
             tuple(attention_layer_numbers),
             tuple(mamba_layer_numbers),
