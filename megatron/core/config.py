@@ -19,6 +19,9 @@ from megatron.core.errors import MegatronConfigError
 # Megatron's --attention-backend values (what each selects: megatron.core.transformer.attention).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 # The TransformerConfig fields that shape multi-latent attention (each also its flag's dest).
+# What selective recompute can cover: the attention core; a dense MLP; an MoE layer; its shared
+# experts; its experts' activation (recomputed with the second expert GEMM that reads it).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
@@ -171,6 +174,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # Selective recompute's parts (Megatron's --recompute-modules, of RECOMPUTE_MODULES); None:
+    # the attention core alone, Megatron's default.
+    recompute_modules: list[str] | None = None
     # Mixture of experts (Megatron's names; num_moe_experts None: dense MLPs)
     num_moe_experts: int | None = None
     # Which layers are MoE (Megatron's --moe-layer-freq): every k-th from the first (an int), or
@@ -286,6 +292,14 @@ class TransformerConfig(ModelParallelConfig):
                 f"{self.recompute_method!r} with {self.recompute_granularity!r}",
             ),
             (
+                self.recompute_modules is None
+                or (
+                    set(self.recompute_modules) <= set(RECOMPUTE_MODULES) and self.recompute_granularity == "selective"
+                ),
+                f"recompute_modules must be None, or some of {', '.join(RECOMPUTE_MODULES)} with recompute_granularity "
+                f"'selective'; got {self.recompute_modules!r} with {self.recompute_granularity!r}",
+            ),
+            (
                 self.recompute_num_layers is None
                 or (self.recompute_num_layers >= 1 and self.recompute_granularity == "full"),
                 f"recompute_num_layers must be None, or >= 1 with recompute_granularity 'full'; got "
@@ -363,6 +377,10 @@ class TransformerConfig(ModelParallelConfig):
             ),
         ]
         return [message for ok, message in checks if not ok]
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module`` (one of :data:`RECOMPUTE_MODULES`) in training."""
+        return self.recompute_granularity == "selective" and module in (self.recompute_modules or ["core_attn"])
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether the MLP of (1-based, global) layer ``layer_number`` is an MoE layer."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import squared_relu
-from megatron.core.config import ATTENTION_BACKENDS, MLA_FIELDS, TransformerConfig
+from megatron.core.config import ATTENTION_BACKENDS, MLA_FIELDS, RECOMPUTE_MODULES, TransformerConfig
 from megatron.core.datasets.blend import parse_blend
 from megatron.core.datasets.builtin_corpus import BUILTIN_DATA_PATH
 from megatron.core.errors import MegatronConfigError
@@ -460,6 +460,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per unit (uniform) or in all (block)")
     g.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        default=None,
+        metavar="MODULE",
+        help="selective recompute's parts: core_attn (the default), mlp, moe, shared_experts, moe_act (the "
+        "experts' activation, recomputed with the second expert GEMM)",
+    )
+    g.add_argument(
         "--use-torch-compile",
         action="store_true",
         help="torch.compile each decoder layer (regional compilation; collectives stay outside)",
@@ -868,6 +876,23 @@ def build_parser(model_family: str, description: str | None = None) -> argparse.
     return parser
 
 
+def _check_recompute_modules(args: argparse.Namespace) -> None:
+    modules = args.recompute_modules
+    if modules is None:
+        return
+    _require(args.recompute_granularity == "selective", "--recompute-modules needs --recompute-granularity selective")
+    discarding = sorted(set(modules) & {"layernorm", "mla_up_proj"})
+    _require(
+        not discarding,
+        f"--recompute-modules {' '.join(discarding)} is not supported (it recomputes a module whose output the next "
+        f"one keeps, which saves memory only by discarding that output, not implemented here); supported: "
+        f"{', '.join(RECOMPUTE_MODULES)}",
+    )
+    unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+    supported = ", ".join(RECOMPUTE_MODULES)
+    _require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; supported: {supported}")
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
@@ -1173,6 +1198,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.recompute_num_layers is None or args.recompute_num_layers >= 1,
         f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
     )
+    _check_recompute_modules(args)
     _resolve_position_embedding(args)
     if (
         args.position_embedding_type == "rope"
@@ -1581,6 +1607,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
         num_moe_experts=args.num_experts,
         moe_layer_freq=args.moe_layer_freq,
         moe_router_topk=args.moe_router_topk,

@@ -35,6 +35,7 @@ BEHAVIOUR_ARGS = {
     "init_method_std": "init_method_std",
     "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
     "recompute_granularity": "recompute_granularity",
+    "recompute_modules": "recompute_modules",
     "mamba_chunk_size": "mamba_chunk_size",
     "bf16": "bf16",
     "fp16": "fp16",
@@ -152,6 +153,8 @@ def apply_checkpoint_record(args: argparse.Namespace, explicit: set[str], error:
     for dest, field in BEHAVIOUR_ARGS.items():
         if dest not in explicit:
             setattr(args, dest, getattr(record.config, field))
+    if "recompute_granularity" in explicit and "recompute_modules" not in explicit:
+        args.recompute_modules = None  # the checkpoint's parts were of its own granularity
     if "seq_length" not in explicit:
         args.seq_length = record.max_sequence_length
     tokenizer = record.tokenizer

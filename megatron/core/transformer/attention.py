@@ -254,7 +254,7 @@ class SelfAttention(nn.Module):
             k = apply_rotary_pos_emb(k, rotary_pos_emb, interleaved)
         if inference_context is not None:
             context = inference_context.store_kv_and_attend(self.layer_number, q, k, v).reshape(s, b, -1)
-        elif self.config.recompute_granularity == "selective" and self.training:
+        elif self.config.recomputes("core_attn") and self.training:
             context = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
             context = self.core_attention(q, k, v, attention_mask)

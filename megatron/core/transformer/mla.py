@@ -170,7 +170,7 @@ class MLASelfAttention(nn.Module):
             q, k, v = (F.pad(t, (0, mla_padded_head_dim(self.config) - t.shape[-1])) for t in (q, k, v))
         if inference_context is not None:
             context = inference_context.store_kv_and_attend(self.layer_number, q, k, v)
-        elif self.config.recompute_granularity == "selective" and self.training:
+        elif self.config.recomputes("core_attn") and self.training:
             context = checkpoint(self.core_attention, q, k, v.contiguous(), attention_mask)
         else:
             context = self.core_attention(q, k, v.contiguous(), attention_mask)

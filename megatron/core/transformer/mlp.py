@@ -17,7 +17,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.fusions.activations import activation
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 from megatron.core.transformer.spec import build_module
 
@@ -74,3 +74,15 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         intermediate, bias = self.linear_fc1(hidden_states)
         return self.linear_fc2(activation(intermediate, bias, self.activation_func, self.gated))
+
+
+def recomputed(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """``module(hidden_states)`` (an MLP-like module returning ``(out, bias or None)``) with its
+    activations recomputed in backward; the bias (a parameter, which a checkpoint must not hand
+    out as its own output) is added inside, so the result is ``(out + bias, None)``."""
+
+    def with_bias(x: torch.Tensor) -> torch.Tensor:
+        out, bias = module(x)
+        return out if bias is None else out + bias
+
+    return checkpoint(with_bias, hidden_states), None

@@ -20,9 +20,18 @@ from megatron.core.fusions.norms import bias_dropout_add
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules, recomputed
+from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
+
+
+def mlp_forward(mlp: nn.Module, hidden_states: torch.Tensor):
+    """``mlp(hidden_states)`` (a dense MLP or an MoE layer), its activations recomputed in backward
+    when selective recompute covers it (``mlp`` / ``moe`` of ``--recompute-modules``)."""
+    if mlp.training and mlp.config.recomputes("moe" if isinstance(mlp, MoELayer) else "mlp"):
+        return recomputed(mlp, hidden_states)
+    return mlp(hidden_states)
 
 
 @dataclass
@@ -76,7 +85,7 @@ class TransformerLayer(nn.Module):
             inference_context=inference_context,
         )
         hidden_states, normed = self.pre_mlp_layernorm.add_and_norm(attn_out, attn_bias, residual, self.config)
-        mlp_out, mlp_bias = self.mlp(normed)
+        mlp_out, mlp_bias = mlp_forward(self.mlp, normed)
         config = self.config
         return bias_dropout_add(
             mlp_out, mlp_bias, hidden_states, config.hidden_dropout, self.training, config.sequence_parallel

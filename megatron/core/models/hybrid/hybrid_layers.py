@@ -20,6 +20,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import mlp_forward
 
 
 def _bias_dropout_add(config: TransformerConfig, training: bool, out, bias, residual: torch.Tensor) -> torch.Tensor:
@@ -89,5 +90,5 @@ class MLPLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         residual, normed = self.norm.norm_and_residual(hidden_states)
-        out, bias = self.mlp(normed)
+        out, bias = mlp_forward(self.mlp, normed)
         return _bias_dropout_add(self.config, self.training, out, bias, residual)

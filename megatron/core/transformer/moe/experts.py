@@ -22,6 +22,7 @@ from torch import nn
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.fusions.activations import activation
 from megatron.core.inference.kernels import invariant_linear, is_batch_invariant
+from megatron.core.tensor_parallel import checkpoint
 from megatron.core.transformer.init_methods import init_method, output_layer_init_method
 
 
@@ -151,13 +152,18 @@ class GroupedMLP(nn.Module):
             )
             self.bias2 = _expert_weight(config, (num_experts, hidden), None, offset, count)
 
+    def _activation_and_fc2(self, intermediate: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        activated = activation(intermediate, None, self.config.activation_func, self.gated)
+        return grouped_gemm(activated, self.weight2, tokens_per_expert)
+
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         intermediate = grouped_gemm(tokens, self.weight1, tokens_per_expert)
         if self.bias1 is not None:
             intermediate = intermediate + self.bias1.repeat_interleave(tokens_per_expert, dim=0)
-        out = grouped_gemm(
-            activation(intermediate, None, self.config.activation_func, self.gated), self.weight2, tokens_per_expert
-        )
+        if self.training and self.config.recomputes("moe_act"):  # keeps the activation's input, not its output
+            out = checkpoint(self._activation_and_fc2, intermediate, tokens_per_expert)
+        else:
+            out = self._activation_and_fc2(intermediate, tokens_per_expert)
         if self.bias2 is not None:
             bias2 = self.bias2 if self.etp_size == 1 else _ScaleForward.apply(self.bias2, 1.0 / self.etp_size)
             out = out + bias2.repeat_interleave(tokens_per_expert, dim=0)
