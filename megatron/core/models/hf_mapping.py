@@ -333,6 +333,19 @@ def _llama_rope(hf_config, mla: bool = False) -> tuple[dict, dict]:
     return {**base, "position_embedding_type": "yarn"}, fields
 
 
+def _yarn_rope_parameters(config: TransformerConfig) -> dict:
+    """HF ``rope_parameters`` of a config's YaRN RoPE, less how its attention factor is said
+    (each architecture says it its own way)."""
+    return {
+        "rope_type": "yarn",
+        "factor": config.yarn_rotary_scaling_factor,
+        "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
+        "beta_fast": config.yarn_beta_fast,
+        "beta_slow": config.yarn_beta_slow,
+        "truncate": config.yarn_correction_range_round_to_int,
+    }
+
+
 def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dict]:
     """TransformerConfig and GPTModel keyword arguments equivalent to a LlamaConfig."""
     if hf_config.hidden_act != "silu":
@@ -405,16 +418,7 @@ def llama_config_to_hf(record) -> dict:
     if record.rope_scaling:
         rope = {**rope, "rope_type": "llama3", "factor": record.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
     if record.position_embedding_type == "yarn":
-        rope = {
-            **rope,
-            "rope_type": "yarn",
-            "factor": config.yarn_rotary_scaling_factor,
-            "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
-            "beta_fast": config.yarn_beta_fast,
-            "beta_slow": config.yarn_beta_slow,
-            "attention_factor": yarn_concentration(config),
-            "truncate": config.yarn_correction_range_round_to_int,
-        }
+        rope = {**rope, **_yarn_rope_parameters(config), "attention_factor": yarn_concentration(config)}
     return {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": record.vocab_size,
@@ -899,17 +903,8 @@ def deepseek_v3_config_to_hf(record) -> dict:
     )
     rope = {"rope_type": "default", "rope_theta": float(record.rotary_base)}
     if record.position_embedding_type == "yarn":
-        rope = {
-            **rope,
-            "rope_type": "yarn",
-            "factor": config.yarn_rotary_scaling_factor,
-            "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
-            "beta_fast": config.yarn_beta_fast,
-            "beta_slow": config.yarn_beta_slow,
-            "mscale": config.yarn_mscale,
-            "mscale_all_dim": config.yarn_mscale_all_dim,
-            "truncate": config.yarn_correction_range_round_to_int,
-        }
+        rope = {**rope, **_yarn_rope_parameters(config)}
+        rope |= {"mscale": config.yarn_mscale, "mscale_all_dim": config.yarn_mscale_all_dim}
         if not (config.yarn_mscale and config.yarn_mscale_all_dim):  # HF infers another factor then
             rope["attention_factor"] = yarn_concentration(config)
     groups = config.moe_router_num_groups or 1
@@ -993,10 +988,12 @@ def deepseek_v3_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfi
     """Our full state dict (made key by key on access) from a DeepseekV3ForCausalLM state dict:
     transformers' stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj``
     of a checkpoint on disk."""
-    stacked = StackedExperts(
-        hf_state_dict, config.num_layers, config.num_moe_experts or 0, "mlp", ("gate_proj", "up_proj", "down_proj")
+    if config.num_moe_experts:
+        names = ("gate_proj", "up_proj", "down_proj")
+        hf_state_dict = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts, "mlp", names)
+    return _apply_from_hf(
+        _deepseek_v3_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied)
     )
-    return _apply_from_hf(_deepseek_v3_rules(config), _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
 
 
 def deepseek_v3_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:

@@ -1,144 +1,17 @@
-"""Multi-latent attention: a GPT with MLA layers gives HF DeepSeek-V3's logits (its dense
-layers; random weights; direct and low-rank queries; plain RoPE and YaRN with both mscales),
-and through the training loop TP2, TP2 with sequence parallelism, the distributed optimizer
-and CP2 (ring and all-gather) train the single-process curve, a checkpoint resumes under
-another layout, and the features MLA does not run with are refused; the inference engine
-generates what full forwards generate."""
+"""Multi-latent attention through the training loop: TP2, TP2 with sequence parallelism, the
+distributed optimizer and CP2 (ring and all-gather) train the single-process curve, a checkpoint
+resumes under another layout, the features MLA does not run with are refused, and the inference
+engine generates what full forwards generate. (Its logits equal HF DeepSeek-V3's through the
+mapping: tests/unit_tests/models/gpt/test_hf_mapping.py.)"""
 
 import pytest
 import torch
-import torch.nn.functional as F
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from megatron.core.config import ConfigError, TransformerConfig
-from megatron.core.models.gpt import GPTModel, get_gpt_decoder_layer_specs
 from megatron.training.arguments import ArgumentError
 from tests.unit_tests.dist_harness import run_distributed
 from tests.unit_tests.training.loss_curve import loss_curve, losses_by_iteration
 from tests.unit_tests.training.tiny_training import CURVE_RUN, tiny_args, train_tiny
-from tests.unit_tests.transformer.single_rank import on_single_rank
-
-VOCAB, SEQ = 100, 12
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.3}
-YARN["mscale_all_dim"] = 0.7
-
-
-def _deepseek(q_lora_rank, rope_parameters):
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        first_k_dense_replace=2,  # dense MLPs: the attention is what is compared
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=12,
-        max_position_embeddings=64,
-        rope_parameters={"rope_theta": 500.0, **(rope_parameters or {"rope_type": "default"})},
-        tie_word_embeddings=False,
-    )
-    model = DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
-def _ours(hf, pg):
-    c = hf.config
-    yarn = c.rope_parameters.get("rope_type") == "yarn"
-    fields = {}
-    if yarn:
-        params = c.rope_parameters
-        fields = {
-            "yarn_rotary_scaling_factor": params["factor"],
-            "yarn_original_max_position_embeddings": params["original_max_position_embeddings"],
-            "yarn_mscale": params["mscale"],
-            "yarn_mscale_all_dim": params["mscale_all_dim"],
-        }
-    config = TransformerConfig(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        ffn_hidden_size=c.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=c.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        multi_latent_attention=True,
-        q_lora_rank=c.q_lora_rank,
-        kv_lora_rank=c.kv_lora_rank,
-        qk_head_dim=c.qk_nope_head_dim,
-        qk_pos_emb_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim,
-        rotary_interleaved=c.rope_interleave,
-        **fields,
-    )
-    model = GPTModel(
-        config,
-        get_gpt_decoder_layer_specs(config),
-        VOCAB,
-        c.max_position_embeddings,
-        position_embedding_type="yarn" if yarn else "rope",
-        rotary_base=c.rope_parameters["rope_theta"],
-        share_embeddings_and_output_weights=False,
-        parallel_output=False,
-        pg_collection=pg,
-    ).eval()
-    hf_state, ours = hf.state_dict(), {}
-    for name, param in model.state_dict().items():
-        ours[name] = torch.zeros_like(param)
-    rows = hf_state["model.embed_tokens.weight"].shape[0]
-    ours["embedding.word_embeddings.weight"][:rows] = hf_state["model.embed_tokens.weight"]
-    ours["output_layer.weight"][:rows] = hf_state["lm_head.weight"]
-    ours["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-    for i in range(c.num_hidden_layers):
-        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        a, ha = o + "self_attention.", h + "self_attn."
-        pairs = {
-            o + "input_layernorm.weight": h + "input_layernorm.weight",
-            o + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
-            o + "mlp.linear_fc2.weight": h + "mlp.down_proj.weight",
-            a + "linear_kv_down_proj.weight": ha + "kv_a_proj_with_mqa.weight",
-            a + "kv_layernorm.weight": ha + "kv_a_layernorm.weight",
-            a + "linear_kv_up_proj.weight": ha + "kv_b_proj.weight",
-            a + "linear_proj.weight": ha + "o_proj.weight",
-        }
-        if c.q_lora_rank is None:
-            pairs[a + "linear_q_proj.weight"] = ha + "q_proj.weight"
-        else:
-            pairs[a + "linear_q_down_proj.weight"] = ha + "q_a_proj.weight"
-            pairs[a + "q_layernorm.weight"] = ha + "q_a_layernorm.weight"
-            pairs[a + "linear_q_up_proj.weight"] = ha + "q_b_proj.weight"
-        for ours_name, hf_name in pairs.items():
-            ours[ours_name] = hf_state[hf_name]
-        ours[o + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]]
-        )
-    model.load_state_dict(ours, strict=True)
-    return model
-
-
-@pytest.mark.parametrize(
-    "q_lora_rank, rope", [(None, None), (24, None), (24, YARN)], ids=["direct-queries", "low-rank-queries", "yarn"]
-)
-@on_single_rank
-def test_logits_match_hf_deepseek_v3(pg, q_lora_rank, rope):
-    hf = _deepseek(q_lora_rank, rope)
-    ours = _ours(hf, pg)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        got, want = ours(ids), hf(ids).logits
-    assert got.shape == want.shape == (2, SEQ, VOCAB)
-    assert (got - want).abs().max().item() <= 1e-4
-
 
 RUN = [*CURVE_RUN, "--num-layers", "2", "--eval-iters", "0", "--log-interval", "1", "--train-iters", "4"]
 MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8"]

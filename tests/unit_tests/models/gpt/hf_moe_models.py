@@ -53,12 +53,17 @@ def qwen3_moe_model(vocab_size: int, seed: int, norm_topk_prob: bool = True) -> 
 
 
 def deepseek_v3_model(
-    vocab_size: int, seed: int, q_lora_rank: int | None = 24, rope_parameters=None, v_head_dim: int = 12
+    vocab_size: int,
+    seed: int,
+    q_lora_rank: int | None = 24,
+    rope_parameters=None,
+    v_head_dim: int = 12,
+    first_k_dense_replace: int = 1,
 ):
     """DeepSeek-V3: multi-latent attention (low-rank queries unless ``q_lora_rank`` is None,
-    interleaved RoPE, keys of 8 + 4 channels, values of ``v_head_dim``), one dense layer, then two
-    MoE layers of 8 experts in 4 groups (2 groups compete, 2 experts chosen, weights scaled by
-    2.5) with a random correction bias and one shared expert."""
+    interleaved RoPE, keys of 8 + 4 channels, values of ``v_head_dim``), ``first_k_dense_replace``
+    dense layers of three, then MoE layers of 8 experts in 4 groups (2 groups compete, 2 experts
+    chosen, weights scaled by 2.5) with a random correction bias and one shared expert."""
     torch.manual_seed(seed)
     config = DeepseekV3Config(
         vocab_size=vocab_size,
@@ -66,7 +71,7 @@ def deepseek_v3_model(
         intermediate_size=96,
         moe_intermediate_size=32,
         num_hidden_layers=3,
-        first_k_dense_replace=1,
+        first_k_dense_replace=first_k_dense_replace,
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=q_lora_rank,

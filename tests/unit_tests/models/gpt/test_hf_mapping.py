@@ -73,9 +73,10 @@ def _qwen3_moe(norm_topk_prob: bool):
     )
 
 
-def _deepseek_v3(q_lora_rank: int | None, rope_parameters: dict | None = None):
+def _deepseek_v3(q_lora_rank: int | None, rope_parameters: dict | None = None, dense_layers: int = 1):
+    model = deepseek_v3_model(VOCAB, 6, q_lora_rank, rope_parameters, first_k_dense_replace=dense_layers)
     return (
-        _randomized(deepseek_v3_model(VOCAB, seed=6, q_lora_rank=q_lora_rank, rope_parameters=rope_parameters)),
+        _randomized(model),
         hf_mapping.deepseek_v3_config_from_hf,
         hf_mapping.deepseek_v3_state_dict_from_hf,
         hf_mapping.deepseek_v3_state_dict_to_hf,
@@ -124,6 +125,7 @@ CASES = {
     "qwen3_moe": lambda: _qwen3_moe(norm_topk_prob=True),
     "qwen3_moe_unnormalized_topk": lambda: _qwen3_moe(norm_topk_prob=False),
     "deepseek_v3": lambda: _deepseek_v3(q_lora_rank=24),
+    "deepseek_v3_dense_direct_queries": lambda: _deepseek_v3(q_lora_rank=None, dense_layers=3),
     "deepseek_v3_direct_queries_yarn": lambda: _deepseek_v3(q_lora_rank=None, rope_parameters=YARN_MSCALE),
     "deepseek_v3_yarn_attention_factor": lambda: _deepseek_v3(
         q_lora_rank=24, rope_parameters={**YARN_SCALING, "attention_factor": 1.3, "mscale_all_dim": 0.8}
