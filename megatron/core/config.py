@@ -18,10 +18,10 @@ from megatron.core.errors import MegatronConfigError
 
 # Megatron's --attention-backend values (what each selects: megatron.core.transformer.attention).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-# The TransformerConfig fields that shape multi-latent attention (each also its flag's dest).
 # What selective recompute can cover: the attention core; a dense MLP; an MoE layer; its shared
 # experts; its experts' activation (recomputed with the second expert GEMM that reads it).
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act")
+# The TransformerConfig fields that shape multi-latent attention (each also its flag's dest).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 

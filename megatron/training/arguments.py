@@ -881,15 +881,14 @@ def _check_recompute_modules(args: argparse.Namespace) -> None:
     if modules is None:
         return
     _require(args.recompute_granularity == "selective", "--recompute-modules needs --recompute-granularity selective")
+    supported = ", ".join(RECOMPUTE_MODULES)
     discarding = sorted(set(modules) & {"layernorm", "mla_up_proj"})
     _require(
         not discarding,
         f"--recompute-modules {' '.join(discarding)} is not supported (it recomputes a module whose output the next "
-        f"one keeps, which saves memory only by discarding that output, not implemented here); supported: "
-        f"{', '.join(RECOMPUTE_MODULES)}",
+        f"one keeps, which saves memory only by discarding that output, not implemented here); supported: {supported}",
     )
     unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
-    supported = ", ".join(RECOMPUTE_MODULES)
     _require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; supported: {supported}")
 
 

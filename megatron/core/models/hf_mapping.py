@@ -220,7 +220,7 @@ class StackedExperts(Mapping):
         for i in range(num_layers):
             disk, module = f"model.layers.{i}.{disk_block}.", f"model.layers.{i}.mlp."
             gate, up, down = ([f"{disk}experts.{e}.{name}.weight" for e in range(num_experts)] for name in names)
-            if gate[0] not in hf_state_dict:
+            if not gate or gate[0] not in hf_state_dict:  # a dense layer (or no experts at all)
                 continue
             self._made[module + "experts.gate_up_proj"] = (gate, up)
             self._made[module + "experts.down_proj"] = (down,)
@@ -279,12 +279,21 @@ def _apply_to_hf(rules: list[Rule], state_dict: dict, vocab_size: int) -> dict:
     return out
 
 
+def _swiglu_rules(ours: str, hf: str, width: int, kind: str = "weight") -> list[Rule]:
+    """A SwiGLU MLP's ``kind`` (weight or bias): our packed ``linear_fc1`` [gate; up] and
+    ``linear_fc2`` <- HF's gate/up/down projections."""
+    return [
+        Rule(ours + f"linear_fc1.{kind}", (hf + f"gate_proj.{kind}", hf + f"up_proj.{kind}"), sizes=(width, width)),
+        Rule(ours + f"linear_fc2.{kind}", (hf + f"down_proj.{kind}",)),
+    ]
+
+
 # ---------------------------------------------------------------- Llama (LlamaForCausalLM)
 
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _llama_rope(hf_config, mla: bool = False) -> tuple[dict, dict]:
+def _hf_rope(hf_config, mla: bool = False) -> tuple[dict, dict]:
     """(GPTModel keyword arguments, TransformerConfig fields) of an HF config's RoPE: default,
     Llama-3 scaling or YaRN (whose attention factor, given or inferred the way HF infers it,
     becomes the equal ``yarn_mscale`` / ``yarn_mscale_all_dim``). ``mla``: HF's multi-latent
@@ -356,7 +365,7 @@ def llama_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfig, dic
         raise HFMappingError(
             f"attention_bias ({attention_bias}) and mlp_bias ({mlp_bias}) must agree (one add_bias_linear switch)"
         )
-    rope, rope_fields = _llama_rope(hf_config)
+    rope, rope_fields = _hf_rope(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     config = TransformerConfig(
         **{
@@ -460,12 +469,7 @@ def _llama_rules(config: TransformerConfig) -> list[Rule]:
                     sizes=(q, kv, kv),
                 ),
                 Rule(ours + f"self_attention.linear_proj.{kind}", (hf + f"self_attn.o_proj.{kind}",)),
-                Rule(
-                    ours + f"mlp.linear_fc1.{kind}",
-                    (hf + f"mlp.gate_proj.{kind}", hf + f"mlp.up_proj.{kind}"),
-                    sizes=(ffn, ffn),
-                ),
-                Rule(ours + f"mlp.linear_fc2.{kind}", (hf + f"mlp.down_proj.{kind}",)),
+                *_swiglu_rules(ours + "mlp.", hf + "mlp.", ffn, kind),
             ]
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
     rules.append(Rule("output_layer.weight", ("lm_head.weight",), vocab=True))
@@ -578,16 +582,23 @@ def _mixtral_rules(config: TransformerConfig) -> list[Rule]:
     return rules
 
 
-def _moe_state_dict_from_hf(hf_state_dict, config, tied, disk_block, names) -> Mapping:
-    stacked = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts, disk_block, names)
-    return _apply_from_hf(_mixtral_rules(config), _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
+HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # an expert's projections on disk (Qwen3-MoE, DeepSeek-V3)
+
+
+def _moe_state_dict_from_hf(hf_state_dict, config, tied, disk_block, names, rules) -> Mapping:
+    """Our state dict by ``rules`` from an HF one whose experts may be stored per expert on disk
+    (``disk_block``'s ``experts.{e}.{name}`` for the gate, up and down ``names``)."""
+    stacked = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts or 0, disk_block, names)
+    return _apply_from_hf(rules, _fill_tied_lm_head(stacked, "model.embed_tokens.weight", tied))
 
 
 def mixtral_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig, tied: bool = False) -> Mapping:
     """Our full state dict (made key by key on access) from a MixtralForCausalLM state dict:
     transformers' stacked expert tensors, or the per-expert ``block_sparse_moe.experts.{e}.w1/w3/w2``
     of a checkpoint on disk."""
-    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "block_sparse_moe", ("w1", "w3", "w2"))
+    return _moe_state_dict_from_hf(
+        hf_state_dict, config, tied, "block_sparse_moe", ("w1", "w3", "w2"), _mixtral_rules(config)
+    )
 
 
 def mixtral_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
@@ -644,7 +655,7 @@ def qwen3_moe_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfig,
     """Our full state dict (made key by key on access) from a Qwen3MoeForCausalLM state dict:
     stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` of
     a checkpoint on disk."""
-    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "mlp", ("gate_proj", "up_proj", "down_proj"))
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "mlp", HF_EXPERT_NAMES, _mixtral_rules(config))
 
 
 def qwen3_moe_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:
@@ -805,7 +816,7 @@ def deepseek_v3_config_from_hf(hf_config, **overrides) -> tuple[TransformerConfi
             ),
         ],
     )
-    rope, rope_fields = _llama_rope(hf_config, mla=True)
+    rope, rope_fields = _hf_rope(hf_config, mla=True)
     layers = hf_config.num_hidden_layers
     dense = min(hf_config.first_k_dense_replace or 0, layers)
     moe = {}
@@ -943,14 +954,6 @@ def deepseek_v3_config_to_hf(record) -> dict:
     }
 
 
-def _swiglu_rules(ours: str, hf: str, width: int) -> list[Rule]:
-    """A SwiGLU MLP: our packed ``linear_fc1`` [gate; up] and ``linear_fc2`` <- HF's gate/up/down projections."""
-    return [
-        Rule(ours + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), sizes=(width, width)),
-        Rule(ours + "linear_fc2.weight", (hf + "down_proj.weight",)),
-    ]
-
-
 def _deepseek_v3_rules(config: TransformerConfig) -> list[Rule]:
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True)]
     attention = {"linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm"}
@@ -988,12 +991,7 @@ def deepseek_v3_state_dict_from_hf(hf_state_dict: dict, config: TransformerConfi
     """Our full state dict (made key by key on access) from a DeepseekV3ForCausalLM state dict:
     transformers' stacked expert tensors, or the per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj``
     of a checkpoint on disk."""
-    if config.num_moe_experts:
-        names = ("gate_proj", "up_proj", "down_proj")
-        hf_state_dict = StackedExperts(hf_state_dict, config.num_layers, config.num_moe_experts, "mlp", names)
-    return _apply_from_hf(
-        _deepseek_v3_rules(config), _fill_tied_lm_head(hf_state_dict, "model.embed_tokens.weight", tied)
-    )
+    return _moe_state_dict_from_hf(hf_state_dict, config, tied, "mlp", HF_EXPERT_NAMES, _deepseek_v3_rules(config))
 
 
 def deepseek_v3_state_dict_to_hf(state_dict: dict, config: TransformerConfig, vocab_size: int) -> dict:

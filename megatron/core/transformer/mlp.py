@@ -76,10 +76,13 @@ class MLP(nn.Module):
         return self.linear_fc2(activation(intermediate, bias, self.activation_func, self.gated))
 
 
-def recomputed(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """``module(hidden_states)`` (an MLP-like module returning ``(out, bias or None)``) with its
-    activations recomputed in backward; the bias (a parameter, which a checkpoint must not hand
-    out as its own output) is added inside, so the result is ``(out + bias, None)``."""
+def call_mlp(module: nn.Module, hidden_states: torch.Tensor, part: str):
+    """``module(hidden_states)`` for an MLP-like module returning ``(out, bias or None)``; in
+    training, when selective recompute covers ``part`` (of ``--recompute-modules``), its
+    activations are recomputed in backward instead, and the bias (a parameter, which a checkpoint
+    must not hand out as its own output) is added inside: ``(out + bias, None)``."""
+    if not (module.training and module.config.recomputes(part)):
+        return module(hidden_states)
 
     def with_bias(x: torch.Tensor) -> torch.Tensor:
         out, bias = module(x)

@@ -20,7 +20,7 @@ from megatron.core.fusions.norms import bias_dropout_add
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.mlp import MLP, MLPSubmodules, recomputed
+from megatron.core.transformer.mlp import MLP, MLPSubmodules, call_mlp
 from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec import ModuleSpec, build_module
@@ -29,9 +29,7 @@ from megatron.core.transformer.spec import ModuleSpec, build_module
 def mlp_forward(mlp: nn.Module, hidden_states: torch.Tensor):
     """``mlp(hidden_states)`` (a dense MLP or an MoE layer), its activations recomputed in backward
     when selective recompute covers it (``mlp`` / ``moe`` of ``--recompute-modules``)."""
-    if mlp.training and mlp.config.recomputes("moe" if isinstance(mlp, MoELayer) else "mlp"):
-        return recomputed(mlp, hidden_states)
-    return mlp(hidden_states)
+    return call_mlp(mlp, hidden_states, "moe" if isinstance(mlp, MoELayer) else "mlp")
 
 
 @dataclass

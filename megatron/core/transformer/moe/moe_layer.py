@@ -24,7 +24,7 @@ from torch import nn
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.parallel_state import resolve_pg_collection
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.core.transformer.mlp import MLP, MLPSubmodules, recomputed
+from megatron.core.transformer.mlp import MLP, MLPSubmodules, call_mlp
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
@@ -123,9 +123,6 @@ class MoELayer(nn.Module):
             out = gather_replicated_tokens(out, sizes, self.token_split_group)
         out = out.view_as(hidden_states)
         if self.shared_experts is not None:
-            if self.training and self.config.recomputes("shared_experts"):
-                shared, shared_bias = recomputed(self.shared_experts, hidden_states)
-            else:
-                shared, shared_bias = self.shared_experts(hidden_states)
+            shared, shared_bias = call_mlp(self.shared_experts, hidden_states, "shared_experts")
             out = out + (shared if shared_bias is None else shared + shared_bias)
         return out, None
